@@ -1,0 +1,1 @@
+"""genomelm: long-context genome language modelling."""
