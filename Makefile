@@ -1,0 +1,59 @@
+# genomelm: every target installs what it needs first (into .venv), so each works from a fresh clone.
+#
+#   make demo                         whole pipeline on the bundled fly genome, CPU, small model
+#   make test                         the test suite
+#   make data GENOME=hg38 SEQ=512k    hg38 chr1+chr2 (train) and chr22 (held out) as 512k-token windows
+#   make data FASTA=my.fa.gz TRAIN=chrA,chrB HELDOUT=chrC SEQ=1M OUT=dir
+#   make train SEQ=512k [STEPS=...] [MODEL=...] [ARGS="key=value ..."]
+#   make eval-buckets SEQ=512k [BUCKET=32768]
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+GENOME ?= hg38
+SEQ ?= 512k
+CONFIG ?= configs/train/$(GENOME)-$(shell echo $(SEQ) | tr A-Z a-z).yaml
+DEMO_CONFIG := configs/train/demo.yaml
+
+# make variables that become `key=value` overrides for train/eval (only when given)
+OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
+             $(if $(STEPS),steps=$(STEPS)) $(if $(MODEL),model=$(MODEL)) $(if $(RUN),run=$(RUN)) \
+             $(if $(DATA),data=$(DATA)) $(if $(BUCKET),bucket=$(BUCKET)) $(ARGS)
+
+.PHONY: install data train eval-buckets demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+data: $(STAMP)
+	$(BIN)/genomelm data --genome $(GENOME) --seq $(SEQ) \
+	  $(if $(FASTA),--fasta $(FASTA)) $(if $(TRAIN),--train $(TRAIN)) $(if $(HELDOUT),--heldout $(HELDOUT)) \
+	  $(if $(OUT),--out $(OUT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+
+train: $(STAMP)
+	$(BIN)/genomelm train $(CONFIG) $(OVERRIDES)
+
+eval-buckets: $(STAMP)
+	$(BIN)/genomelm eval $(CONFIG) $(OVERRIDES)
+
+demo: $(STAMP)
+	$(BIN)/genomelm data --config configs/data/demo.yaml
+	$(BIN)/genomelm train $(DEMO_CONFIG) $(ARGS)
+	$(BIN)/genomelm eval $(DEMO_CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check genomelm tests benchmarks
+
+clean:
+	rm -rf $(VENV) data/prepared results runs wandb .pytest_cache build *.egg-info

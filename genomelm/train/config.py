@@ -1,0 +1,136 @@
+"""Run configuration shared by `genomelm train` and `genomelm eval`.
+
+A run is described by a YAML file in `configs/train/` plus `key=value` overrides from the command line
+(`genomelm train configs/train/hg38-512k.yaml steps=10 seq=1M`). Every run writes under
+`runs/<run>/` (checkpoints, metrics) and `results/<run>/` (evaluation tables and figures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SEQ_SUFFIXES = {"k": 1024, "m": 1024 * 1024}
+
+
+def parse_seq(value: str | int) -> int:
+    """'16k' -> 16384, '512k' -> 524288, '1M' -> 1048576, '4096' -> 4096."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    try:
+        if text and text[-1] in SEQ_SUFFIXES:
+            return int(text[:-1]) * SEQ_SUFFIXES[text[-1]]
+        return int(text)
+    except ValueError:
+        raise ValueError(f"cannot read a sequence length from {value!r}; use 16k, 512k, 1M or a plain integer") from None
+
+
+def seq_name(seq: int) -> str:
+    """524288 -> '512k', 1048576 -> '1m', 5000 -> '5000' (the suffix `genomelm data` uses for folders)."""
+    if seq % SEQ_SUFFIXES["m"] == 0:
+        return f"{seq // SEQ_SUFFIXES['m']}m"
+    if seq % SEQ_SUFFIXES["k"] == 0:
+        return f"{seq // SEQ_SUFFIXES['k']}k"
+    return str(seq)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training or evaluation run needs. Token counts are per window (one micro-batch row)."""
+
+    run: str = "run"  # name: runs/<run>/ and results/<run>/
+    genome: str = "hg38"  # prepared data lives in data/prepared/<genome>-<seq>/ unless `data` is set
+    seq: str = "512k"
+    data: str | None = None  # explicit prepared-data folder
+    model: str = "glm-5.3-flash"  # preset name or checkpoint folder
+    # optimisation
+    steps: int = 1000
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    grad_accum: int = 1  # windows per optimizer step
+    seed: int = 1234
+    # memory stack (each a switch; none changes the numbers)
+    recompute: bool = True  # full activation recompute per layer
+    offload: bool = True  # CPU offload of each layer's saved input
+    moe_chunk_tokens: int = 16384
+    indexer_query_block: int = 128
+    attention_query_block: int = 128
+    loss_chunk_tokens: int = 8192
+    train_indexer: bool = False
+    # checkpoints and logging
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # "auto" (newest checkpoint of this run, if any), "never", or a checkpoint folder
+    log_every: int = 1
+    wandb: str = "offline"  # "offline", "online" or "disabled"
+    max_bad_steps: int = 5  # stop after this many non-finite steps in a row
+    dry_run: bool = False
+    # evaluation
+    bucket: int = 32768  # tokens per position bucket
+    eval_windows: int = 0  # held-out windows to score (0 = all)
+    context_cut: bool = True  # also score the last bucket with only the preceding bucket as context
+    runs_dir: str = "runs"
+    results_dir: str = "results"
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def seq_len(self) -> int:
+        return parse_seq(self.seq)
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.data) if self.data else Path("data/prepared") / f"{self.genome}-{seq_name(self.seq_len)}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run
+
+    @property
+    def results_path(self) -> Path:
+        return Path(self.results_dir) / self.run
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> "TrainConfig":
+        """Read a YAML run config and apply `key=value` overrides (values parsed as YAML scalars)."""
+        raw: dict[str, Any] = {}
+        if path is not None:
+            path = Path(path)
+            if not path.exists():
+                raise FileNotFoundError(f"no run config at {path}; the presets are in configs/train/")
+            raw = yaml.safe_load(path.read_text()) or {}
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not key=value (for example steps=10)")
+            key, value = item.split("=", 1)
+            raw[key.strip()] = yaml.safe_load(value) if value else ""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in raw if k not in fields)
+        if unknown:
+            raise ValueError(f"unknown run setting(s) {unknown}; known: {sorted(k for k in fields if k != 'extra')}")
+        if "betas" in raw:
+            raw["betas"] = tuple(raw["betas"])
+        if "seq" in raw:
+            raw["seq"] = str(raw["seq"])
+        for key in ("data", "model"):
+            if key in raw and raw[key] is not None:
+                raw[key] = str(raw[key])
+        config = cls(**raw)
+        parse_seq(config.seq)
+        if config.wandb not in ("offline", "online", "disabled"):
+            raise ValueError(f"wandb must be offline, online or disabled, not {config.wandb!r}")
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("extra")
+        out["betas"] = list(self.betas)
+        return out

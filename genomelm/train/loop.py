@@ -1,0 +1,216 @@
+"""The training loop: one window per micro-batch, AdamW with warmup + cosine, gradient accumulation and
+clipping, the memory stack around every layer, atomic checkpoints, exact resume, NaN/inf guard.
+
+Parallelism (context/expert/data) wraps this loop from outside in a later stage; nothing here assumes
+a single process beyond reading the whole window on one device.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from genomelm.data import WindowDataset
+from genomelm.model import RunOptions, load_model, save_model
+from genomelm.train import checkpoints
+from genomelm.train.config import TrainConfig
+from genomelm.train.memory import LayerRunner
+from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
+
+
+def run_options(config: TrainConfig) -> RunOptions:
+    return RunOptions(
+        moe_chunk_tokens=config.moe_chunk_tokens,
+        indexer_query_block=config.indexer_query_block,
+        attention_query_block=config.attention_query_block,
+        loss_chunk_tokens=config.loss_chunk_tokens,
+        train_indexer=config.train_indexer,
+    )
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Linear warmup over `warmup_steps`, then cosine from 1 down to `min_lr_ratio` at `steps`."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(config.steps - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps) / span, 1.0)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over fp32 master weights; no weight decay on vectors (norms, biases, gates, decays)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fast)
+
+
+@dataclass
+class DataOrder:
+    """Which window comes next: a seeded permutation per epoch and a cursor into it."""
+
+    n_windows: int
+    seed: int
+    epoch: int = 0
+    cursor: int = 0
+    order: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.order = self._permutation(self.epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.n_windows, generator=generator).tolist()
+
+    def next(self) -> int:
+        if self.cursor >= self.n_windows:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self.order = self._permutation(self.epoch)
+        index = self.order[self.cursor]
+        self.cursor += 1
+        return index
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.order = self._permutation(self.epoch)
+
+
+class NonFiniteLoss(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
+    """Train as configured; returns a summary (steps run, last loss, checkpoint path, skipped steps)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(config.seed)
+    np.random.seed(config.seed)
+    random.seed(config.seed)
+
+    dataset = WindowDataset(config.data_dir, "train")
+    if dataset.seq_len != config.seq_len:
+        raise ValueError(
+            f"{config.data_dir} holds {dataset.seq_len}-token windows but the run asks for seq={config.seq}; "
+            f"prepare matching data (make data SEQ={config.seq}) or set data=<folder>"
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{config.data_dir} has no training windows")
+
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints.clean_interrupted_writes(run_dir)
+    resume_from = None
+    if config.resume == "auto":
+        resume_from = checkpoints.latest_checkpoint(run_dir)
+    elif config.resume not in ("never", "", None):
+        resume_from = Path(config.resume)
+
+    model_source = str(resume_from / "model") if resume_from else config.model
+    model = load_model(model_source, options=run_options(config), device=device)
+    if model.config.vocab_size <= int(dataset.max_token_id):
+        raise ValueError(
+            f"the data's token ids reach {dataset.max_token_id} but the model's vocabulary has "
+            f"{model.config.vocab_size} entries; prepare the data with the model's tokenizer (--tokenizer)"
+        )
+    init_dir = run_dir / "init"
+    if resume_from is None and checkpoints.is_preset(config.model) and not (init_dir / "config.json").exists():
+        save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
+    model.train()
+    runner = LayerRunner(recompute=config.recompute, offload=config.offload)
+    optimizer = make_optimizer(model, config, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+    order = DataOrder(len(dataset), config.seed)
+    start_step, bad_in_row = 0, 0
+    if resume_from is not None:
+        state = torch.load(resume_from / "trainer.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        order.load(state["data_order"])
+        checkpoints.set_rng_state(state["rng"])
+        start_step, bad_in_row = state["step"], state["bad_in_row"]
+
+    log = MetricsLog(config, resumed_step=start_step)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    tokens_per_step = config.seq_len * config.grad_accum
+    summary: dict[str, Any] = {"start_step": start_step, "losses": [], "skipped": 0, "checkpoint": resume_from}
+    bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, disable=not progress,
+               desc=f"train {config.run}", unit="step")
+    for step in bar:
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, windows = 0.0, []
+        for _ in range(config.grad_accum):
+            index = order.next()
+            windows.append(index)
+            row = dataset[index]
+            input_ids = row["input_ids"][None].to(device)
+            labels = row["labels"][None].to(device)
+            with autocast:
+                loss = model.loss(input_ids, labels, layer_runner=runner)
+            (loss / config.grad_accum).backward()
+            loss_sum += float(loss.detach())
+        loss_value = loss_sum / config.grad_accum
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+            bad_in_row = 0
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            bad_in_row += 1
+            summary["skipped"] += 1
+        scheduler.step()
+        elapsed = time.perf_counter() - started
+        rss, peak_rss = host_memory_gb()
+        record = {
+            "step": step + 1, "loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / elapsed, "step_s": elapsed, "skipped": not finite,
+            "peak_device_mem_gb": device_peak_gb(), "host_rss_gb": rss, "host_peak_rss_gb": peak_rss,
+            "windows": windows,
+        }
+        indexer_loss = getattr(model, "last_indexer_loss", None)
+        if indexer_loss is not None:
+            record["indexer_kl"] = float(indexer_loss)
+        for layer, counts in model.router_stats().items():
+            counts = counts.float()
+            record[f"router/{layer}/max_over_mean"] = float(counts.max() / counts.mean().clamp_min(1e-9))
+            record[f"router/{layer}/unused_experts"] = int((counts == 0).sum())
+        if (step + 1) % config.log_every == 0 or not finite:
+            log.log(record)
+        summary["losses"].append(loss_value)
+        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                        mem_gb=f"{max(record['peak_device_mem_gb'], peak_rss):.1f}")
+        if not finite:
+            tqdm.write(f"step {step + 1}: non-finite loss/gradient ({loss_value}, {grad_norm}); step skipped "
+                       f"({bad_in_row} in a row, limit {config.max_bad_steps})")
+            if bad_in_row >= config.max_bad_steps:
+                log.close()
+                raise NonFiniteLoss(f"{bad_in_row} non-finite steps in a row at step {step + 1}; "
+                                    f"lower lr or check the data (metrics: {log.path})")
+        done = step + 1 == config.steps
+        if (step + 1) % config.save_every == 0 or done:
+            state = {
+                "step": step + 1, "bad_in_row": bad_in_row, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "data_order": order.state(), "rng": checkpoints.rng_state(),
+                "config": config.to_dict(),
+            }
+            summary["checkpoint"] = checkpoints.save_checkpoint(run_dir, step + 1, model, state,
+                                                                config.keep_checkpoints)
+    bar.close()
+    log.close()
+    summary["steps"] = config.steps
+    return summary

@@ -1,0 +1,64 @@
+"""Per-step metrics: a JSONL file per run, Weights & Biases (offline by default), memory readings."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from genomelm.train.config import TrainConfig
+
+
+def host_memory_gb() -> tuple[float, float]:
+    """(current RSS, peak RSS) of this process in GB."""
+    current = psutil.Process().memory_info().rss / 1e9
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is in KiB on Linux
+    return current, peak
+
+
+def device_peak_gb() -> float:
+    """Peak device memory since the last reset (0 on the CPU, where host RSS is the number to read)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+class MetricsLog:
+    """Appends one JSON object per step to `runs/<run>/metrics.jsonl` and mirrors it to wandb."""
+
+    def __init__(self, config: TrainConfig, resumed_step: int) -> None:
+        self.path = config.run_dir / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resumed_step == 0 and self.path.exists():
+            self.path.unlink()
+        elif self.path.exists():  # drop lines of steps the resumed run will redo
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.wandb_run = None
+        if config.wandb != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project="genomelm", name=config.run, dir=str(config.run_dir), mode=config.wandb,
+                config=config.to_dict(), resume="allow", id=f"{config.run}",
+            )
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            flat = {k: v for k, v in record.items() if isinstance(v, (int, float, bool))}
+            self.wandb_run.log(flat, step=record["step"])
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
