@@ -1,0 +1,121 @@
+"""Readers of a prepared folder: a memory-mapped torch ``WindowDataset`` and a Hugging Face view of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from genomelm.data.errors import DataError
+from genomelm.data.prepare import MANIFEST, SPLITS, indexed_dataset_module, read_manifest
+from genomelm.data.vocab import CODE_LETTERS, PAD, N, Vocabulary
+
+IGNORE_INDEX = -100
+
+
+class WindowDataset(Dataset):
+    """Windows of one split of a prepared folder; item ``i`` is a dict of
+
+    ``input_ids`` LongTensor[SEQ] (model token ids), ``labels`` LongTensor[SEQ] (next token; -100 at the
+    last position and where the next base is N or pad), ``softmask`` BoolTensor[SEQ], ``position``
+    LongTensor[SEQ] (0..SEQ-1), and ``record`` (str), ``start``/``end`` (0-based half-open base coordinates).
+    The .bin files are memory-mapped; opening reads only the index and the manifest.
+    """
+
+    def __init__(self, path: str | Path, split: str) -> None:
+        IndexedDataset = indexed_dataset_module().IndexedDataset
+        self.path = Path(path)
+        if split not in SPLITS:
+            raise DataError(f"split {split!r}: must be one of {', '.join(SPLITS)}")
+        manifest = read_manifest(self.path)
+        if manifest is None:
+            raise DataError(
+                f"{self.path}: no {MANIFEST}, so not a complete prepared dataset; run `genomelm data`"
+            )
+        self.manifest: dict = manifest
+        self.split = split
+        self.seq_len: int = int(manifest["seq_len"])
+        self.vocab = Vocabulary.from_json(manifest["vocab"])
+        info = manifest["splits"][split]
+        self.tokens = IndexedDataset(str(self.path / info["prefix"]))
+        self.softmasks = IndexedDataset(str(self.path / info["softmask_prefix"]))
+        windows = info["windows"]
+        self.records: list[str] = windows["records"]
+        self.record_index = np.asarray(windows["record"], dtype=np.int64)
+        self.starts = np.asarray(windows["start"], dtype=np.int64)
+        self.ends = np.asarray(windows["end"], dtype=np.int64)
+        if len(self.tokens) != len(self.starts):
+            raise DataError(
+                f"{self.path}: {info['prefix']}.idx and {MANIFEST} disagree; rebuild with --force"
+            )
+        self._code_to_id = torch.tensor(self.vocab.code_to_id, dtype=torch.long)
+        ignore = np.zeros(len(self.vocab.code_to_id), dtype=bool)
+        ignore[[PAD, N]] = True
+        self._ignore = torch.from_numpy(ignore)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def codes(self, index: int) -> np.ndarray:
+        """On-disk codes (uint8 [SEQ], read-only view of the memory map) of window ``index``."""
+        return self.tokens[index]
+
+    def letters(self, index: int) -> str:
+        """Window ``index`` as sequence text, lower case where soft-masked, '-' for padding."""
+        letters = CODE_LETTERS[self.codes(index)].copy()
+        letters[self.softmasks[index].astype(bool)] |= 0x20
+        return letters.tobytes().decode("ascii")
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range 0..{len(self) - 1}")
+        codes = torch.from_numpy(self.codes(index).astype(np.int64))
+        input_ids = self._code_to_id[codes]
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        labels[:-1] = torch.where(self._ignore[codes[1:]], IGNORE_INDEX, input_ids[1:])
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "softmask": torch.from_numpy(self.softmasks[index].astype(bool)),
+            "position": torch.arange(self.seq_len, dtype=torch.long),
+            "record": self.records[self.record_index[index]],
+            "start": int(self.starts[index]),
+            "end": int(self.ends[index]),
+        }
+
+
+def as_hf_dataset(path: str | Path, split: str, cache_dir: str | None = None):
+    """The rows of ``WindowDataset(path, split)`` as a ``datasets.Dataset`` (lists of ints/bools).
+
+    Rows are written once into the datasets cache (``cache_dir`` or the default); no network is used.
+    """
+    import datasets
+
+    source = Path(path).resolve()
+    manifest = read_manifest(source)
+    if manifest is None:
+        raise DataError(f"{source}: no {MANIFEST}, so not a complete prepared dataset; run `genomelm data`")
+
+    def rows(folder: str, split_name: str, fingerprint: str):
+        windows = WindowDataset(folder, split_name)
+        if windows.manifest["fingerprint"] != fingerprint:
+            raise DataError(f"{folder} was rebuilt while being read; call as_hf_dataset again")
+        for i in range(len(windows)):
+            row = windows[i]
+            yield {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in row.items()}
+
+    seq = int(manifest["seq_len"])
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int64"), length=seq),
+        "labels": datasets.Sequence(datasets.Value("int64"), length=seq),
+        "softmask": datasets.Sequence(datasets.Value("bool"), length=seq),
+        "position": datasets.Sequence(datasets.Value("int64"), length=seq),
+        "record": datasets.Value("string"),
+        "start": datasets.Value("int64"),
+        "end": datasets.Value("int64"),
+    })  # fmt: skip
+    # The manifest fingerprint is part of the datasets cache key, so a rebuilt folder is never read stale.
+    kwargs = {"folder": str(source), "split_name": split, "fingerprint": manifest["fingerprint"]}
+    return datasets.Dataset.from_generator(rows, features=features, gen_kwargs=kwargs, cache_dir=cache_dir)

@@ -1,0 +1,387 @@
+"""Build the prepared dataset: FASTA -> uint8 code windows (megatron indexed dataset) + soft-mask + manifest.
+
+Layout of the output folder (built in a hidden temp folder beside it and renamed into place last)::
+
+    <split>.bin / <split>.idx                    codes, one document per window (megatron-core format)
+    <split>.softmask.bin / <split>.softmask.idx  1 where the base was lower case, same layout
+    manifest.json                                written last; its presence marks a complete folder
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from genomelm.data.config import DataConfig
+from genomelm.data.download import fetch
+from genomelm.data.errors import DataError
+from genomelm.data.fasta import FastaStream
+from genomelm.data.regions import Interval, check_overlaps, match_spec, static_interval
+from genomelm.data.vocab import BUILTIN, CODE_BYTES, INVALID, N, Vocabulary, tokenizer_vocabulary
+from genomelm.data.windows import Window, WindowCutter
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "heldout")
+MANIFEST = "manifest.json"
+_LOWER_A = ord("a")
+_N_LETTERS = (ord("N"), ord("n"))
+
+
+def indexed_dataset_module():
+    """megatron-core's indexed_dataset, imported on first use (~4 s) without the warnings that importing
+    megatron.core emits about GPU libraries and its own deprecations, which the data stage never uses."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def _indexed_builder(path: Path):
+    return indexed_dataset_module().IndexedDatasetBuilder(str(path), dtype=np.uint8)
+
+
+class _SplitWriter:
+    """Writes one split's windows as they come and keeps their coordinates and counts."""
+
+    def __init__(self, folder: Path, split: str, seq: int, max_n: float) -> None:
+        self.folder, self.split, self.seq, self.max_n = folder, split, seq, max_n
+        self.tokens = _indexed_builder(folder / f"{split}.bin")
+        self.softmask = _indexed_builder(folder / f"{split}.softmask.bin")
+        self.columns: dict[str, list[int]] = {k: [] for k in ("record", "start", "end", "n", "softmasked")}
+        self.records: list[str] = []
+        self.regions: list[dict] = []
+        self.stats = dict.fromkeys(
+            ("bases", "n", "iupac_as_n", "softmasked", "windows", "window_bases", "window_n",
+             "window_softmasked", "dropped_n_windows", "dropped_tail_bases", "padded_short"), 0)  # fmt: skip
+
+    def add(self, record: str, window: Window) -> None:
+        n_count = int(np.count_nonzero(window.codes == N))
+        if n_count > self.max_n * window.length:
+            self.stats["dropped_n_windows"] += 1
+            return
+        soft = int(np.count_nonzero(window.mask))
+        self.tokens.add_item(torch.from_numpy(window.codes))
+        self.tokens.end_document()
+        self.softmask.add_item(torch.from_numpy(window.mask))
+        self.softmask.end_document()
+        if not self.records or self.records[-1] != record:
+            self.records.append(record)
+        for key, value in zip(self.columns, (len(self.records) - 1, window.start,
+                                             window.start + window.length, n_count, soft)):  # fmt: skip
+            self.columns[key].append(value)
+        self.stats["windows"] += 1
+        self.stats["window_bases"] += window.length
+        self.stats["window_n"] += n_count
+        self.stats["window_softmasked"] += soft
+
+    def finalize(self) -> dict:
+        self.tokens.finalize(str(self.folder / f"{self.split}.idx"))
+        self.softmask.finalize(str(self.folder / f"{self.split}.softmask.idx"))
+        return {
+            "prefix": self.split,
+            "softmask_prefix": f"{self.split}.softmask",
+            "regions": self.regions,
+            "stats": self.stats,
+            "windows": {"records": self.records, **self.columns},
+        }
+
+
+class _Region:
+    """One interval of a record being cut into windows for one split."""
+
+    def __init__(self, interval: Interval, writer: _SplitWriter, seq: int, stride: int) -> None:
+        self.interval, self.writer = interval, writer
+        self.cutter = WindowCutter(interval.start, seq, stride)
+
+    def feed(self, codes: np.ndarray, mask: np.ndarray, raw: np.ndarray) -> None:
+        stats = self.writer.stats
+        n_count = int(np.count_nonzero(codes == N))
+        stats["bases"] += len(codes)
+        stats["n"] += n_count
+        stats["iupac_as_n"] += n_count - sum(int(np.count_nonzero(raw == c)) for c in _N_LETTERS)
+        stats["softmasked"] += int(np.count_nonzero(mask))
+        for window in self.cutter.feed(codes, mask):
+            self.writer.add(self.interval.record, window)
+
+
+def _complement(record: str, held: list[Interval]) -> list[Interval]:
+    """Train intervals covering the parts of ``record`` that no held-out interval covers."""
+    pieces, start = [], 0
+    for iv in sorted(held, key=lambda iv: iv.start):
+        if iv.start > start:
+            pieces.append(Interval("train", f"{record}:{start + 1}-{iv.start}", record, start, iv.start))
+        if iv.end is None:
+            return pieces
+        start = iv.end
+    spec = record if start == 0 else f"{record}:{start + 1}-"
+    return [*pieces, Interval("train", spec, record, start, None)]
+
+
+class _Builder:
+    """Streams every source once, routing each record's bases to the regions that select them."""
+
+    def __init__(self, cfg: DataConfig, folder: Path, progress: bool) -> None:
+        self.cfg, self.progress = cfg, progress
+        self.writers = {s: _SplitWriter(folder, s, cfg.seq, cfg.max_n_fraction) for s in SPLITS}
+        self.specs = [(s, spec) for s in SPLITS for spec in getattr(cfg, s)]
+        self.matched: set[tuple[str, str]] = set()
+        self.seen: dict[str, Path] = {}
+
+    def _regions_for(self, path: Path, record: str) -> list[_Region]:
+        if record in self.seen:
+            raise DataError(
+                f"{path}: record {record!r} is also in {self.seen[record]}; record names must be unique"
+            )
+        self.seen[record] = path
+        intervals = []
+        for split, spec in self.specs:
+            interval = match_spec(spec, split, record)
+            if interval is not None:
+                intervals.append(interval)
+                self.matched.add((split, spec))
+        check_overlaps(intervals)
+        if not self.cfg.train:
+            intervals += _complement(record, intervals)
+        return [_Region(iv, self.writers[iv.split], self.cfg.seq, self.cfg.window_stride) for iv in intervals]
+
+    def _finish_record(self, path: Path, record: str, length: int, regions: list[_Region]) -> None:
+        for region in regions:
+            iv = region.interval
+            end = length if iv.end is None else iv.end
+            if iv.end is None and iv.start == length:  # nothing left after a held-out range at the end
+                continue
+            if end > length:
+                raise DataError(
+                    f"{path}: region {iv.spec} ends at base {end} but record {record} has {length:,} bases; "
+                    "fix the region's end"
+                )
+            cutter, writer = region.cutter, region.writer
+            if cutter.windows == 0:
+                if not self.cfg.allow_short:
+                    raise DataError(
+                        f"{path}: {iv.spec} ({iv.split}) has {end - iv.start:,} bases, fewer than SEQ="
+                        f"{self.cfg.seq:,}; use a smaller --seq, or --allow-short to keep it as one padded window"
+                    )
+                writer.add(record, cutter.pad_short())
+                writer.stats["padded_short"] += 1
+            writer.stats["dropped_tail_bases"] += max(0, end - cutter.last_end)
+            writer.regions.append({"spec": iv.spec, "record": record, "start": iv.start, "end": end})
+
+    def read(self, path: Path) -> dict:
+        """Stream one FASTA file through the regions; returns its manifest entry."""
+        stream = FastaStream(path)
+        size = path.stat().st_size
+        record, offset, regions = "", 0, []
+        bar = tqdm(
+            total=size, unit="B", unit_scale=True, desc=f"tokenise {path.name}", disable=not self.progress
+        )
+        with bar:
+            for event in stream:
+                if isinstance(event, str):
+                    if record:
+                        self._finish_record(path, record, offset, regions)
+                    record, offset, regions = event, 0, self._regions_for(path, event)
+                    continue
+                if regions:
+                    self._feed(path, record, offset, event, regions)
+                offset += len(event)
+                bar.update(min(size, stream.bytes_read) - bar.n)
+            if record:
+                self._finish_record(path, record, offset, regions)
+        return {"path": str(path.resolve()), "format": stream.format, "bytes": size, "md5": stream.md5}
+
+    def _feed(self, path: Path, record: str, offset: int, piece: bytes, regions: list[_Region]) -> None:
+        raw = np.frombuffer(piece, dtype=np.uint8)
+        codes = np.frombuffer(piece.translate(CODE_BYTES), dtype=np.uint8).copy()  # writable, for torch
+        if codes.max() == INVALID:
+            at = int(np.argmax(codes == INVALID))
+            raise DataError(
+                f"{path}: record {record}, base {offset + at + 1:,} (1-based): invalid character "
+                f"{chr(raw[at])!r}; only A C G T N, IUPAC codes R Y K M S W B D H V (either case) are allowed"
+            )
+        mask = (raw >= _LOWER_A).view(np.uint8)
+        end = offset + len(raw)
+        for region in regions:
+            iv = region.interval
+            lo, hi = max(iv.start, offset), end if iv.end is None else min(iv.end, end)
+            if lo < hi:
+                region.feed(codes[lo - offset : hi - offset], mask[lo - offset : hi - offset],
+                            raw[lo - offset : hi - offset])  # fmt: skip
+
+    def unmatched(self) -> list[tuple[str, str]]:
+        return [item for item in self.specs if item not in self.matched]
+
+
+def _sources(cfg: DataConfig, progress: bool) -> list[Path]:
+    if cfg.source == "hg38":
+        if not cfg.files:
+            raise DataError("source hg38 needs `files` (e.g. chr1.fa.gz) in the data config")
+        return fetch(cfg.base_url, cfg.files, Path(cfg.cache) / cfg.genome, progress=progress)
+    if not cfg.fasta:
+        raise DataError(f"genome {cfg.genome!r} has no FASTA: give --fasta FILE (or a config with `fasta:`)")
+    return [Path(p) for p in cfg.fasta]
+
+
+def _check_settings(cfg: DataConfig) -> None:
+    """Errors that need no reading: no splits, overlapping or too-short explicit regions."""
+    if not cfg.heldout:
+        raise DataError(
+            "no held-out split: give --heldout (record names or name:start-end, comma-separated); "
+            "--train defaults to everything not held out"
+        )
+    intervals = [static_interval(spec, s) for s in SPLITS for spec in getattr(cfg, s)]
+    check_overlaps(intervals)
+    for iv in intervals:
+        if iv.end is not None and iv.end - iv.start < cfg.seq and not cfg.allow_short:
+            raise DataError(
+                f"region {iv.spec} ({iv.split}) has {iv.end - iv.start:,} bases, fewer than SEQ={cfg.seq:,}; "
+                "use a smaller --seq, or --allow-short to keep it as one padded window"
+            )
+
+
+def _fingerprint(cfg: DataConfig, sources: list[Path], vocab: Vocabulary) -> str:
+    """Hash of everything that decides the output: settings, vocabulary, and each source's size and mtime."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("force", "out", "cache", "base_url")}
+    stats = []
+    for path in sources:
+        if not path.is_file():
+            raise DataError(f"{path}: no such FASTA file; check --fasta (or the `fasta:` of the data config)")
+        info = path.stat()
+        stats.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
+    blob = json.dumps([FORMAT_VERSION, settings, vocab.to_json(), stats], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_manifest(folder: str | Path) -> dict | None:
+    """The manifest of a complete prepared folder, or None if there is none."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _remove_stale(out: Path) -> None:
+    """Delete temp folders of earlier runs on ``out`` whose process is gone (e.g. killed with -9)."""
+    for stale in out.parent.glob(f".{out.name}.*-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def format_report(manifest: dict) -> str:
+    """Human-readable summary of a manifest: windows kept and dropped, bases, N and soft-masked share."""
+    lines = [(f"{'split':<8} {'windows':>8} {'dropped N':>9} {'padded':>6} {'bases':>14} {'N %':>6} "
+             f"{'IUPAC->N':>8} {'soft %':>6} {'tail dropped':>12}")]  # fmt: skip
+    for split in SPLITS:
+        st = manifest["splits"][split]["stats"]
+        wb = max(st["window_bases"], 1)
+        lines.append(
+            f"{split:<8} {st['windows']:>8,} {st['dropped_n_windows']:>9,} {st['padded_short']:>6,} "
+            f"{st['window_bases']:>14,} {100 * st['window_n'] / wb:>6.2f} {st['iupac_as_n']:>8,} "
+            f"{100 * st['window_softmasked'] / wb:>6.2f} {st['dropped_tail_bases']:>12,}"
+        )
+    return "\n".join(lines)
+
+
+def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[[str], None] = print) -> Path:
+    """Build ``cfg.out_dir`` (see module docstring) unless an identical build is already there; returns it."""
+    _check_settings(cfg)
+    vocab = tokenizer_vocabulary(cfg.tokenizer) if cfg.tokenizer else BUILTIN
+    sources = _sources(cfg, progress)
+    fingerprint = _fingerprint(cfg, sources, vocab)
+    out = cfg.out_dir
+    existing = read_manifest(out)
+    if existing and existing.get("fingerprint") == fingerprint and not cfg.force:
+        log(f"{out} is up to date (same inputs and settings); nothing to do. Use --force to rebuild.")
+        return out
+    if existing is None and out.exists() and any(out.iterdir()):
+        raise DataError(
+            f"{out} exists and is not a prepared dataset (no {MANIFEST}); remove it or choose another --out"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        indexed_dataset_module()  # import before timing: "seconds" is reading and writing only
+        began = time.perf_counter()
+        builder = _Builder(cfg, temp, progress)
+        source_entries = [builder.read(path) for path in sources]
+        missing = builder.unmatched()
+        if missing:
+            names = ", ".join(sorted(builder.seen)[:20])
+            raise DataError(
+                "not found in "
+                + ", ".join(str(p) for p in sources)
+                + ": "
+                + ", ".join(f"{spec!r} ({split})" for split, spec in missing)
+                + f"; records present: {names}; fix --train/--heldout"
+            )
+        splits = {s: w.finalize() for s, w in builder.writers.items()}
+        empty = [s for s in SPLITS if splits[s]["stats"]["windows"] == 0]
+        if empty:
+            raise DataError(
+                f"split(s) {', '.join(empty)} kept no windows (all dropped for N > {cfg.max_n_fraction}); "
+                "choose other regions or raise --max-n-fraction"
+            )
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "genome": cfg.genome,
+            "command": command,
+            "fingerprint": fingerprint,
+            "settings": {k: v for k, v in asdict(cfg).items() if k != "force"},
+            "seq_len": cfg.seq,
+            "stride": cfg.window_stride,
+            "max_n_fraction": cfg.max_n_fraction,
+            "vocab": vocab.to_json(),
+            "sources": source_entries,
+            "splits": splits,
+            "seconds": round(time.perf_counter() - began, 3),
+        }
+        manifest["report"] = format_report(manifest)
+        part = temp / (MANIFEST + ".part")
+        part.write_text(json.dumps(manifest, indent=1))
+        os.replace(part, temp / MANIFEST)
+        _swap_into_place(temp, out)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    log(manifest["report"])
+    log(f"wrote {out} in {manifest['seconds']:.1f} s")
+    return out
+
+
+def _swap_into_place(temp: Path, out: Path) -> None:
+    """Rename ``temp`` to ``out``; an older ``out`` is first moved aside, then deleted."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(temp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(out.parent, os.O_RDONLY)  # make the renames durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,41 @@
+"""Shared helpers for the data-stage tests: the project's real DNA and in-process builds."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+from Bio import SeqIO
+
+from genomelm.data import DataConfig, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+DMEL = ROOT / "data" / "dmel_chr4.fa.gz"
+DMEL_RECORD = "NC_004353.4"
+HG38_FRAGMENTS = ROOT / "tests" / "data" / "hg38_fragments.fa.gz"
+HG38_RECORDS = ("chr13:75549820-75605809", "chr4:41257605-41263290")
+
+
+def read_records(path: Path) -> dict[str, str]:
+    """Independent reference: Biopython's parse of a (gzip) FASTA, name -> sequence text."""
+    opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
+    with opener(path, "rt") as handle:
+        return {rec.id: str(rec.seq) for rec in SeqIO.parse(handle, "fasta")}
+
+
+def write_fasta(path: Path, records: dict[str, str], width: int = 60) -> Path:
+    """Plain FASTA with ``width``-letter lines."""
+    with open(path, "w") as out:
+        for name, seq in records.items():
+            out.write(f">{name} generated\n")
+            out.writelines(seq[i : i + width] + "\n" for i in range(0, len(seq), width))
+    return path
+
+
+def build(tmp_path: Path, fasta: Path | list[Path], name: str = "out", **settings) -> tuple[Path, list[str]]:
+    """``prepare`` into tmp_path/name without progress bars; returns the folder and the log lines."""
+    logs: list[str] = []
+    files = [str(p) for p in fasta] if isinstance(fasta, list) else [str(fasta)]
+    cfg = DataConfig(genome=name, fasta=files, out=str(tmp_path / name), **settings)
+    out = prepare(cfg, command="test", progress=False, log=logs.append)
+    return out, logs
