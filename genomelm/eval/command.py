@@ -1,0 +1,189 @@
+"""`genomelm eval CONFIG [key=value ...] [--before PATH] [--after PATH]`.
+
+Scores the run's held-out windows with the model before and after training and writes
+`results/<run>/buckets.json`, `buckets.csv` and `loss_by_position.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Subset
+
+from genomelm.eval.buckets import bucketed_loss, compare, relative_change
+from genomelm.eval.plot import save_figure
+from genomelm.eval.report import format_table, write_csv, write_json
+from genomelm.eval.score import Scores, last_bucket_start, score_windows
+from genomelm.train.config import TrainConfig
+
+
+class EvalError(Exception):
+    """Bad settings or missing inputs for `genomelm eval`; the message says how to fix it."""
+
+
+def check_bucket(bucket: int, seq: int) -> int:
+    """Number of buckets in a window of `seq` tokens; EvalError unless 1 <= bucket <= seq."""
+    if bucket < 1:
+        raise EvalError(f"bucket={bucket}: give a positive number of tokens per bucket (default 32768)")
+    if bucket > seq:
+        raise EvalError(f"bucket={bucket} is larger than SEQ ({seq} tokens), so a window holds fewer than "
+                        f"1 bucket; use bucket<={seq}")  # fmt: skip
+    return -(-seq // bucket)
+
+
+def pick_windows(total: int, wanted: int) -> list[int]:
+    """Indices of `wanted` windows (0 = all) spread evenly over `total`, in order."""
+    if wanted <= 0 or wanted >= total:
+        return list(range(total))
+    return [int(i) for i in np.linspace(0, total - 1, wanted).round()]
+
+
+def resolve_models(config: TrainConfig, before: str | None, after: str | None) -> tuple[str, str]:
+    """The before/after model paths: explicit ones, else the run's base model and newest checkpoint."""
+    if before is None or after is None:
+        from genomelm.train.checkpoints import base_model_path, latest_checkpoint
+
+        if after is None:
+            checkpoint = latest_checkpoint(config.run_dir)
+            if checkpoint is None:
+                raise EvalError(f"no trained checkpoint in {config.run_dir}; run `make train` first "
+                                "(or pass --after PATH)")  # fmt: skip
+            after = str(checkpoint / "model")
+        if before is None:
+            before = base_model_path(config)
+    return before, after
+
+
+def context_cut_summary(before: Scores, after: Scores, bucket: int) -> dict:
+    """Loss of the last bucket with full context vs context cut to the preceding bucket, per model."""
+    start = before.cut_start
+    valid, softmask = before.valid[:, start:], before.softmask[:, start:]
+    width = valid.shape[1]
+    out: dict = {"start": start, "end": start + width, "context": bucket}
+    for name, scores in (("before", before), ("after", after)):
+        full = bucketed_loss(scores.loss[:, start:], valid, softmask, width)[0]
+        cut = bucketed_loss(scores.cut_loss, valid, softmask, width)[0]
+        out[name] = {"full": full["loss"], "full_se": full["se"], "cut": cut["loss"], "cut_se": cut["se"],
+                     "cut_change": relative_change(full["loss"], cut["loss"])}  # fmt: skip
+    out["change_full"] = relative_change(out["before"]["full"], out["after"]["full"])
+    out["change_cut"] = relative_change(out["before"]["cut"], out["after"]["cut"])
+    return out
+
+
+def evaluate(
+    config: TrainConfig,
+    windows: Sequence[dict],
+    load: Callable[[str], torch.nn.Module],
+    before: str,
+    after: str,
+    provenance: dict,
+) -> dict:
+    """Score `windows` with the models `load(before)` and `load(after)`; the result `report` writes."""
+    if not len(windows):
+        raise EvalError("no held-out windows to score")
+    seq = int(windows[0]["input_ids"].shape[0])
+    n_buckets = check_bucket(config.bucket, seq)
+    context_cut = config.context_cut and last_bucket_start(seq, config.bucket) >= config.bucket
+    if config.context_cut and not context_cut:
+        print(f"context cut skipped: it needs at least 2 buckets per window, SEQ {seq} has {n_buckets}")
+    scores: dict[str, Scores] = {}
+    for name, path in (("before", before), ("after", after)):
+        began = time.perf_counter()
+        print(f"scoring {len(windows)} window(s) with the {name} model {path}", flush=True)
+        model = load(path)
+        scores[name] = score_windows(model, windows, config.bucket, context_cut, progress=True)
+        del model
+        print(f"  {time.perf_counter() - began:.1f} s", flush=True)
+    rows = {name: bucketed_loss(s.loss, s.valid, s.softmask, config.bucket) for name, s in scores.items()}
+    settings = {
+        "run": config.run,
+        "seq": seq,
+        "bucket": config.bucket,
+        "buckets": n_buckets,
+        "windows": len(windows),
+        "eval_windows": config.eval_windows,
+        "context_cut": context_cut,
+    }
+    cut = context_cut_summary(scores["before"], scores["after"], config.bucket) if context_cut else None
+    timestamp = datetime.now(UTC).isoformat(timespec="seconds")
+    return {
+        "settings": settings,
+        **compare(rows["before"], rows["after"]),
+        "context_cut": cut,
+        "provenance": {"before_model": before, "after_model": after, **provenance, "timestamp": timestamp},
+    }
+
+
+def write_outputs(result: dict, folder: Path) -> dict[str, Path]:
+    """Write buckets.json, buckets.csv and loss_by_position.png into `folder` (created if needed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "json": write_json(result, folder / "buckets.json"),
+        "csv": write_csv(result, folder / "buckets.csv"),
+        "figure": save_figure(result, folder / "loss_by_position.png"),
+    }
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="genomelm eval",
+        description="Held-out loss per position bucket, before and after training.",
+        epilog="example: genomelm eval configs/train/hg38-512k.yaml bucket=65536 eval_windows=8",
+    )
+    parser.add_argument("config", help="run config YAML (configs/train/...)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="run settings to override")
+    parser.add_argument("--before", help="model before training (default: the run's base model)")
+    parser.add_argument("--after", help="model after training (default: the run's newest checkpoint)")
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        config = TrainConfig.load(args.config, args.overrides)
+        check_bucket(config.bucket, config.seq_len)
+    except (EvalError, ValueError, FileNotFoundError) as exc:
+        print(f"genomelm eval: {exc}", file=sys.stderr)
+        return 1
+    # model and data are imported here: both are slow to import and not needed for --help or bad settings
+    from genomelm.data import DataError, WindowDataset
+    from genomelm.model import load_model
+    from genomelm.model.config import ConfigError
+    from genomelm.train.loop import run_options
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def load(path: str) -> torch.nn.Module:
+        return load_model(path, options=run_options(config), device=device)
+
+    try:
+        heldout = WindowDataset(config.data_dir, "heldout")
+        if not len(heldout):
+            raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
+                            "(genomelm data --heldout ...)")  # fmt: skip
+        indices = pick_windows(len(heldout), config.eval_windows)
+        check_bucket(config.bucket, heldout.seq_len)
+        before, after = resolve_models(config, args.before, args.after)
+        windows = Subset(heldout, indices)  # read one window at a time while scoring
+        provenance = {
+            "data_dir": str(heldout.path),
+            "manifest": str(heldout.path / "manifest.json"),
+            "windows": [{"index": i, **{k: heldout[i][k] for k in ("record", "start", "end")}} for i in indices],
+        }
+        result = evaluate(config, windows, load, before, after, provenance)
+    except (EvalError, DataError, ConfigError, FileNotFoundError) as exc:
+        print(f"genomelm eval: {exc}", file=sys.stderr)
+        return 1
+    paths = write_outputs(result, config.results_path)
+    print()
+    print(format_table(result))
+    print(f"\nwrote {paths['json']} and {paths['csv']}")
+    print(f"figure: {paths['figure']}")
+    return 0

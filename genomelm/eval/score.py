@@ -1,0 +1,88 @@
+"""Per-token held-out loss of a model, one window at a time.
+
+A model is anything with ``.loss(input_ids[B, S], labels[B, S], reduction="none") -> [B, S]`` (nats, 0
+where labels == -100) and parameters; a window is a dict as `genomelm.data.WindowDataset` yields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Scores:
+    """Per-token loss of W windows of S tokens; position t is the prediction of token t + 1.
+
+    loss: float32 [W, S] nats (0 where not valid); valid: bool [W, S] (a real next base);
+    softmask: bool [W, S] (the predicted base is soft-masked, i.e. a repeat);
+    cut_loss: float32 [W, L] loss of the last bucket's L positions with only the preceding bucket as
+    context, or None when not scored; cut_start: the last bucket's first position.
+    """
+
+    loss: np.ndarray
+    valid: np.ndarray
+    softmask: np.ndarray
+    cut_loss: np.ndarray | None = None
+    cut_start: int = 0
+
+
+def last_bucket_start(seq: int, bucket: int) -> int:
+    """First position of the last (possibly shorter) bucket of a window of `seq` positions."""
+    return (seq - 1) // bucket * bucket
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _window_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
+    """float32 [S] per-token loss of one window ([S] ids and labels)."""
+    device = _device(model)
+    # bf16 autocast on GPU, as in training; full precision on CPU
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = model.loss(input_ids[None].to(device), labels[None].to(device), reduction="none")
+    return out[0].float().cpu().numpy()
+
+
+def score_windows(
+    model: torch.nn.Module, windows: Sequence[dict], bucket: int, context_cut: bool, progress: bool = False
+) -> Scores:
+    """Score every window of `windows` (all of one length S) with `model`.
+
+    With `context_cut`, the last bucket's positions [c, S) are scored again from input_ids[c - bucket:S]
+    only (the preceding bucket as context), c = `last_bucket_start(S, bucket)`; needs at least 2 buckets.
+    """
+    if not len(windows):
+        raise ValueError("no windows to score")
+    seq = int(windows[0]["input_ids"].shape[0])
+    cut_start = last_bucket_start(seq, bucket)
+    if context_cut and cut_start < bucket:
+        raise ValueError(f"the context cut needs at least 2 buckets per window; SEQ {seq} holds one of {bucket}")
+    loss = np.zeros((len(windows), seq), dtype=np.float32)
+    valid = np.zeros((len(windows), seq), dtype=bool)
+    softmask = np.zeros((len(windows), seq), dtype=bool)
+    cut_loss = np.zeros((len(windows), seq - cut_start), dtype=np.float32) if context_cut else None
+    model.eval()
+    with torch.no_grad():
+        for i in range(len(windows)):
+            window = windows[i]
+            input_ids, labels = window["input_ids"], window["labels"]
+            if input_ids.shape[0] != seq:
+                raise ValueError(f"window {i} has {input_ids.shape[0]} tokens, window 0 has {seq}")
+            valid[i] = (labels != IGNORE_INDEX).numpy()
+            softmask[i, :-1] = window["softmask"][1:].numpy()  # the predicted base's flag
+            loss[i] = np.where(valid[i], _window_loss(model, input_ids, labels), 0.0)
+            if cut_loss is not None:
+                begin = cut_start - bucket
+                part = _window_loss(model, input_ids[begin:], labels[begin:])[bucket:]
+                cut_loss[i] = np.where(valid[i, cut_start:], part, 0.0)
+            if progress:
+                print(f"  window {i + 1}/{len(windows)}", flush=True)
+    return Scores(loss, valid, softmask, cut_loss, cut_start)

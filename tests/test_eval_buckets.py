@@ -1,0 +1,228 @@
+"""Bucket statistics, the before/after comparison, the context-cut scorer and the result writers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from genomelm.eval.buckets import bucketed_loss, compare
+from genomelm.eval.command import (
+    EvalError,
+    check_bucket,
+    evaluate,
+    main,
+    pick_windows,
+    resolve_models,
+    write_outputs,
+)
+from genomelm.eval.report import format_table
+from genomelm.eval.score import score_windows
+from genomelm.train.config import TrainConfig
+
+# W=2 windows of S=5 positions, buckets of 2: [0, 2), [2, 4) and the uneven last one [4, 5)
+LOSS = np.array([[1, 2, 3, 4, 5], [3, 6, 1, 9, 7]], dtype=np.float32)
+VALID = np.array([[1, 1, 1, 0, 1], [1, 0, 1, 1, 0]], dtype=bool)
+SOFT = np.array([[0, 1, 1, 0, 0], [1, 0, 0, 1, 0]], dtype=bool)
+NAN = math.nan
+
+
+def _check(row: dict, prefix: str, loss: float, se: float, tokens: int, windows: int) -> None:
+    got = [row[prefix + k] for k in ("loss", "se", "tokens", "windows")]
+    assert got == pytest.approx([loss, se, tokens, windows], nan_ok=True), (prefix, got)
+
+
+def test_bucketed_loss_hand_computed() -> None:
+    rows = bucketed_loss(LOSS, VALID, SOFT, bucket=2)
+    assert [(r["start"], r["end"]) for r in rows] == [(0, 2), (2, 4), (4, 5)]
+    # bucket 0: window means 1.5 (1, 2) and 3; s.e. of two means = |a - b| / 2; the loss 6 is not valid
+    _check(rows[0], "", 2.0, 0.75, 3, 2)
+    _check(rows[0], "repeat_", 2.5, 0.5, 2, 2)
+    _check(rows[0], "unmasked_", 1.0, NAN, 1, 1)  # one window: no s.e.
+    # bucket 1: token-weighted mean 13/3, window means 3 and 5; the invalid loss 4 is excluded
+    _check(rows[1], "", 13 / 3, 1.0, 3, 2)
+    _check(rows[1], "repeat_", 6.0, 3.0, 2, 2)
+    _check(rows[1], "unmasked_", 1.0, NAN, 1, 1)
+    # uneven last bucket of one position: only window 0 has a valid, unmasked token
+    _check(rows[2], "", 5.0, NAN, 1, 1)
+    _check(rows[2], "repeat_", NAN, NAN, 0, 0)
+    _check(rows[2], "unmasked_", 5.0, NAN, 1, 1)
+
+
+def test_standard_error_uses_window_means_with_ddof_1() -> None:
+    # window means 1, 2, 6 (window 2 has two tokens 5 and 7): std (ddof=1) sqrt(7), s.e. sqrt(7 / 3)
+    loss = np.array([[1, 0], [2, 0], [5, 7]], dtype=np.float32)
+    valid = np.array([[1, 0], [1, 0], [1, 1]], dtype=bool)
+    (row,) = bucketed_loss(loss, valid, np.zeros_like(valid), bucket=2)
+    _check(row, "", 15 / 4, math.sqrt(7 / 3), 4, 3)
+
+
+def test_bucketed_loss_rejects_bad_shapes_and_buckets() -> None:
+    with pytest.raises(ValueError, match="bucket"):
+        bucketed_loss(LOSS, VALID, SOFT, bucket=6)
+    with pytest.raises(ValueError, match="bucket"):
+        bucketed_loss(LOSS, VALID, SOFT, bucket=0)
+    with pytest.raises(ValueError, match=r"\[W, S\]"):
+        bucketed_loss(LOSS, VALID[:1], SOFT, bucket=2)
+
+
+def test_compare_relative_change_per_bucket_and_overall() -> None:
+    before = bucketed_loss(LOSS, VALID, SOFT, bucket=2)
+    after = bucketed_loss(LOSS / 2, VALID, SOFT, bucket=2)
+    after[2] = {**after[2], "loss": 7.5}  # bucket 2 worse: 5 -> 7.5
+    out = compare(before, after)
+    assert [b["change"] for b in out["buckets"]] == pytest.approx([-0.5, -0.5, 0.5])
+    assert math.isnan(out["buckets"][2]["repeat_change"])  # no repeat tokens there
+    assert out["buckets"][0]["before"] is before[0] and out["buckets"][0]["after"] is after[0]
+    o = out["overall"]
+    # token-weighted over buckets = mean over all 7 valid tokens
+    assert o["loss_before"] == pytest.approx(LOSS[VALID].mean())
+    assert o["loss_after"] == pytest.approx((3 * 1.0 + 3 * 13 / 6 + 7.5) / 7)
+    assert o["change"] == pytest.approx(o["loss_after"] / o["loss_before"] - 1)
+    assert o["tokens"] == 7 and o["repeat_tokens"] == 4 and o["unmasked_tokens"] == 3
+    with pytest.raises(ValueError, match="different buckets"):
+        compare(before, bucketed_loss(LOSS, VALID, SOFT, bucket=3))
+
+
+class EmaUnigram(torch.nn.Module):
+    """Predicts token t+1 from counts of tokens 0..t decayed by `decay` per step: p ~ 0.5 + counts.
+
+    decay=0 sees only the current token; decay=1 sees the whole context, so its loss depends on how
+    much context it is given.
+    """
+
+    def __init__(self, vocab: int, decay: float) -> None:
+        super().__init__()
+        self.decay = decay
+        self.prior = torch.nn.Parameter(torch.full((vocab,), 0.5))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+        assert reduction == "none"
+        onehot = torch.nn.functional.one_hot(input_ids, self.prior.numel()).float()  # [B, S, V]
+        counts, steps = torch.zeros_like(onehot[:, 0]), []
+        for t in range(input_ids.shape[1]):
+            counts = self.decay * counts + onehot[:, t]
+            steps.append(counts)
+        p = torch.stack(steps, 1) + self.prior
+        logp = p.log() - p.sum(-1, keepdim=True).log()
+        nll = -logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        return torch.where(labels == -100, torch.zeros_like(nll), nll)
+
+
+def make_windows(n: int, seq: int, seed: int = 0) -> list[dict]:
+    """Synthetic held-out windows as `WindowDataset` yields them (4 token ids, some N targets)."""
+    g = torch.Generator().manual_seed(seed)
+    windows = []
+    for i in range(n):
+        ids = torch.randint(0, 4, (seq,), generator=g)
+        ids[: seq // 3] = 0  # a long run of one base early: long-memory models carry it forward
+        labels = torch.full_like(ids, -100)
+        labels[:-1] = ids[1:]
+        labels[torch.rand(seq, generator=g) < 0.1] = -100  # N bases
+        soft = torch.rand(seq, generator=g) < 0.4
+        windows.append({"input_ids": ids, "labels": labels, "softmask": soft, "position": torch.arange(seq),
+                        "record": "chrT", "start": i * seq, "end": (i + 1) * seq})  # fmt: skip
+    return windows
+
+
+def test_score_windows_full_context() -> None:
+    model, windows = EmaUnigram(4, decay=0.9), make_windows(3, 10)
+    scores = score_windows(model, windows, bucket=4, context_cut=False)
+    assert scores.loss.dtype == np.float32 and scores.loss.shape == (3, 10) and scores.cut_loss is None
+    for i, w in enumerate(windows):
+        expected = model.loss(w["input_ids"][None], w["labels"][None])[0].detach().numpy()
+        np.testing.assert_allclose(scores.loss[i], expected, rtol=1e-6)
+        np.testing.assert_array_equal(scores.valid[i], (w["labels"] != -100).numpy())
+        np.testing.assert_array_equal(scores.softmask[i, :-1], w["softmask"][1:].numpy())  # the target's flag
+        assert np.all(scores.loss[i][~scores.valid[i]] == 0)
+
+
+def test_context_cut_scores_last_bucket_from_preceding_bucket_only() -> None:
+    # S=10, bucket 4: buckets [0,4) [4,8) [8,10); the cut scores positions 8, 9 from input_ids[4:10]
+    model, windows = EmaUnigram(4, decay=1.0), make_windows(2, 10)
+    scores = score_windows(model, windows, bucket=4, context_cut=True)
+    assert scores.cut_start == 8 and scores.cut_loss.shape == (2, 2)
+    for i, w in enumerate(windows):
+        part = model.loss(w["input_ids"][None, 4:], w["labels"][None, 4:])[0, 4:].detach().numpy()
+        np.testing.assert_allclose(scores.cut_loss[i], part, rtol=1e-6)
+    valid = scores.valid[:, 8:]
+    assert not np.allclose(scores.cut_loss[valid], scores.loss[:, 8:][valid])  # long memory: the cut matters
+    short = score_windows(EmaUnigram(4, decay=0.0), windows, bucket=4, context_cut=True)
+    np.testing.assert_allclose(short.cut_loss, short.loss[:, 8:], rtol=1e-6)  # no memory: it does not
+
+
+def test_context_cut_needs_two_buckets() -> None:
+    with pytest.raises(ValueError, match="2 buckets"):
+        score_windows(EmaUnigram(4, 0.5), make_windows(1, 8), bucket=8, context_cut=True)
+
+
+def test_check_bucket_and_pick_windows() -> None:
+    assert check_bucket(4, 10) == 3 and check_bucket(10, 10) == 1
+    with pytest.raises(EvalError, match="larger than SEQ"):
+        check_bucket(11, 10)
+    with pytest.raises(EvalError, match="positive"):
+        check_bucket(0, 10)
+    assert pick_windows(10, 0) == list(range(10)) and pick_windows(3, 5) == [0, 1, 2]
+    assert pick_windows(10, 4) == [0, 3, 6, 9]
+
+
+def test_main_rejects_bucket_larger_than_seq(tmp_path, capsys) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("run: t\nseq: 4096\n")
+    assert main([str(config), "bucket=8192", f"results_dir={tmp_path}"]) == 1
+    assert "larger than SEQ (4096 tokens)" in capsys.readouterr().err
+
+
+def test_missing_checkpoint_says_to_train_first(tmp_path) -> None:
+    config = TrainConfig(run="t", runs_dir=str(tmp_path))
+    with pytest.raises(EvalError, match="make train"):
+        resolve_models(config, before="base", after=None)
+
+
+def run_synthetic_eval(folder, seq: int = 12, bucket: int = 4) -> dict:
+    """A full before/after evaluation of synthetic windows with two tiny models; writes into `folder`."""
+    models = {"before": EmaUnigram(4, decay=0.0), "after": EmaUnigram(4, decay=0.95)}
+    config = TrainConfig(run="synthetic", seq=str(seq), bucket=bucket, context_cut=True)
+    windows = make_windows(4, seq)
+    provenance = {"data_dir": "synthetic", "manifest": "synthetic/manifest.json",
+                  "windows": [{"index": i, "record": w["record"], "start": w["start"], "end": w["end"]}
+                              for i, w in enumerate(windows)]}  # fmt: skip
+    result = evaluate(config, windows, models.__getitem__, "before", "after", provenance)
+    write_outputs(result, folder)
+    return result
+
+
+def test_writers_json_csv_png_and_table(tmp_path, capsys) -> None:
+    result = run_synthetic_eval(tmp_path, seq=10, bucket=4)
+    capsys.readouterr()
+
+    def no_nan(name: str) -> float:
+        raise AssertionError(f"{name} in strict JSON")
+
+    saved = json.loads((tmp_path / "buckets.json").read_text(), parse_constant=no_nan)
+    assert saved["settings"] == {"run": "synthetic", "seq": 10, "bucket": 4, "buckets": 3, "windows": 4,
+                                 "eval_windows": 0, "context_cut": True}  # fmt: skip
+    assert [(b["start"], b["end"]) for b in saved["buckets"]] == [(0, 4), (4, 8), (8, 10)]
+    assert saved["overall"]["change"] == pytest.approx(result["overall"]["change"])
+    assert saved["context_cut"]["start"] == 8 and saved["context_cut"]["context"] == 4
+    assert saved["provenance"]["before_model"] == "before" and len(saved["provenance"]["windows"]) == 4
+    assert not list(tmp_path.glob("*.tmp"))
+
+    with open(tmp_path / "buckets.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 3 and rows[2]["start"] == "8" and rows[2]["end"] == "10"
+    for row, bucket in zip(rows, saved["buckets"]):
+        assert float(row["before_loss"]) == pytest.approx(bucket["before"]["loss"])
+        assert float(row["after_se"]) == pytest.approx(bucket["after"]["se"])
+        assert float(row["change"]) == pytest.approx(bucket["change"])
+        assert int(row["after_repeat_tokens"]) == bucket["after"]["repeat_tokens"]
+
+    assert (tmp_path / "loss_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = format_table(saved).splitlines()
+    assert table[0].split()[:4] == ["bucket", "context", "(kb)", "tokens"]
+    assert [line.split()[0] for line in table[2:5]] == ["0", "1", "2"] and table[6].split()[0] == "all"
+    assert any(line.startswith("context cut") for line in table)
