@@ -1,0 +1,180 @@
+"""k-pool lightning indexer of GLM-5.3-Flash's DeepSeek Sparse Attention (DSA) layers.
+
+The indexer picks, for every query token, which earlier tokens the main attention reads. Keys are grouped
+into pools of `index_kpool` consecutive tokens (pool p = tokens [p*kpool, (p+1)*kpool)); each complete pool
+gets one key (a learned softmax-weighted mix of its tokens' keys), queries score pools, and the
+`index_topk / index_kpool` best visible pools are expanded back to tokens. The incomplete pool at the
+query (the up to kpool-1 tokens after the last complete visible pool, ending at the query) is always added.
+
+Only the causal, unpadded case is supported (one window per row): the first valid token is position 0.
+Scoring runs over blocks of `RunOptions.indexer_query_block` queries, so working memory is
+[B, block, index_n_heads, S / kpool], never S x S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from genomelm.model.config import ModelConfig, RunOptions
+
+
+@dataclass
+class Selection:
+    """Which tokens each query attends to, kept compactly as selected pools.
+
+    `pools` [B, S, K] int32: start-pool numbers p (tokens p*kpool .. p*kpool+kpool-1) selected for each
+    query, in descending indexer score; -1 marks an empty slot (fewer than K visible pools).
+    K = index_topk // kpool. The tail (tokens after the query's last complete pool, up to the query) is
+    implied by the query position and added when `select_tail`.
+    """
+
+    pools: Tensor
+    kpool: int
+    select_tail: bool
+
+    @property
+    def slots(self) -> int:
+        """Tokens per query: K * kpool selected-pool tokens + (kpool - 1) tail tokens."""
+        return self.pools.shape[-1] * self.kpool + (self.kpool - 1 if self.select_tail else 0)
+
+    def token_indices(self, start: int = 0, end: int | None = None) -> Tensor:
+        """Token positions read by queries start..end-1: [B, end-start, slots] int64, -1 for empty slots."""
+        end = self.pools.shape[1] if end is None else end
+        pools = self.pools[:, start:end].long()
+        batch, queries, _ = pools.shape
+        offsets = torch.arange(self.kpool, device=pools.device)
+        tokens = (pools[..., None] * self.kpool + offsets).masked_fill(pools[..., None] < 0, -1).flatten(-2)
+        if not self.select_tail or self.kpool == 1:
+            return tokens
+        position = torch.arange(start, end, device=pools.device)
+        tail_count = (position + 1) % self.kpool
+        tail_offsets = torch.arange(self.kpool - 1, device=pools.device)
+        tail = (position + 1 - tail_count)[:, None] + tail_offsets
+        tail = tail.masked_fill(tail_offsets >= tail_count[:, None], -1)
+        return torch.cat([tokens, tail.expand(batch, queries, -1)], dim=-1)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer with k-pool compression. Parameter names follow transformers' `Glm5NextTextIndexer`."""
+
+    def __init__(self, config: ModelConfig, options: RunOptions | None = None) -> None:
+        super().__init__()
+        self.options = options if options is not None else RunOptions()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.kpool = config.index_kpool
+        self.pools_per_query = config.index_topk // config.index_kpool
+        self.select_tail = config.index_kpool_always_select_tail
+        self.softmax_scale = self.head_dim**-0.5
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, config.hidden_size))
+
+    def pool_keys(self, x: Tensor) -> Tensor:
+        """Keys of the complete pools: x [B, S, D] -> [B, S // kpool, head_dim] (in x's dtype)."""
+        batch, seq_len, _ = x.shape
+        n_pools = seq_len // self.kpool
+        keys = self.k_norm(self.wk(x))[:, : n_pools * self.kpool].view(batch, n_pools, self.kpool, -1)
+        gate = F.linear(x, self.index_kpool_compress_gate)[:, : n_pools * self.kpool]
+        logits = gate.view(batch, n_pools, self.kpool, -1).float() + self.index_kpool_compress_ape.float()
+        return (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2)
+
+    def _block_scores(self, x: Tensor, q_resid: Tensor, pool_keys: Tensor, start: int) -> Tensor:
+        """Index scores of queries start..start+b-1 against all pools: [B, b, P] fp32, invisible pools -inf-like.
+
+        x [B, b, D] and q_resid [B, b, q_lora_rank] are the block's rows; pool_keys [B, P, head_dim].
+        """
+        batch, block, _ = x.shape
+        q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
+        scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))
+        scores = F.relu(scores * self.softmax_scale)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
+        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+        return index_scores.masked_fill(
+            ~self._visible(start, block, pool_keys.shape[1], x.device), torch.finfo(torch.float32).min
+        )
+
+    def _visible(self, start: int, block: int, n_pools: int, device: torch.device) -> Tensor:
+        """[b, P] bool: pool p is selectable by query t iff complete and its last token p*kpool+kpool-1 <= t."""
+        position = torch.arange(start, start + block, device=device)
+        pool_end = torch.arange(n_pools, device=device) * self.kpool + self.kpool - 1
+        return pool_end[None, :] <= position[:, None]
+
+    @torch.no_grad()
+    def select(self, x: Tensor, q_resid: Tensor) -> Selection:
+        """Top pools per query. x [B, S, D], q_resid [B, S, q_lora_rank] (= q_a_layernorm(q_a_proj(x)))."""
+        batch, seq_len, _ = x.shape
+        pool_keys = self.pool_keys(x)
+        n_pools = pool_keys.shape[1]
+        take = min(self.pools_per_query, n_pools)
+        pools = torch.full((batch, seq_len, self.pools_per_query), -1, dtype=torch.int32, device=x.device)
+        block = max(1, self.options.indexer_query_block)
+        for start in range(0, seq_len if take else 0, block):
+            end = min(start + block, seq_len)
+            scores = self._block_scores(x[:, start:end], q_resid[:, start:end], pool_keys, start)
+            chosen = scores.topk(take, dim=-1).indices
+            visible = (
+                self._visible(start, end - start, n_pools, x.device).expand(batch, -1, -1).gather(-1, chosen)
+            )
+            pools[:, start:end, :take] = chosen.masked_fill(~visible, -1).to(torch.int32)
+        return Selection(pools=pools, kpool=self.kpool, select_tail=self.select_tail)
+
+    def kl_loss(self, x: Tensor, q_resid: Tensor, selection: Selection, pool_mass: Tensor) -> Tensor:
+        """DeepSeek-V3.2 indexer training signal: mean over queries of KL(attention || indexer) on selected pools.
+
+        pool_mass [B, S, K] fp32: main-attention probability summed over heads on each selected pool (the
+        tail excluded), treated as a constant; it is renormalised over the query's selected pools. The
+        indexer distribution is the softmax of its index scores over the same pools. Inputs x and q_resid
+        are detached here, so gradients reach only the indexer's parameters. Token-level KL with every
+        token of a pool carrying the pool's score differs from this by a constant only.
+        """
+        x, q_resid, pool_mass = x.detach(), q_resid.detach(), pool_mass.detach()
+        pool_keys = self.pool_keys(x)
+        seq_len = x.shape[1]
+        block = max(1, self.options.indexer_query_block)
+        total = pool_keys.sum() * 0.0
+        for start in range(0, seq_len, block):
+            end = min(start + block, seq_len)
+            pools = selection.pools[:, start:end].long()
+            total = total + checkpoint(
+                self._block_kl,
+                x[:, start:end],
+                q_resid[:, start:end],
+                pool_keys,
+                pools,
+                pool_mass[:, start:end],
+                use_reentrant=False,
+            )
+        queries = (selection.pools >= 0).any(-1).sum()
+        return total / queries.clamp(min=1)
+
+    def _block_kl(
+        self, x: Tensor, q_resid: Tensor, pool_keys: Tensor, pools: Tensor, pool_mass: Tensor
+    ) -> Tensor:
+        """Sum over the block's queries of KL(normalised pool_mass || softmax of selected pools' index scores)."""
+        batch, block, _ = x.shape
+        valid = pools >= 0
+        safe = pools.clamp(min=0)
+        keys = pool_keys[torch.arange(batch, device=x.device)[:, None, None], safe]  # [B, b, K, head_dim]
+        q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
+        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.softmax_scale)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
+        index_scores = (
+            torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2).masked_fill(~valid, float("-inf"))
+        )
+        index_scores = index_scores.masked_fill(
+            ~valid.any(-1, keepdim=True), 0.0
+        )  # rows with no pool: finite
+        log_q = torch.log_softmax(index_scores, dim=-1)
+        target = pool_mass.float().masked_fill(~valid, 0.0)
+        target = target / target.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        terms = target * (torch.log(target.clamp(min=torch.finfo(torch.float32).tiny)) - log_q)
+        return terms.masked_fill(~valid, 0.0).sum()

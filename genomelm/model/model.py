@@ -1,0 +1,257 @@
+"""GLM-5.3-Flash text decoder for causal language modelling (`GlmForCausalLM`).
+
+Token embeddings are copied into `hc_mult` residual streams; each `DecoderLayer` runs two mHC-wrapped blocks
+(attention: KDA or DSA; feed-forward: dense SwiGLU or MoE); the streams are averaged, normed and projected onto the
+vocabulary only inside the chunked loss. Parameter names equal transformers' `Glm5NextTextModel` plus `lm_head`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .config import DSA, KDA, MOE, ModelConfig, RunOptions
+from .dsa import DSAAttention
+from .indexer import Indexer, Selection
+from .kda import ForgetGate, KDAttention
+from .loss import chunked_cross_entropy, token_nll
+from .mhc import HyperConnection, hc_combine, hc_head
+from .mlp import MLP
+from .moe import Experts, MoE, TopkRouter
+from .norms import GatedRMSNorm, RMSNorm
+
+log = logging.getLogger(__name__)
+
+LayerRunner = Callable[["DecoderLayer", Tensor, "Selection | None"], "tuple[Tensor, Selection | None]"]
+
+
+class DecoderLayer(nn.Module):
+    """One block pair on the residual streams: [B, S, N, D] -> [B, S, N, D]."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, options: RunOptions) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.attn_hc = HyperConnection(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn: KDAttention | DSAAttention = (
+            KDAttention(config, layer_idx, options)
+            if self.layer_type == KDA
+            else DSAAttention(config, layer_idx, options)
+        )
+        self.ffn_hc = HyperConnection(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: MoE | MLP = (
+            MoE(config, options) if config.mlp_layer_types[layer_idx] == MOE else MLP(config)
+        )
+
+    def forward(
+        self, streams: Tensor, shared_selection: Selection | None = None
+    ) -> tuple[Tensor, Selection | None]:
+        """streams [B, S, N, D]; shared_selection: the latest full DSA layer's (used by "shared" DSA layers).
+
+        Returns the new streams and this layer's DSA selection (None for KDA layers).
+        """
+        post, comb, x = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        selection = None
+        if self.layer_type == DSA:
+            x, selection = self.self_attn(x, shared_selection)
+        else:
+            x, _ = self.self_attn(x)
+        streams = hc_combine(post, comb, x, streams)
+        post, comb, x = self.ffn_hc(streams)
+        x = self.mlp(self.post_attention_layernorm(x))
+        return hc_combine(post, comb, x, streams), selection
+
+    @property
+    def path(self) -> str:
+        """What this layer ran (or will run): attention path | feed-forward path."""
+        return f"{self.self_attn.path} | {self.mlp.path}"
+
+
+def _call_layer(
+    layer: DecoderLayer, streams: Tensor, shared_selection: Selection | None
+) -> tuple[Tensor, Selection | None]:
+    return layer(streams, shared_selection)
+
+
+class GlmForCausalLM(nn.Module):
+    """Decoder + untied output head. See the module docstring and /work/notes/model_contract.md."""
+
+    def __init__(self, config: ModelConfig, options: RunOptions | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.options = options if options is not None else RunOptions()
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.options) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.last_indexer_loss: dict[int, Tensor] = {}
+        self._announced = False
+        self.init_weights()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        options: RunOptions | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> GlmForCausalLM:
+        """Randomly initialised model in `dtype` (the fp32-declared parameters stay fp32) on `device` (meta works)."""
+        with torch.device(device if device is not None else "cpu"), _default_dtype(dtype):
+            return cls(config, options)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The reference initialisation: normal(0, initializer_range) for matrices and embeddings (pad row 0),
+        norms 1, mHC base 0 / scale 1, router bias 0, KDA A_log 0 (with a lower bound; else log U(1, 16)) and
+        dt_bias = softplus^-1 of log-uniform [1e-3, 1e-1], indexer pool ape 0 / gate 1. No data-dependent step,
+        so it runs on the meta device."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv1d)):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std)
+                if module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+                module.weight.fill_(1.0)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, HyperConnection):
+                module.fn.normal_(0.0, std)
+                module.base.zero_()
+                module.scale.fill_(1.0)
+            elif isinstance(module, Experts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+            elif isinstance(module, TopkRouter):
+                module.weight.normal_(0.0, std)
+                module.e_score_correction_bias.zero_()
+            elif isinstance(module, ForgetGate):
+                if module.lower_bound is not None:
+                    module.A_log.zero_()
+                else:
+                    module.A_log.uniform_(1.0, 16.0).log_()
+                dt = module.dt_bias.uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif isinstance(module, Indexer):
+                module.index_kpool_compress_ape.zero_()
+                module.index_kpool_compress_gate.fill_(1.0)
+
+    # ------------------------------------------------------------------ forward
+    def check_dense_guard(self, seq_len: int) -> None:
+        """Refuse sequences longer than `options.forbid_dense_above` when some layer would build S x S tensors."""
+        limit = self.options.forbid_dense_above
+        dense = self.config.dsa_layers if self.options.dsa_backend == "dense" else []
+        if limit is not None and seq_len > limit and dense:
+            raise ValueError(
+                f"sequence of {seq_len} tokens > forbid_dense_above={limit}: DSA layers {dense} run "
+                "dsa_backend='dense', which builds S x S tensors; use dsa_backend='sparse' (or raise the limit)"
+            )
+
+    def hidden_states(self, input_ids: Tensor, layer_runner: LayerRunner | None = None) -> Tensor:
+        """input_ids [B, S] -> final normed hidden states [B, S, D].
+
+        `layer_runner(layer, streams, shared_selection) -> (streams, selection)` wraps every layer call
+        (activation recompute, offload); default: call the layer.
+        """
+        self.check_dense_guard(input_ids.shape[1])
+        runner = layer_runner if layer_runner is not None else _call_layer
+        streams = (
+            self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        )
+        selection: Selection | None = None
+        for layer in self.layers:
+            streams, new_selection = runner(layer, streams, selection)
+            if new_selection is not None:
+                selection = new_selection
+        self.last_indexer_loss = {
+            layer.layer_idx: layer.self_attn.indexer_loss
+            for layer in self.layers
+            if isinstance(layer.self_attn, DSAAttention) and layer.self_attn.indexer_loss is not None
+        }
+        if not self._announced:
+            self._announced = True
+            log.info(
+                "genomelm model paths at the first forward (%d tokens per row):\n%s",
+                input_ids.shape[1],
+                self.path_table(),
+            )
+        return self.norm(hc_head(streams))
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        reduction: str = "mean",
+        layer_runner: LayerRunner | None = None,
+    ) -> Tensor:
+        """Cross-entropy of position t predicting labels[t] (-100 ignored), chunked over tokens.
+
+        reduction "mean" (over non-ignored tokens) or "sum": a scalar, plus the DSA indexer KL terms when
+        `options.train_indexer` (also kept, per layer, in `last_indexer_loss`); "none": [B, S] fp32, 0 at ignored
+        positions, without indexer terms.
+        """
+        hidden = self.hidden_states(input_ids, layer_runner)
+        ce = chunked_cross_entropy(
+            hidden, self.lm_head.weight, labels, self.options.loss_chunk_tokens, reduction
+        )
+        if reduction != "none" and self.last_indexer_loss:
+            ce = ce + sum(self.last_indexer_loss.values())
+        return ce
+
+    @torch.no_grad()
+    def token_logprobs(self, input_ids: Tensor, layer_runner: LayerRunner | None = None) -> Tensor:
+        """log p(x[t+1] | x[<=t]) for t = 0..S-2: [B, S-1] fp32, chunked over tokens."""
+        hidden = self.hidden_states(input_ids, layer_runner)[:, :-1]
+        return -token_nll(hidden, self.lm_head.weight, input_ids[:, 1:], self.options.loss_chunk_tokens)
+
+    # ------------------------------------------------------------------ reports
+    def path_table(self) -> str:
+        """One line per layer with the attention and feed-forward paths, plus the loss path."""
+        lines = [f"{'layer':>5}  {'type':<5}  path"]
+        for layer in self.layers:
+            kind = "KDA" if layer.layer_type == KDA else "DSA"
+            lines.append(f"{layer.layer_idx:>5}  {kind:<5}  {layer.path}")
+        lines.append(
+            f"{'':>5}  {'head':<5}  loss: chunked cross-entropy, {self.options.loss_chunk_tokens} tokens at a time"
+        )
+        return "\n".join(lines)
+
+    def router_stats(self) -> dict[int, Tensor]:
+        """Tokens routed to each expert [E] (long) per MoE layer, for the last forward."""
+        return {
+            layer.layer_idx: layer.mlp.tokens_per_expert
+            for layer in self.layers
+            if isinstance(layer.mlp, MoE) and layer.mlp.tokens_per_expert is not None
+        }
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create floating tensors in `dtype` unless they name their own dtype."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

@@ -1,0 +1,46 @@
+"""RMS normalisations used by GLM-5.3-Flash: weighted, sigmoid-gated and unweighted.
+
+All statistics are taken in fp32; the weighted norm returns `weight * normed.to(input dtype)` (the checkpoint's
+convention), the gated norm stays in fp32 until its final cast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
+    """`x / rms(x)` over the last dimension, statistics in fp32, result in x's dtype. x: [..., D]."""
+    inv_rms = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+    return x * inv_rms.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMS norm over the last dimension (size `dim`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., dim] -> [..., dim] (x's dtype, promoted with the weight's)."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm of x times `sigmoid(gate)`, all in fp32 (KDA's output norm, per head of size `dim`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        """x, gate: [..., dim] -> [..., dim] in x's dtype."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
