@@ -137,7 +137,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Held-out loss per position bucket, before and after training.",
         epilog="example: genomelm eval configs/train/hg38-512k.yaml bucket=65536 eval_windows=8",
     )
-    parser.add_argument("config", help="run config YAML (configs/train/...)")
+    parser.add_argument("config", nargs="?", help="run config YAML (configs/train/...)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="run settings to override")
     parser.add_argument("--before", help="model before training (default: the run's base model)")
     parser.add_argument("--after", help="model after training (default: the run's newest checkpoint)")
@@ -147,7 +147,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        config = TrainConfig.load(args.config, args.overrides)
+        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
         check_bucket(config.bucket, config.seq_len)
     except (EvalError, ValueError, FileNotFoundError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from genomelm.data import DataError
 from genomelm.train.config import TrainConfig
 
 
@@ -17,11 +18,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
     args = parser.parse_args(argv)
-    items = ([args.config] if args.config and "=" in args.config else []) + args.overrides
-    path = args.config if args.config and "=" not in args.config else None
     try:
-        config = TrainConfig.load(path, items)
-    except (ValueError, FileNotFoundError) as exc:
+        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
+    except (ValueError, FileNotFoundError, DataError) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 2
     if config.dry_run:

@@ -14,30 +14,7 @@ from typing import Any
 
 import yaml
 
-SEQ_SUFFIXES = {"k": 1024, "m": 1024 * 1024}
-
-
-def parse_seq(value: str | int) -> int:
-    """'16k' -> 16384, '512k' -> 524288, '1M' -> 1048576, '4096' -> 4096."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().lower()
-    try:
-        if text and text[-1] in SEQ_SUFFIXES:
-            return int(text[:-1]) * SEQ_SUFFIXES[text[-1]]
-        return int(text)
-    except ValueError:
-        raise ValueError(f"cannot read a sequence length from {value!r}; use 16k, 512k, 1M or a plain integer") from None
-
-
-def seq_name(seq: int) -> str:
-    """524288 -> '512k', 1048576 -> '1m', 5000 -> '5000' (the suffix `genomelm data` uses for folders)."""
-    if seq % SEQ_SUFFIXES["m"] == 0:
-        return f"{seq // SEQ_SUFFIXES['m']}m"
-    if seq % SEQ_SUFFIXES["k"] == 0:
-        return f"{seq // SEQ_SUFFIXES['k']}k"
-    return str(seq)
-
+from genomelm.data.regions import parse_seq, seq_label
 
 @dataclass
 class TrainConfig:
@@ -88,7 +65,7 @@ class TrainConfig:
 
     @property
     def data_dir(self) -> Path:
-        return Path(self.data) if self.data else Path("data/prepared") / f"{self.genome}-{seq_name(self.seq_len)}"
+        return Path(self.data) if self.data else Path("data/prepared") / f"{self.genome}-{seq_label(self.seq_len)}"
 
     @property
     def run_dir(self) -> Path:
@@ -116,21 +93,45 @@ class TrainConfig:
         unknown = sorted(k for k in raw if k not in fields)
         if unknown:
             raise ValueError(f"unknown run setting(s) {unknown}; known: {sorted(k for k in fields if k != 'extra')}")
-        if "betas" in raw:
-            raw["betas"] = tuple(raw["betas"])
-        if "seq" in raw:
-            raw["seq"] = str(raw["seq"])
-        for key in ("data", "model"):
-            if key in raw and raw[key] is not None:
-                raw[key] = str(raw[key])
+        for key, value in raw.items():
+            raw[key] = _coerce(key, value, fields[key].default)
         config = cls(**raw)
         parse_seq(config.seq)
         if config.wandb not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb must be offline, online or disabled, not {config.wandb!r}")
         return config
 
+    @classmethod
+    def from_args(cls, items: list[str]) -> "TrainConfig":
+        """`[CONFIG.yaml] [key=value ...]` as typed after `genomelm train` / `genomelm eval`."""
+        if items and "=" not in items[0]:
+            return cls.load(items[0], items[1:])
+        return cls.load(None, items)
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("extra")
         out["betas"] = list(self.betas)
         return out
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Give a YAML/command-line value the type of the setting's default (YAML reads `3e-3` as a string)."""
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+                return value.lower() in ("true", "yes", "on", "1")
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if isinstance(default, tuple):
+            return tuple(float(v) for v in value)
+        return None if value is None else str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"setting {key}={value!r}: expected a value like {default!r}") from None

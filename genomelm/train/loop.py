@@ -121,9 +121,10 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
 
     model_source = str(resume_from / "model") if resume_from else config.model
     model = load_model(model_source, options=run_options(config), device=device)
-    if model.config.vocab_size <= int(dataset.max_token_id):
+    max_token_id = max(dataset.vocab.code_to_id)
+    if model.config.vocab_size <= max_token_id:
         raise ValueError(
-            f"the data's token ids reach {dataset.max_token_id} but the model's vocabulary has "
+            f"the data's token ids reach {max_token_id} but the model's vocabulary has "
             f"{model.config.vocab_size} entries; prepare the data with the model's tokenizer (--tokenizer)"
         )
     init_dir = run_dir / "init"
@@ -132,13 +133,11 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     model.train()
     runner = LayerRunner(recompute=config.recompute, offload=config.offload)
     optimizer = make_optimizer(model, config, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     order = DataOrder(len(dataset), config.seed)
     start_step, bad_in_row = 0, 0
     if resume_from is not None:
         state = torch.load(resume_from / "trainer.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         order.load(state["data_order"])
         checkpoints.set_rng_state(state["rng"])
         start_step, bad_in_row = state["step"], state["bad_in_row"]
@@ -151,6 +150,9 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                desc=f"train {config.run}", unit="step")
     for step in bar:
         started = time.perf_counter()
+        lr = config.lr * lr_factor(step, config)  # the schedule is a function of the step alone
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         loss_sum, windows = 0.0, []
         for _ in range(config.grad_accum):
@@ -173,18 +175,16 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             bad_in_row += 1
             summary["skipped"] += 1
-        scheduler.step()
         elapsed = time.perf_counter() - started
         rss, peak_rss = host_memory_gb()
         record = {
-            "step": step + 1, "loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+            "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_step / elapsed, "step_s": elapsed, "skipped": not finite,
             "peak_device_mem_gb": device_peak_gb(), "host_rss_gb": rss, "host_peak_rss_gb": peak_rss,
             "windows": windows,
         }
-        indexer_loss = getattr(model, "last_indexer_loss", None)
-        if indexer_loss is not None:
-            record["indexer_kl"] = float(indexer_loss)
+        if model.last_indexer_loss:
+            record["indexer_kl"] = float(sum(model.last_indexer_loss.values()))
         for layer, counts in model.router_stats().items():
             counts = counts.float()
             record[f"router/{layer}/max_over_mean"] = float(counts.max() / counts.mean().clamp_min(1e-9))
@@ -205,7 +205,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         if (step + 1) % config.save_every == 0 or done:
             state = {
                 "step": step + 1, "bad_in_row": bad_in_row, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "data_order": order.state(), "rng": checkpoints.rng_state(),
+                "schedule": {"step": step + 1, "lr": lr}, "data_order": order.state(), "rng": checkpoints.rng_state(),
                 "config": config.to_dict(),
             }
             summary["checkpoint"] = checkpoints.save_checkpoint(run_dir, step + 1, model, state,

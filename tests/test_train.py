@@ -1,0 +1,193 @@
+"""Training loop on real DNA with the `tiny` preset: learning, exact resume, crash safety, memory switches."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from genomelm.data.command import main as data_main
+from genomelm.model import load_model
+from genomelm.train import checkpoints
+from genomelm.train.config import TrainConfig
+from genomelm.train.loop import NonFiniteLoss, train
+from genomelm.train.memory import LayerRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+GENOME = ROOT / "data" / "dmel_chr4.fa.gz"
+
+
+def prepare(out: Path, train_region: str, seq: int) -> Path:
+    code = data_main([
+        "--fasta", str(GENOME), "--genome", out.name, "--train", train_region,
+        "--heldout", "NC_004353.4:200001-201024", "--seq", str(seq), "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_window(tmp_path_factory) -> Path:
+    """One 256-base training window of real fly DNA."""
+    return prepare(tmp_path_factory.mktemp("data") / "one", "NC_004353.4:100001-100256", 256)
+
+
+@pytest.fixture(scope="module")
+def many_windows(tmp_path_factory) -> Path:
+    """32 training windows of 128 bases."""
+    return prepare(tmp_path_factory.mktemp("data") / "many", "NC_004353.4:300001-304096", 128)
+
+
+def config(tmp_path: Path, data: Path, **overrides) -> TrainConfig:
+    settings = {
+        "run": "t", "model": "tiny", "data": str(data), "seq": str(overrides.pop("seq", 128)), "steps": 6,
+        "lr": 3e-3, "warmup_steps": 2, "save_every": 3, "wandb": "disabled", "runs_dir": str(tmp_path / "runs"),
+        "results_dir": str(tmp_path / "results"),
+    }
+    settings.update(overrides)
+    return TrainConfig.load(None, [f"{k}={v}" for k, v in settings.items()])
+
+
+def metrics(cfg: TrainConfig) -> list[dict]:
+    return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_overfits_one_repeated_window(tmp_path, one_window):
+    cfg = config(tmp_path, one_window, seq=256, steps=50, lr=5e-3, warmup_steps=5, min_lr_ratio=1.0,
+                 weight_decay=0.0, save_every=1000)
+    losses = train(cfg, progress=False)["losses"]
+    assert len(losses) == 50
+    assert min(losses) < 0.2 * losses[0], losses
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path, many_windows, monkeypatch):
+    whole = config(tmp_path / "a", many_windows)
+    reference = train(whole, progress=False)["losses"]
+
+    interrupted = config(tmp_path / "b", many_windows)
+    real_save = checkpoints.save_checkpoint
+
+    def save_then_interrupt(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt  # Ctrl-C right after the step-3 checkpoint
+
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted, progress=False)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", real_save)
+    assert checkpoints.latest_checkpoint(interrupted.run_dir).name == "step-0000003"
+
+    resumed = train(interrupted, progress=False)
+    assert resumed["start_step"] == 3
+    assert resumed["losses"] == reference[3:]  # bit-for-bit on the CPU
+    logged = [row["loss"] for row in metrics(interrupted)]
+    assert logged == reference
+
+
+def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, many_windows):
+    cfg = config(tmp_path, many_windows, steps=10_000, save_every=1, keep_checkpoints=2)
+    overrides = [f"{k}={v}" for k, v in cfg.to_dict().items() if k not in ("betas",)]
+    root = checkpoints.checkpoint_dir(cfg.run_dir)
+
+    def half_written() -> bool:
+        return root.is_dir() and any(p.name.startswith(checkpoints.TMP_PREFIX) for p in root.iterdir())
+
+    for _attempt in range(5):  # the kill can land just after a rename; then try again
+        proc = subprocess.Popen([sys.executable, "-m", "genomelm.cli", "train", *overrides],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        try:
+            # wait for one complete checkpoint, then kill while the next one is being written
+            while checkpoints.latest_checkpoint(cfg.run_dir) is None or not half_written():
+                assert proc.poll() is None and time.monotonic() < deadline, "training wrote no checkpoint"
+                time.sleep(0.0005)
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        if half_written():
+            break
+    assert any(p.name.startswith(checkpoints.TMP_PREFIX) for p in root.iterdir())
+    last = checkpoints.latest_checkpoint(cfg.run_dir)
+    assert last is not None
+    model = load_model(str(last / "model"))
+    state = torch.load(last / "trainer.pt", weights_only=False)
+    assert state["step"] == int(last.name.split("-")[1])
+    assert sum(p.numel() for p in model.parameters()) > 0
+    # a resumed run removes the half-written folder and continues from the last good step
+    resumed = train(TrainConfig.load(None, [f"{k}={v}" for k, v in {**cfg.to_dict(), "steps": state["step"] + 1}.items()
+                                             if k != "betas"]), progress=False)
+    assert resumed["start_step"] == state["step"]
+    assert not any(p.name.startswith(checkpoints.TMP_PREFIX) for p in root.iterdir())
+
+
+@pytest.mark.parametrize("recompute,offload", [(True, False), (False, True), (True, True)])
+def test_memory_switches_do_not_change_numbers(recompute, offload):
+    torch.manual_seed(0)
+    model = load_model("tiny")
+    ids = torch.randint(1, 5, (2, 100))  # longer than index_topk, so the sparse selection matters
+    labels = torch.randint(1, 5, (2, 100))
+
+    def loss_and_grads(runner: LayerRunner | None):
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(ids, labels, layer_runner=runner)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    base_loss, base_grads = loss_and_grads(None)
+    loss, grads = loss_and_grads(LayerRunner(recompute=recompute, offload=offload))
+    assert torch.equal(loss, base_loss)
+    assert grads.keys() == base_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, base_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, many_windows, monkeypatch):
+    from genomelm.model.model import GlmForCausalLM
+
+    real_loss = GlmForCausalLM.loss
+    monkeypatch.setattr(GlmForCausalLM, "loss", lambda self, *a, **k: real_loss(self, *a, **k) * float("nan"))
+    cfg = config(tmp_path, many_windows, steps=10, max_bad_steps=3)
+    with pytest.raises(NonFiniteLoss, match="3 non-finite steps in a row"):
+        train(cfg, progress=False)
+    rows = metrics(cfg)
+    assert [row["skipped"] for row in rows] == [True, True, True]
+    assert checkpoints.latest_checkpoint(cfg.run_dir) is None
+
+
+def test_trained_checkpoint_loads_in_transformers(tmp_path, many_windows):
+    from transformers import Glm5NextForConditionalGeneration
+
+    cfg = config(tmp_path, many_windows, steps=2, save_every=2)
+    path = train(cfg, progress=False)["checkpoint"] / "model"
+    ours = load_model(str(path)).eval()
+    theirs = Glm5NextForConditionalGeneration.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ids = torch.randint(1, 5, (1, 64))
+    with torch.no_grad():
+        expected = torch.log_softmax(theirs(input_ids=ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        got = ours.token_logprobs(ids)[0]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_dry_run_full_model_without_gpu():
+    out = subprocess.run(
+        [sys.executable, "-m", "genomelm.cli", "train", "configs/train/hg38-512k.yaml", "dry_run=true"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "313.3" in text and "34 KDA + 11 DSA" in text
+    layer_rows = [line for line in text.splitlines() if line.strip()[:2].strip().isdigit() and "|" in line]
+    assert len(layer_rows) == 45
+    assert "dense S x S" not in text
+    assert "recompute: full, per layer" in text and "offload of saved layer inputs: on" in text
+    assert "logits, one loss chunk" in text
