@@ -151,7 +151,7 @@ class ModelConfig:
 
     # -------------------------------------------------------------- conversion
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config dict: `glm5_next` (nested `text_config`), `glm5_next_text`, or flat."""
         raw = dict(raw)
         outer_extra: dict[str, Any] = {}
@@ -183,7 +183,7 @@ class ModelConfig:
             raise ConfigError(f"unreadable GLM-5.3-Flash config: {exc}") from exc
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         """Read a `config.json` (or a folder holding one) or a preset YAML."""
         path = Path(path)
         if path.is_dir():
@@ -197,7 +197,7 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
+    def preset(cls, name: str) -> ModelConfig:
         """One of `configs/model/*.yaml`: `glm-5.3-flash`, `small`, `tiny`, ..."""
         path = PRESET_DIR / f"{name}.yaml"
         if not path.exists():

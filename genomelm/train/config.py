@@ -16,6 +16,7 @@ import yaml
 
 from genomelm.data.regions import parse_seq, seq_label
 
+
 @dataclass
 class TrainConfig:
     """Everything a training or evaluation run needs. Token counts are per window (one micro-batch row)."""
@@ -76,7 +77,7 @@ class TrainConfig:
         return Path(self.results_dir) / self.run
 
     @classmethod
-    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> "TrainConfig":
+    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
         """Read a YAML run config and apply `key=value` overrides (values parsed as YAML scalars)."""
         raw: dict[str, Any] = {}
         if path is not None:
@@ -102,7 +103,7 @@ class TrainConfig:
         return config
 
     @classmethod
-    def from_args(cls, items: list[str]) -> "TrainConfig":
+    def from_args(cls, items: list[str]) -> TrainConfig:
         """`[CONFIG.yaml] [key=value ...]` as typed after `genomelm train` / `genomelm eval`."""
         if items and "=" not in items[0]:
             return cls.load(items[0], items[1:])

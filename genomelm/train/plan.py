@@ -98,29 +98,42 @@ def describe_run(config: TrainConfig) -> str:
     seq = config.seq_len
     cuda = torch.cuda.is_available()
     act_bytes = 2  # the sizes describe the GPU run: bf16 autocast activations
-    lines = [
-        f"run {config.run}: model {config.model} ({n_params / 1e9:.2f}B parameters, "
-        f"{len(model_config.kda_layers)} KDA + {len(model_config.dsa_layers)} DSA layers), "
-        f"windows of {seq:,} tokens from {config.data_dir}",
-        f"steps {config.steps}, lr {config.lr} (warmup {config.warmup_steps}, cosine to x{config.min_lr_ratio}), "
-        f"grad_accum {config.grad_accum}, clip {config.grad_clip}, "
-        f"{'bf16 autocast on CUDA' if cuda else 'fp32 on the CPU (no GPU here)'}, fp32 master weights",
-        "",
-        "layer paths at this sequence length:",
-        model.path_table(),
+    kda_note = "" if cuda else (
         "  (on CUDA with fla-core installed, `pip install -e '.[gpu]'`, KDA layers run fla's chunk_kda)"
-        if not torch.cuda.is_available() else "",
+    )
+    guard = (
+        f"  S x S guard: refuse dense paths above {options.forbid_dense_above:,} tokens"
+        if options.forbid_dense_above else "  S x S guard: off"
+    )
+    lines = [
+        (
+            f"run {config.run}: model {config.model} ({n_params / 1e9:.2f}B parameters, "
+            f"{len(model_config.kda_layers)} KDA + {len(model_config.dsa_layers)} DSA layers), "
+            f"windows of {seq:,} tokens from {config.data_dir}"
+        ),
+        (
+            f"steps {config.steps}, lr {config.lr} (warmup {config.warmup_steps}, cosine to x{config.min_lr_ratio}), "
+            f"grad_accum {config.grad_accum}, clip {config.grad_clip}, "
+            f"{'bf16 autocast on CUDA' if cuda else 'fp32 on the CPU (no GPU here)'}, fp32 master weights"
+        ),
+        "",
+        "layer paths:",
+        model.path_table(),
+        kda_note,
         "",
         "memory switches:",
         f"  {LayerRunner(recompute=config.recompute, offload=config.offload).describe()}",
-        f"  MoE chunks of {options.moe_chunk_tokens:,} tokens; indexer blocks of {options.indexer_query_block} "
-        f"queries; attention blocks of {options.attention_query_block} queries; "
-        f"loss chunks of {options.loss_chunk_tokens:,} tokens",
-        f"  S x S guard: refuse dense paths above {options.forbid_dense_above:,} tokens"
-        if options.forbid_dense_above else "  S x S guard: off",
+        (
+            f"  MoE chunks of {options.moe_chunk_tokens:,} tokens; indexer blocks of {options.indexer_query_block} "
+            f"queries; attention blocks of {options.attention_query_block} queries; "
+            f"loss chunks of {options.loss_chunk_tokens:,} tokens"
+        ),
+        guard,
         "",
-        f"largest tensors for one {seq:,}-token window on one device, before context parallelism splits the "
-        "sequence (bf16 activations):",
+        (
+            f"largest tensors for one {seq:,}-token window on one device, before context parallelism splits the "
+            "sequence (bf16 activations):"
+        ),
     ]
     rows = largest_tensors(model_config, options, seq, act_bytes, n_params)
     width = max(len(r.name) for r in rows)
