@@ -14,11 +14,15 @@ STAMP := $(VENV)/.installed
 
 GENOME ?= hg38
 SEQ ?= 512k
-CONFIG ?= configs/train/$(GENOME)-$(shell echo $(SEQ) | tr A-Z a-z).yaml
+SEQ_NAME := $(shell echo $(SEQ) | tr A-Z a-z)
+# the run config: configs/train/<genome>-<seq>.yaml, else <genome>.yaml, else the hg38 512k one (+ overrides)
+CONFIG ?= $(firstword $(wildcard configs/train/$(GENOME)-$(SEQ_NAME).yaml configs/train/$(GENOME).yaml) \
+                      configs/train/hg38-512k.yaml)
 DEMO_CONFIG := configs/train/demo.yaml
 
 # make variables that become `key=value` overrides for train/eval (only when given)
 OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
+             $(if $(filter command line environment,$(origin GENOME)),genome=$(GENOME)) \
              $(if $(STEPS),steps=$(STEPS)) $(if $(MODEL),model=$(MODEL)) $(if $(RUN),run=$(RUN)) \
              $(if $(DATA),data=$(DATA)) $(if $(BUCKET),bucket=$(BUCKET)) $(ARGS)
 
@@ -33,7 +37,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 data: $(STAMP)
-	$(BIN)/genomelm data --genome $(GENOME) --seq $(SEQ) \
+	$(BIN)/genomelm data $(if $(and $(FASTA),$(filter file,$(origin GENOME))),,--genome $(GENOME)) --seq $(SEQ) \
 	  $(if $(FASTA),--fasta $(FASTA)) $(if $(TRAIN),--train $(TRAIN)) $(if $(HELDOUT),--heldout $(HELDOUT)) \
 	  $(if $(OUT),--out $(OUT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
 
