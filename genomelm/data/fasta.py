@@ -17,10 +17,12 @@ from typing import BinaryIO
 from isal import igzip, isal_zlib
 
 from genomelm.data.errors import DataError
+from genomelm.data.vocab import INVALID
 
 BLOCK_BYTES = 8 << 20  # decompressed bytes per read
 TWOBIT_MAGICS = (b"\x43\x27\x41\x1a", b"\x1a\x41\x27\x43")
 _WHITESPACE = b" \t\r\n"
+INVALID_BYTE = bytes([INVALID])  # what a ``table`` maps a byte to that must not be in a sequence
 
 
 class _HashingReader:
@@ -64,41 +66,45 @@ def detect_format(path: Path) -> str:
 class FastaStream:
     """Iterate a FASTA file as events: ``str`` (a new record's name) then ``bytes`` (its next bases).
 
-    Bases come without line breaks, in blocks of up to ``BLOCK_BYTES``. A background thread does the
-    reading and decompression (ISA-L releases the GIL), so it overlaps with the caller's work. ``md5``
-    (hex of the file as stored on disk) and ``compressed_bytes_read`` are available after iteration.
+    Bases come without line breaks, in blocks of up to ``BLOCK_BYTES``; with ``table`` (a 256-byte
+    ``bytes.translate`` table) they come mapped through it, in the same pass that drops the line breaks, and
+    ``invalid`` is None or, if the table maps a byte of the last piece to ``INVALID_BYTE``, the first such
+    (index in the piece, character in the file). A background thread reads, decompresses
+    (ISA-L releases the GIL), parses and translates, a few blocks ahead of the caller, so all of that
+    overlaps with the caller's work. ``md5`` (hex of the file as stored on disk) is set after iteration.
     """
 
-    def __init__(self, path: str | Path, block_bytes: int = BLOCK_BYTES) -> None:
+    def __init__(self, path: str | Path, block_bytes: int = BLOCK_BYTES, table: bytes | None = None) -> None:
         self.path = Path(path)
         self.format = detect_format(self.path)
         self.block_bytes = block_bytes
+        self.table = table
+        self.invalid: tuple[int, str] | None = None
         self.md5: str | None = None
         self._hasher: _HashingReader | None = None
 
     @property
     def bytes_read(self) -> int:
-        """Bytes of the file (as stored) read so far."""
+        """Bytes of the file (as stored) read so far (by the reader thread, so a little ahead)."""
         return self._hasher.count if self._hasher else 0
 
-    def _blocks(self) -> Iterator[bytes]:
-        """Decompressed blocks, produced by a reader thread through a small bounded queue."""
-        blocks: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=3)
+    def __iter__(self) -> Iterator[str | bytes]:
+        """Events made by a reader thread, handed over through a small bounded queue."""
+        events: queue.Queue = queue.Queue(maxsize=3)
         stop = threading.Event()
         self._hasher = _HashingReader(open(self.path, "rb"))  # noqa: SIM115 - closed by the reader thread
         hasher = self._hasher
 
         def produce() -> None:
-            stream: BinaryIO = igzip.GzipFile(fileobj=hasher, mode="rb") if self.format == "gzip" else hasher
             try:
-                while not stop.is_set():
-                    block = stream.read(self.block_bytes)
-                    if not block:
-                        break
-                    blocks.put(block)
-                blocks.put(None)
-            except (EOFError, OSError, isal_zlib.error) as err:
-                blocks.put(err)
+                for event in self._events(hasher):
+                    events.put(event)
+                    if stop.is_set():
+                        return
+                self.md5 = hasher.md5.hexdigest()
+                events.put(None)
+            except (DataError, EOFError, OSError, isal_zlib.error) as err:
+                events.put(err)
             finally:
                 hasher.close()
 
@@ -106,31 +112,40 @@ class FastaStream:
         thread.start()
         try:
             while True:
-                item = blocks.get()
+                item = events.get()
                 if item is None:
                     return
+                if isinstance(item, DataError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise DataError(
                         f"{self.path}: truncated or corrupt gzip ({item}); re-download or re-compress the "
                         "file (a cached download can simply be deleted)"
                     ) from item
-                yield item
+                event, self.invalid = item
+                yield event
         finally:
             stop.set()
             while thread.is_alive():  # unblock a producer waiting on a full queue
                 try:
-                    blocks.get(timeout=0.05)
+                    events.get(timeout=0.05)
                 except queue.Empty:
                     pass
             thread.join()
 
-    def __iter__(self) -> Iterator[str | bytes]:
+    def _blocks(self, hasher: _HashingReader) -> Iterator[bytes]:
+        stream: BinaryIO = igzip.GzipFile(fileobj=hasher, mode="rb") if self.format == "gzip" else hasher
+        while block := stream.read(self.block_bytes):
+            yield block
+
+    def _events(self, hasher: _HashingReader) -> Iterator[tuple[str | bytes, tuple[int, str] | None]]:
+        """(event, first invalid base of a piece); runs in the reader thread."""
         names: set[str] = set()
         header = bytearray()
         in_header = False
         at_line_start = True
         seen_record = False
-        for block in self._blocks():
+        for block in self._blocks(hasher):
             pos = 0
             while pos < len(block):
                 if in_header:
@@ -141,19 +156,19 @@ class FastaStream:
                     pos, in_header, at_line_start = newline + 1, False, True
                     name = self._record_name(header, names)
                     names.add(name)
-                    yield name
+                    yield name, None
                     continue
                 gt = block.find(b">", pos)
                 end = len(block) if gt < 0 else gt
                 if end > pos:
-                    piece = block[pos:end].translate(None, _WHITESPACE)
+                    piece = block[pos:end].translate(self.table, _WHITESPACE)
                     if piece:
                         if not seen_record:
                             raise DataError(
                                 f"{self.path}: not a FASTA file (no '>' header before the first sequence "
                                 "line); give a FASTA file"
                             )
-                        yield piece
+                        yield piece, self._first_invalid(piece, block, pos, end)
                     at_line_start = block[end - 1] == 0x0A
                 if gt < 0:
                     break
@@ -165,10 +180,17 @@ class FastaStream:
                 header.clear()
                 in_header, seen_record, pos = True, True, gt + 1
         if in_header:  # header on the last line without a trailing newline
-            yield self._record_name(header, names)
+            yield self._record_name(header, names), None
         if not seen_record:
             raise DataError(f"{self.path}: not a FASTA file (no '>' header found); give a FASTA file")
-        self.md5 = self._hasher.md5.hexdigest() if self._hasher else None
+
+    def _first_invalid(self, piece: bytes, block: bytes, pos: int, end: int) -> tuple[int, str] | None:
+        if self.table is None:
+            return None
+        at = piece.find(INVALID_BYTE)  # memchr: far cheaper than a numpy pass over the piece
+        if at < 0:
+            return None
+        return at, chr(block[pos:end].translate(None, _WHITESPACE)[at])
 
     def _record_name(self, header: bytearray, names: set[str]) -> str:
         name = header_name(header)

@@ -20,35 +20,37 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
 from genomelm.data.config import DataConfig
-from genomelm.data.download import fetch
+from genomelm.data.download import check_md5, expected_md5, fetch, md5_of
 from genomelm.data.errors import DataError
 from genomelm.data.fasta import FastaStream
+from genomelm.data.indexed import IndexedWriter
 from genomelm.data.regions import Interval, check_overlaps, match_spec, static_interval
-from genomelm.data.vocab import BUILTIN, CODE_BYTES, INVALID, N, Vocabulary, tokenizer_vocabulary
+from genomelm.data.vocab import (
+    BUILTIN,
+    CODE_MASK,
+    IUPAC_BIT,
+    SCAN_BYTES,
+    SOFT_BIT,
+    N,
+    Vocabulary,
+    tokenizer_vocabulary,
+)
 from genomelm.data.windows import Window, WindowCutter
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "heldout")
 MANIFEST = "manifest.json"
-_LOWER_A = ord("a")
-_N_LETTERS = (ord("N"), ord("n"))
 
 
 def indexed_dataset_module():
-    """megatron-core's indexed_dataset, imported on first use (~4 s) without the warnings that importing
-    megatron.core emits about GPU libraries and its own deprecations, which the data stage never uses."""
+    """megatron-core's indexed_dataset (for reading), imported on first use (~5 s) without the warnings that
+    importing megatron.core emits about GPU libraries and its own deprecations. Writing never imports it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets import indexed_dataset
     return indexed_dataset
-
-
-def _indexed_builder(path: Path):
-    return indexed_dataset_module().IndexedDatasetBuilder(str(path), dtype=np.uint8)
 
 
 class _SplitWriter:
@@ -56,8 +58,8 @@ class _SplitWriter:
 
     def __init__(self, folder: Path, split: str, seq: int, max_n: float) -> None:
         self.folder, self.split, self.seq, self.max_n = folder, split, seq, max_n
-        self.tokens = _indexed_builder(folder / f"{split}.bin")
-        self.softmask = _indexed_builder(folder / f"{split}.softmask.bin")
+        self.tokens = IndexedWriter(folder / f"{split}.bin")
+        self.softmask = IndexedWriter(folder / f"{split}.softmask.bin")
         self.columns: dict[str, list[int]] = {k: [] for k in ("record", "start", "end", "n", "softmasked")}
         self.records: list[str] = []
         self.regions: list[dict] = []
@@ -71,10 +73,8 @@ class _SplitWriter:
             self.stats["dropped_n_windows"] += 1
             return
         soft = int(np.count_nonzero(window.mask))
-        self.tokens.add_item(torch.from_numpy(window.codes))
-        self.tokens.end_document()
-        self.softmask.add_item(torch.from_numpy(window.mask))
-        self.softmask.end_document()
+        self.tokens.add(window.codes)
+        self.softmask.add(window.mask)
         if not self.records or self.records[-1] != record:
             self.records.append(record)
         for key, value in zip(self.columns, (len(self.records) - 1, window.start,
@@ -104,12 +104,13 @@ class _Region:
         self.interval, self.writer = interval, writer
         self.cutter = WindowCutter(interval.start, seq, stride)
 
-    def feed(self, codes: np.ndarray, mask: np.ndarray, raw: np.ndarray) -> None:
+    def feed(self, codes: np.ndarray, mask: np.ndarray, scan: np.ndarray) -> None:
         stats = self.writer.stats
         n_count = int(np.count_nonzero(codes == N))
         stats["bases"] += len(codes)
         stats["n"] += n_count
-        stats["iupac_as_n"] += n_count - sum(int(np.count_nonzero(raw == c)) for c in _N_LETTERS)
+        if n_count:  # IUPAC codes are read as N, so there are none where there is no N
+            stats["iupac_as_n"] += int(np.count_nonzero(scan & IUPAC_BIT))
         stats["softmasked"] += int(np.count_nonzero(mask))
         for window in self.cutter.feed(codes, mask):
             self.writer.add(self.interval.record, window)
@@ -131,8 +132,8 @@ def _complement(record: str, held: list[Interval]) -> list[Interval]:
 class _Builder:
     """Streams every source once, routing each record's bases to the regions that select them."""
 
-    def __init__(self, cfg: DataConfig, folder: Path, progress: bool) -> None:
-        self.cfg, self.progress = cfg, progress
+    def __init__(self, cfg: DataConfig, folder: Path, progress: bool, md5s: dict[Path, str]) -> None:
+        self.cfg, self.progress, self.md5s = cfg, progress, md5s
         self.writers = {s: _SplitWriter(folder, s, cfg.seq, cfg.max_n_fraction) for s in SPLITS}
         self.specs = [(s, spec) for s in SPLITS for spec in getattr(cfg, s)]
         self.matched: set[tuple[str, str]] = set()
@@ -179,8 +180,27 @@ class _Builder:
             writer.regions.append({"spec": iv.spec, "record": record, "start": iv.start, "end": end})
 
     def read(self, path: Path) -> dict:
-        """Stream one FASTA file through the regions; returns its manifest entry."""
-        stream = FastaStream(path)
+        """Stream one FASTA file through the regions; returns its manifest entry.
+
+        A downloaded file is checked against its expected md5 here, with the md5 the stream computes anyway
+        (``fetch(..., verify_cached=False)`` skips its own pass); if reading fails, a checksum mismatch is
+        reported instead, as ``fetch`` would have.
+        """
+        expected = self.md5s.get(path)
+        try:
+            entry = self._read(path)
+        except DataError:
+            if expected is not None:
+                check_md5(path, md5_of(path), expected)
+            raise
+        if expected is not None:
+            check_md5(path, entry["md5"], expected)
+        return entry
+
+    def _read(self, path: Path) -> dict:
+        from tqdm import tqdm  # ~0.1 s; only needed when there is something to build
+
+        stream = FastaStream(path, table=SCAN_BYTES)
         size = path.stat().st_size
         record, offset, regions = "", 0, []
         bar = tqdm(
@@ -194,30 +214,33 @@ class _Builder:
                     record, offset, regions = event, 0, self._regions_for(path, event)
                     continue
                 if regions:
-                    self._feed(path, record, offset, event, regions)
+                    self._feed(stream, record, offset, event, regions)
                 offset += len(event)
                 bar.update(min(size, stream.bytes_read) - bar.n)
             if record:
                 self._finish_record(path, record, offset, regions)
         return {"path": str(path.resolve()), "format": stream.format, "bytes": size, "md5": stream.md5}
 
-    def _feed(self, path: Path, record: str, offset: int, piece: bytes, regions: list[_Region]) -> None:
-        raw = np.frombuffer(piece, dtype=np.uint8)
-        codes = np.frombuffer(piece.translate(CODE_BYTES), dtype=np.uint8).copy()  # writable, for torch
-        if codes.max() == INVALID:
-            at = int(np.argmax(codes == INVALID))
+    def _feed(
+        self, stream: FastaStream, record: str, offset: int, piece: bytes, regions: list[_Region]
+    ) -> None:
+        """``piece``: bases already mapped through SCAN_BYTES by the reader (one translate per byte)."""
+        if stream.invalid is not None:
+            at, char = stream.invalid
             raise DataError(
-                f"{path}: record {record}, base {offset + at + 1:,} (1-based): invalid character "
-                f"{chr(raw[at])!r}; only A C G T N, IUPAC codes R Y K M S W B D H V (either case) are allowed"
+                f"{stream.path}: record {record}, base {offset + at + 1:,} (1-based): invalid character "
+                f"{char!r}; only A C G T N, IUPAC codes R Y K M S W B D H V (either case) are allowed"
             )
-        mask = (raw >= _LOWER_A).view(np.uint8)
-        end = offset + len(raw)
+        scan = np.frombuffer(piece, dtype=np.uint8)
+        codes = scan & CODE_MASK
+        mask = (scan >= SOFT_BIT).view(np.uint8)
+        end = offset + len(scan)
         for region in regions:
             iv = region.interval
             lo, hi = max(iv.start, offset), end if iv.end is None else min(iv.end, end)
             if lo < hi:
                 region.feed(codes[lo - offset : hi - offset], mask[lo - offset : hi - offset],
-                            raw[lo - offset : hi - offset])  # fmt: skip
+                            scan[lo - offset : hi - offset])  # fmt: skip
 
     def unmatched(self) -> list[tuple[str, str]]:
         return [item for item in self.specs if item not in self.matched]
@@ -227,7 +250,10 @@ def _sources(cfg: DataConfig, progress: bool) -> list[Path]:
     if cfg.source == "hg38":
         if not cfg.files:
             raise DataError("source hg38 needs `files` (e.g. chr1.fa.gz) in the data config")
-        return fetch(cfg.base_url, cfg.files, Path(cfg.cache) / cfg.genome, progress=progress)
+        # Cached files are not hashed here: _Builder.read checks them with the md5 of its streaming read.
+        return fetch(
+            cfg.base_url, cfg.files, Path(cfg.cache) / cfg.genome, progress=progress, verify_cached=False
+        )
     if not cfg.fasta:
         raise DataError(f"genome {cfg.genome!r} has no FASTA: give --fasta FILE (or a config with `fasta:`)")
     return [Path(p) for p in cfg.fasta]
@@ -325,9 +351,9 @@ def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
     try:
-        indexed_dataset_module()  # import before timing: "seconds" is reading and writing only
         began = time.perf_counter()
-        builder = _Builder(cfg, temp, progress)
+        md5s = {p: expected_md5(p.parent, p.name) for p in sources} if cfg.source == "hg38" else {}
+        builder = _Builder(cfg, temp, progress, md5s)
         source_entries = [builder.read(path) for path in sources]
         missing = builder.unmatched()
         if missing:

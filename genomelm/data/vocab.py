@@ -33,6 +33,24 @@ def _code_table() -> np.ndarray:
 CODE_TABLE: np.ndarray = _code_table()
 # The same table as bytes: bytes.translate applies it ~4x faster than numpy fancy indexing (1.5 vs 0.4 GB/s).
 CODE_BYTES: bytes = CODE_TABLE.tobytes()
+# One-pass scan table for `genomelm data`: byte -> code | IUPAC_BIT (R Y K M S W B D H V, read as N) |
+# SOFT_BIT (lower case). A single bytes.translate (which also drops line breaks) then gives the codes
+# (scan & CODE_MASK), the soft-mask (scan >= SOFT_BIT) and the IUPAC count, instead of three passes.
+CODE_MASK, IUPAC_BIT, SOFT_BIT = 0x07, 0x08, 0x10
+
+
+def _scan_table() -> np.ndarray:
+    table = CODE_TABLE.copy()
+    for letter in IUPAC_AMBIGUOUS:
+        table[ord(letter)] |= IUPAC_BIT
+        table[ord(letter.lower())] |= IUPAC_BIT
+    for byte in range(ord("a"), ord("z") + 1):
+        if table[byte] != INVALID:
+            table[byte] |= SOFT_BIT
+    return table
+
+
+SCAN_BYTES: bytes = _scan_table().tobytes()
 # code -> upper-case letter, for turning windows back into sequence (pad -> '-').
 CODE_LETTERS: np.ndarray = np.frombuffer(b"-ACGTN", dtype=np.uint8)
 
