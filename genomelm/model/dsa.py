@@ -3,9 +3,11 @@
 Each query reads W = index_topk + kpool - 1 token slots (its selected pools expanded to tokens plus the
 incomplete tail pool). The fast path works in absorbed-latent form: W_uk is folded into the query so scores
 are q_lat . latent[selected] over the kv_lora_rank-wide latent, and W_uv is applied after the weighted sum of
-latents. Queries run in blocks of `RunOptions.attention_query_block`; a custom autograd function recomputes
-each block in backward and scatter-adds the gathered latents' gradient into one [B, S, kv_lora_rank] buffer,
-so a layer's forward + backward working set is bounded by the block ([B, block, W, kv_lora_rank]), not by S.
+latents; both projections run once over the whole sequence (autograd), around a sparse core in latent space.
+The core runs queries in blocks of `RunOptions.attention_query_block`: a custom autograd function with a
+written-out backward regathers each block, recomputes its probabilities and scatter-adds the gathered latents'
+gradient into one [B, S, kv_lora_rank] buffer, so the core's forward + backward working set is bounded by the
+block ([B, block, W, kv_lora_rank]), not by S.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genomelm.model.config import ModelConfig, RunOptions
@@ -111,68 +112,55 @@ class DSAAttention(nn.Module):
             )
             pool_mass = self._pool_mass_dense(q_resid, latent, selection) if train_indexer else None
         else:
-            out, pool_mass = _BlockedSparseMLA.apply(
-                self,
-                selection,
-                train_indexer,
-                q_resid,
-                latent,
-                self.q_b_proj.weight,
-                self.kv_b_proj.weight,
-                self.o_proj.weight,
-                self.o_proj.bias,
+            out_lat, pool_mass = _BlockedSparseMLA.apply(
+                self, selection, train_indexer, self.absorbed_queries(q_resid), latent
             )
+            out = self.project_out(out_lat)
         self.indexer_loss = self.indexer.kl_loss(x, q_resid, selection, pool_mass) if train_indexer else None
         return out, selection
 
-    # ------------------------------------------------------------ one query block
-    def attend_block(
-        self,
-        q_resid: Tensor,
-        gathered: Tensor,
-        valid: Tensor,
-        q_b_w: Tensor,
-        kv_b_w: Tensor,
-        o_w: Tensor,
-        o_b: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """Absorbed-latent attention of b queries over their gathered slots.
+    # ------------------------------------------------------------ absorbed-latent pieces
+    def absorbed_queries(self, q_resid: Tensor) -> Tensor:
+        """Queries in latent space (W_uk folded in): q_resid [B, S, q_lora_rank] -> [B, S, H, kv_lora_rank]."""
+        batch, seq_len, _ = q_resid.shape
+        q = self.q_b_proj(q_resid).view(batch, seq_len, self.num_heads, self.nope_dim)
+        w_uk = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return torch.einsum("bshd,hdl->bshl", q, w_uk[:, : self.nope_dim])
 
-        q_resid [B, b, q_lora_rank], gathered latents [B, b, W, kv_lora_rank], valid [B, b, W] bool ->
-        (output [B, b, hidden_size], attention probabilities [B, b, H, W]).
+    def project_out(self, out_lat: Tensor) -> Tensor:
+        """Attention output in latent space [B, S, H, kv_lora_rank] -> W_uv, then o_proj -> [B, S, hidden_size]."""
+        batch, seq_len = out_lat.shape[:2]
+        w_uv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        out = torch.einsum("bshl,hdl->bshd", out_lat, w_uv[:, self.nope_dim :])
+        return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.v_dim))
+
+    def attend_block(self, q_lat: Tensor, gathered: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Softmax attention of n queries over their own gathered latents (no graph needed).
+
+        q_lat [n, H, L], gathered [n, W, L], valid [n, W] bool -> (out_lat [n, H, L], probabilities [n, H, W]).
         """
-        batch, block, _ = q_resid.shape
-        q = F.linear(q_resid, q_b_w).view(batch, block, self.num_heads, self.nope_dim)
-        w_kv = kv_b_w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]
-        q_lat = torch.einsum("bqhd,hdl->bqhl", q, w_uk)
-        scores = torch.matmul(q_lat, gathered.transpose(-1, -2)) * self.scaling  # [B, b, H, W]
-        scores = scores.masked_fill(~valid[:, :, None, :], torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out_lat = torch.matmul(probs, gathered)  # [B, b, H, kv_lora_rank]
-        out = torch.einsum("bqhl,hdl->bqhd", out_lat, w_uv).reshape(batch, block, self.num_heads * self.v_dim)
-        return F.linear(out, o_w, o_b), probs
+        scores = torch.bmm(q_lat, gathered.transpose(1, 2)).mul_(self.scaling)
+        scores.masked_fill_(~valid[:, None, :], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        return torch.bmm(probs, gathered), probs
 
     def pool_mass_of(self, probs: Tensor, pools_per_query: int, kpool: int) -> Tensor:
-        """Attention probabilities [B, b, H, W] -> mass per selected pool summed over heads [B, b, K] fp32."""
-        batch, block = probs.shape[:2]
-        pooled = probs[..., : pools_per_query * kpool].float().sum(2)
-        return pooled.view(batch, block, pools_per_query, kpool).sum(-1)
+        """Attention probabilities [..., H, W] -> mass per selected pool summed over heads [..., K] fp32."""
+        pooled = probs[..., : pools_per_query * kpool].float().sum(-2)
+        return pooled.unflatten(-1, (pools_per_query, kpool)).sum(-1)
 
     def _pool_mass_dense(self, q_resid: Tensor, latent: Tensor, selection: Selection) -> Tensor:
         """Head-summed attention mass per selected pool for the dense backend (small S): [B, S, K]."""
         with torch.no_grad():
-            index, valid = gather_indices(selection, 0, q_resid.shape[1])
+            batch, seq_len, _ = q_resid.shape
+            index, valid = gather_indices(selection, 0, seq_len)
             _, probs = self.attend_block(
-                q_resid,
-                gather_latents(latent, index),
-                valid,
-                self.q_b_proj.weight,
-                self.kv_b_proj.weight,
-                self.o_proj.weight,
-                self.o_proj.bias,
+                self.absorbed_queries(q_resid).flatten(0, 1),
+                gather_latents(latent, index).flatten(0, 1),
+                valid.flatten(0, 1),
             )
-            return self.pool_mass_of(probs, selection.pools.shape[-1], selection.kpool)
+            mass = self.pool_mass_of(probs, selection.pools.shape[-1], selection.kpool)
+            return mass.view(batch, seq_len, -1)
 
 
 def gather_indices(selection: Selection, start: int, end: int) -> tuple[Tensor, Tensor]:
@@ -183,16 +171,19 @@ def gather_indices(selection: Selection, start: int, end: int) -> tuple[Tensor, 
 
 def gather_latents(latent: Tensor, index: Tensor) -> Tensor:
     """latent [B, S, L], index [B, b, W] -> [B, b, W, L]."""
-    batch = latent.shape[0]
-    return latent[torch.arange(batch, device=latent.device)[:, None, None], index]
+    batch, seq_len, width = latent.shape
+    rows = index + (torch.arange(batch, device=latent.device) * seq_len)[:, None, None]
+    return latent.reshape(batch * seq_len, width).index_select(0, rows.flatten()).view(*index.shape, width)
 
 
 class _BlockedSparseMLA(torch.autograd.Function):
-    """Blocked sparse attention with per-block recompute in backward.
+    """Sparse attention core in latent space, in query blocks, with a written-out backward.
 
-    Forward runs `attend_block` block by block without a graph; backward recomputes each block with a local
-    graph, adds its weight gradients, writes its q_resid rows and scatter-adds (index_add_) the gathered
-    latents' gradient into one [B, S, L] buffer. Returns (output [B, S, D], pool mass [B, S, K] fp32 or None).
+    (q_lat [B, S, H, L], latent [B, S, L]) -> (out_lat [B, S, H, L], pool mass [B, S, K] fp32 or None). Forward
+    runs `attend_block` block by block; backward regathers and recomputes each block's probabilities, then
+    with g = d out_lat: d probs = g G^T, d scores = softmax backward, d q_lat = scale * d scores G, and
+    d G = probs^T g + scale * d scores^T q_lat (one matmul), scatter-added (index_add_) into one [B*S, L] buffer.
+    Empty slots have probability 0 and so add nothing.
     """
 
     @staticmethod
@@ -201,68 +192,58 @@ class _BlockedSparseMLA(torch.autograd.Function):
         attn: DSAAttention,
         selection: Selection,
         want_pool_mass: bool,
-        q_resid: Tensor,
+        q_lat: Tensor,
         latent: Tensor,
-        q_b_w: Tensor,
-        kv_b_w: Tensor,
-        o_w: Tensor,
-        o_b: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
-        batch, seq_len, _ = q_resid.shape
+        batch, seq_len, heads, width = q_lat.shape
         block = max(1, attn.options.attention_query_block)
         pools_per_query = selection.pools.shape[-1]
-        out = q_resid.new_empty(batch, seq_len, o_w.shape[0])
+        out_lat = torch.empty_like(q_lat)
         pool_mass = (
-            q_resid.new_empty(batch, seq_len, pools_per_query, dtype=torch.float32)
-            if want_pool_mass
-            else None
+            q_lat.new_empty(batch, seq_len, pools_per_query, dtype=torch.float32) if want_pool_mass else None
         )
         for start in range(0, seq_len, block):
             end = min(start + block, seq_len)
             index, valid = gather_indices(selection, start, end)
             out_block, probs = attn.attend_block(
-                q_resid[:, start:end], gather_latents(latent, index), valid, q_b_w, kv_b_w, o_w, o_b
+                q_lat[:, start:end].flatten(0, 1),
+                gather_latents(latent, index).view(-1, index.shape[-1], width),
+                valid.flatten(0, 1),
             )
-            out[:, start:end] = out_block
+            out_lat[:, start:end] = out_block.view(batch, end - start, heads, width)
             if pool_mass is not None:
-                pool_mass[:, start:end] = attn.pool_mass_of(probs, pools_per_query, selection.kpool)
+                mass = attn.pool_mass_of(probs, pools_per_query, selection.kpool)
+                pool_mass[:, start:end] = mass.view(batch, end - start, pools_per_query)
         ctx.attn, ctx.selection, ctx.block = attn, selection, block
-        ctx.save_for_backward(q_resid, latent, q_b_w, kv_b_w, o_w, o_b)
+        ctx.save_for_backward(q_lat, latent)
         if pool_mass is not None:
             ctx.mark_non_differentiable(pool_mass)
-        return out, pool_mass
+        return out_lat, pool_mass
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, _grad_pool_mass: Tensor | None) -> tuple[Tensor | None, ...]:
-        q_resid, latent, *weights = ctx.saved_tensors
+        q_lat, latent = ctx.saved_tensors
         attn, selection, block = ctx.attn, ctx.selection, ctx.block
-        batch, seq_len, latent_dim = latent.shape
-        need = ctx.needs_input_grad[3:]
-        grad_q_resid = torch.zeros_like(q_resid) if need[0] else None
-        grad_latent = torch.zeros(batch * seq_len, latent_dim, dtype=latent.dtype, device=latent.device)
-        weight_leaves = [
-            w.detach().requires_grad_(n) if w is not None else None for w, n in zip(weights, need[2:])
-        ]
-        grad_weights: list[Tensor | None] = [None] * len(weights)
+        batch, seq_len, heads, width = q_lat.shape
+        grad_out = grad_out.contiguous()
+        grad_q_lat = torch.empty_like(q_lat)
+        grad_latent = torch.zeros(batch * seq_len, width, dtype=latent.dtype, device=latent.device)
         row_offset = (torch.arange(batch, device=latent.device) * seq_len)[:, None, None]
         for start in range(0, seq_len, block):
             end = min(start + block, seq_len)
             index, valid = gather_indices(selection, start, end)
-            with torch.enable_grad():
-                q_leaf = q_resid[:, start:end].detach().requires_grad_(need[0])
-                gathered = gather_latents(latent, index).detach().requires_grad_(need[1])
-                out_block, _ = attn.attend_block(q_leaf, gathered, valid, *weight_leaves)
-                leaves = [q_leaf, gathered, *weight_leaves]
-                wanted = [t for t in leaves if t is not None and t.requires_grad]
-                grads = iter(torch.autograd.grad(out_block, wanted, grad_out[:, start:end]))
-            grads_all = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
-            if grads_all[0] is not None:
-                grad_q_resid[:, start:end] = grads_all[0]
-            if grads_all[1] is not None:
-                g = grads_all[1].masked_fill(~valid[..., None], 0.0)
-                grad_latent.index_add_(0, (index + row_offset).flatten(), g.flatten(0, 2))
-            for i, g in enumerate(grads_all[2:]):
-                if g is not None:
-                    grad_weights[i] = g if grad_weights[i] is None else grad_weights[i] + g
-        grad_latent_out = grad_latent.view(batch, seq_len, latent_dim) if need[1] else None
-        return (None, None, None, grad_q_resid, grad_latent_out, *grad_weights)
+            slots = index.shape[-1]
+            gathered = gather_latents(latent, index).view(-1, slots, width)  # [n, W, L]
+            q_block = q_lat[:, start:end].flatten(0, 1)  # [n, H, L]
+            _, probs = attn.attend_block(q_block, gathered, valid.flatten(0, 1))
+            g = grad_out[:, start:end].flatten(0, 1)  # [n, H, L]
+            grad_probs = torch.bmm(g, gathered.transpose(1, 2)).float()
+            probs32 = probs.float()
+            grad_scores = probs32 * (grad_probs - (grad_probs * probs32).sum(-1, keepdim=True))
+            grad_scores = grad_scores.mul_(attn.scaling).to(q_block.dtype)
+            grad_q_lat[:, start:end] = torch.bmm(grad_scores, gathered).view(batch, end - start, heads, width)
+            grad_gathered = torch.bmm(
+                torch.cat([probs, grad_scores], dim=1).transpose(1, 2), torch.cat([g, q_block], dim=1)
+            )  # [n, W, L]
+            grad_latent.index_add_(0, (index + row_offset).flatten(), grad_gathered.flatten(0, 1))
+        return None, None, None, grad_q_lat, grad_latent.view(batch, seq_len, width)

@@ -22,6 +22,10 @@ from torch.utils.checkpoint import checkpoint
 
 from genomelm.model.config import ModelConfig, RunOptions
 
+# torch.topk on the CPU partially sorts a row (value ties kept in scan order) when k * 64 <= its length, else
+# it uses nth_element, which orders ties differently: rows are never cut below this many times k pools
+TOPK_SORT_RATIO = 64
+
 
 @dataclass
 class Selection:
@@ -88,43 +92,58 @@ class Indexer(nn.Module):
         return (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2)
 
     def _block_scores(self, x: Tensor, q_resid: Tensor, pool_keys: Tensor, start: int) -> Tensor:
-        """Index scores of queries start..start+b-1 against all pools: [B, b, P] fp32, invisible pools -inf-like.
+        """Index scores of queries start..start+b-1 against the given pools: [B, b, P] fp32, invisible pools
+        -inf-like.
 
-        x [B, b, D] and q_resid [B, b, q_lora_rank] are the block's rows; pool_keys [B, P, head_dim].
+        x [B, b, D] and q_resid [B, b, q_lora_rank] are the block's rows; pool_keys [B, P, head_dim] (the first P
+        pools; pass only those the block can see to save work). Three passes over the [B, b, H, P] scores: the
+        matmul, the in-place scale + ReLU, and the head-weighted sum; the causal mask touches only the pools
+        that end inside the block.
         """
         batch, block, _ = x.shape
+        n_pools = pool_keys.shape[1]
         q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
         scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))
-        scores = F.relu(scores * self.softmax_scale)
+        scores.mul_(self.softmax_scale).relu_()
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
-        return index_scores.masked_fill(
-            ~self._visible(start, block, pool_keys.shape[1], x.device), torch.finfo(torch.float32).min
+        first = min((start + 1) // self.kpool, n_pools)  # pools before this one are visible to every query
+        index_scores[..., first:].masked_fill_(
+            ~self._visible(start, block, first, n_pools, x.device), torch.finfo(torch.float32).min
         )
+        return index_scores
 
-    def _visible(self, start: int, block: int, n_pools: int, device: torch.device) -> Tensor:
-        """[b, P] bool: pool p is selectable by query t iff complete and its last token p*kpool+kpool-1 <= t."""
+    def _visible(self, start: int, block: int, first: int, end: int, device: torch.device) -> Tensor:
+        """[b, end - first] bool: whether pool p (first <= p < end) is selectable by query t (start <= t <
+        start + b): iff complete and its last token p*kpool+kpool-1 <= t."""
         position = torch.arange(start, start + block, device=device)
-        pool_end = torch.arange(n_pools, device=device) * self.kpool + self.kpool - 1
+        pool_end = torch.arange(first, end, device=device) * self.kpool + self.kpool - 1
         return pool_end[None, :] <= position[:, None]
 
     @torch.no_grad()
     def select(self, x: Tensor, q_resid: Tensor) -> Selection:
-        """Top pools per query. x [B, S, D], q_resid [B, S, q_lora_rank] (= q_a_layernorm(q_a_proj(x)))."""
+        """Top pools per query. x [B, S, D], q_resid [B, S, q_lora_rank] (= q_a_layernorm(q_a_proj(x))).
+
+        A block of queries is scored only against the pools its last query can see (causality halves the work),
+        but never against fewer than `TOPK_SORT_RATIO * K` pools when more exist: torch.topk then ranks every
+        row with the same algorithm whatever its length (partial sort), and trailing invisible pools never
+        displace a visible one, so the selection, ties included, equals scoring every pool.
+        """
         batch, seq_len, _ = x.shape
         pool_keys = self.pool_keys(x)
         n_pools = pool_keys.shape[1]
         take = min(self.pools_per_query, n_pools)
         pools = torch.full((batch, seq_len, self.pools_per_query), -1, dtype=torch.int32, device=x.device)
         block = max(1, self.options.indexer_query_block)
+        least = min(n_pools, TOPK_SORT_RATIO * take)
         for start in range(0, seq_len if take else 0, block):
             end = min(start + block, seq_len)
-            scores = self._block_scores(x[:, start:end], q_resid[:, start:end], pool_keys, start)
+            scored = max(least, min(end // self.kpool, n_pools))
+            scores = self._block_scores(x[:, start:end], q_resid[:, start:end], pool_keys[:, :scored], start)
             chosen = scores.topk(take, dim=-1).indices
-            visible = (
-                self._visible(start, end - start, n_pools, x.device).expand(batch, -1, -1).gather(-1, chosen)
-            )
-            pools[:, start:end, :take] = chosen.masked_fill(~visible, -1).to(torch.int32)
+            position = torch.arange(start, end, device=x.device)[:, None]
+            visible = chosen * self.kpool + (self.kpool - 1) <= position
+            pools[:, start:end, :take] = chosen.masked_fill_(~visible, -1).to(torch.int32)
         return Selection(pools=pools, kpool=self.kpool, select_tail=self.select_tail)
 
     def kl_loss(self, x: Tensor, q_resid: Tensor, selection: Selection, pool_mass: Tensor) -> Tensor:

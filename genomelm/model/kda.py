@@ -203,6 +203,19 @@ def kda_core(
     return chunk_kda_torch(q, k, v, g, beta, initial_state, chunk_size, gate_bound)
 
 
+def causal_depthwise_conv(padded: Tensor, weight: Tensor) -> Tensor:
+    """Depthwise causal conv, channels last: padded [B, K-1+S, C] (K-1 earlier inputs first), weight [C, 1, K]
+    -> [B, S, C] with out[t, c] = sum_j weight[c, 0, j] * padded[t + j, c] (`nn.Conv1d(groups=C)` without its
+    [B, C, S] transposes: K multiply-adds over contiguous rows)."""
+    kernel = weight.shape[-1]
+    steps = padded.shape[1] - kernel + 1
+    taps = weight[:, 0].T  # [K, C]
+    out = padded[:, :steps] * taps[0]
+    for j in range(1, kernel):
+        out = out.addcmul(padded[:, j : j + steps], taps[j])
+    return out
+
+
 class ForgetGate(nn.Module):
     """Per-channel log decay g <= 0 from a low-rank projection. `dt_bias` [H*Dk] and `A_log` [H] are fp32.
 
@@ -288,13 +301,14 @@ class KDAttention(nn.Module):
         backend = self.resolve_backend(x.device)
         if state is None:
             state = self.initial_state(x.shape[0], x.dtype, x.device)
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).transpose(
-            1, 2
-        )  # [B, 3W, S]
-        padded = torch.cat([state.conv_tail.to(mixed.dtype), mixed], dim=-1)
-        conv_tail = padded[:, :, padded.shape[-1] - (self.kernel - 1) :]
-        conv = F.silu(self.conv1d(padded.to(self.conv1d.weight.dtype))).to(x.dtype)  # [B, 3W, S]
-        q, k, v = conv.transpose(1, 2).unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
+        qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        mixed = F.linear(x, qkv_weight)  # [B, S, 3W]
+        padded = torch.cat([state.conv_tail.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [B, K-1+S, 3W]
+        conv_tail = padded[:, padded.shape[1] - (self.kernel - 1) :].transpose(1, 2)
+        conv = F.silu(causal_depthwise_conv(padded.to(self.conv1d.weight.dtype), self.conv1d.weight)).to(
+            x.dtype
+        )
+        q, k, v = conv.unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         core, recurrent = kda_core(
