@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -14,17 +16,34 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 
 
 class MLP(nn.Module):
-    """`down(swiglu(gate(x), up(x)))` with width `intermediate_size` (default: config.intermediate_size)."""
+    """`down(swiglu(gate(x), up(x)))` with width `intermediate_size` (default: config.intermediate_size).
 
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    With `chunk_tokens`, a sequence is processed that many tokens at a time, each chunk under
+    `torch.utils.checkpoint` when gradients are on, so the [S, width] activations never exist at once.
+    """
+
+    def __init__(
+        self, config: ModelConfig, intermediate_size: int | None = None, chunk_tokens: int | None = None
+    ) -> None:
         super().__init__()
         width = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.swiglu_limit = config.swiglu_limit
-        self.path = f"mlp: dense swiglu, width {width}"
+        self.chunk_tokens = chunk_tokens
+        self.path = f"mlp: dense swiglu, width {width}" + (f", chunks of {chunk_tokens} tokens" if chunk_tokens else "")
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., D] -> [..., D]."""
+        flat = x.reshape(-1, x.shape[-1])
+        if not self.chunk_tokens or flat.shape[0] <= self.chunk_tokens:
+            return self._swiglu(x)
+        if torch.is_grad_enabled():
+            parts = [checkpoint(self._swiglu, c, use_reentrant=False) for c in flat.split(self.chunk_tokens)]
+        else:
+            parts = [self._swiglu(c) for c in flat.split(self.chunk_tokens)]
+        return torch.cat(parts).view_as(x)
+
+    def _swiglu(self, x: Tensor) -> Tensor:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))

@@ -47,7 +47,9 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: MoE | MLP = (
-            MoE(config, options) if config.mlp_layer_types[layer_idx] == MOE else MLP(config)
+            MoE(config, options)
+            if config.mlp_layer_types[layer_idx] == MOE
+            else MLP(config, chunk_tokens=options.moe_chunk_tokens)
         )
 
     def forward(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig, RunOptions
 from .mlp import MLP, clamped_swiglu
@@ -125,16 +126,28 @@ class MoE(nn.Module):
         self.tokens_per_expert: Tensor | None = None  # [E] long, of the last forward
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [B, S, D] -> [B, S, D]. Records `tokens_per_expert` (detached)."""
+        """x: [B, S, D] -> [B, S, D]. Records `tokens_per_expert` (detached).
+
+        With gradients on, each chunk runs under `torch.utils.checkpoint`, so autograd keeps only the chunk's
+        input and the backward pass recomputes one chunk's expert activations at a time.
+        """
         flat = x.reshape(-1, x.shape[-1])
-        compute = self.experts.grouped if self.backend == "grouped" else self.experts.loop
         outputs = []
         counts = torch.zeros(self.experts.num_experts, dtype=torch.long, device=x.device)
-        for chunk in flat.split(self.chunk_tokens):
-            expert_ids, weights = self.gate(chunk)
-            out, chunk_counts = compute(chunk, expert_ids, weights)
+        chunks = flat.split(self.chunk_tokens)
+        for chunk in chunks:
+            if torch.is_grad_enabled() and len(chunks) > 1:
+                out, chunk_counts = checkpoint(self._chunk_forward, chunk, use_reentrant=False)
+            else:
+                out, chunk_counts = self._chunk_forward(chunk)
             outputs.append(out)
             counts += chunk_counts
         self.tokens_per_expert = counts.detach()
-        routed = torch.cat(outputs).view_as(x)
-        return routed + self.shared_experts(x)
+        return torch.cat(outputs).view_as(x)
+
+    def _chunk_forward(self, chunk: Tensor) -> tuple[Tensor, Tensor]:
+        """Routed experts + shared expert for [T, D] tokens -> ([T, D], tokens per expert [E])."""
+        compute = self.experts.grouped if self.backend == "grouped" else self.experts.loop
+        expert_ids, weights = self.gate(chunk)
+        routed, counts = compute(chunk, expert_ids, weights)
+        return routed + self.shared_experts(chunk), counts
