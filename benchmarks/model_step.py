@@ -2,8 +2,8 @@
 
 Cases: genomelm at 4k, 16k and 64k tokens (one row, batch 1) and the transformers reference
 (`Glm5NextTextModel` + lm_head, same config and weights) at 4k. Every case runs in a fresh subprocess, so its
-peak RSS (`ru_maxrss`) is its own. genomelm's layers run through `torch.utils.checkpoint` via the `layer_runner`
-hook (activation recompute is the trainer's job; the benchmark does what the trainer does), so peak memory is the
+peak RSS (`ru_maxrss`) is its own. genomelm's layers run through the trainer's `LayerRunner` (activation recompute
+per layer, DSA selections kept for the recompute, no offload: the benchmark does what the trainer does), so peak memory is the
 stored layer inputs plus one layer's working memory. Each case does a 512-token warm-up step, then one timed step.
 
     .venv/bin/python benchmarks/model_step.py            # the table (takes a few minutes)
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
+from genomelm.train.memory import LayerRunner
 
 PRESET = "small"
 OUR_LENGTHS = (4096, 16384, 65536)
@@ -32,8 +32,7 @@ REFERENCE_LENGTH = 4096
 WARMUP_TOKENS = 512
 
 
-def _recompute(layer, streams, selection):
-    return checkpoint(layer, streams, selection, use_reentrant=False)
+RUNNER = LayerRunner(recompute=True, offload=False, keep_selection=True)
 
 
 def _batch(tokens: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +55,7 @@ def run_ours(tokens: int) -> dict:
         ids, labels = _batch(length, config.vocab_size)
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        model.loss(ids, labels, layer_runner=_recompute).backward()
+        model.loss(ids, labels, layer_runner=RUNNER).backward()
         seconds = time.perf_counter() - start
     return {
         "case": "genomelm",
@@ -115,7 +114,7 @@ def main() -> None:
 
     print(
         f"preset {PRESET!r}, batch 1, forward + backward of the mean loss, {torch.get_num_threads()} threads; "
-        "genomelm layers wrapped in torch.utils.checkpoint via layer_runner; fresh process per case",
+        "genomelm layers run through the trainer's LayerRunner (recompute on, selections kept); fresh process per case",
         flush=True,
     )
     reference = _spawn("reference", REFERENCE_LENGTH)

@@ -128,8 +128,13 @@ def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, 
     assert not any(p.name.startswith(checkpoints.TMP_PREFIX) for p in root.iterdir())
 
 
-@pytest.mark.parametrize("recompute,offload", [(True, False), (False, True), (True, True)])
-def test_memory_switches_do_not_change_numbers(recompute, offload):
+@pytest.mark.parametrize(
+    "recompute,offload,keep_selection",
+    [(True, False, False), (True, False, True), (False, True, True), (True, True, True)],
+)
+def test_memory_switches_do_not_change_numbers(recompute, offload, keep_selection, monkeypatch):
+    from genomelm.model.indexer import Indexer
+
     torch.manual_seed(0)
     model = load_model("tiny")
     ids = torch.randint(1, 5, (2, 100))  # longer than index_topk, so the sparse selection matters
@@ -142,7 +147,12 @@ def test_memory_switches_do_not_change_numbers(recompute, offload):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     base_loss, base_grads = loss_and_grads(None)
-    loss, grads = loss_and_grads(LayerRunner(recompute=recompute, offload=offload))
+    calls = []
+    real_select = Indexer.select
+    monkeypatch.setattr(Indexer, "select", lambda self, *a: calls.append(1) or real_select(self, *a))
+    loss, grads = loss_and_grads(LayerRunner(recompute=recompute, offload=offload, keep_selection=keep_selection))
+    runs_indexer_twice = recompute and not keep_selection
+    assert len(calls) == len(model.config.dsa_layers) * (2 if runs_indexer_twice else 1)
     assert torch.equal(loss, base_loss)
     assert grads.keys() == base_grads.keys()
     for name, grad in grads.items():

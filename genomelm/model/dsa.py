@@ -72,10 +72,15 @@ class DSAAttention(nn.Module):
         if shared:
             self.path += ", shared selection"
 
-    def forward(self, x: Tensor, shared_selection: Selection | None = None) -> tuple[Tensor, Selection]:
+    def forward(
+        self, x: Tensor, shared_selection: Selection | None = None, selection_cache: dict | None = None
+    ) -> tuple[Tensor, Selection]:
         """x [B, S, hidden_size] -> (output [B, S, hidden_size], the selection used).
 
         Shared layers need `shared_selection` (from the most recent full DSA layer); full layers ignore it.
+        `selection_cache`: a dict owned by the caller for one forward + recompute of this layer; a full layer
+        stores its selection there on the first call and reuses it on the recompute instead of re-running the
+        indexer (the selection takes no gradient, so the numbers are the same).
         """
         batch, seq_len, _ = x.shape
         if self.options.dsa_backend == "dense":
@@ -83,7 +88,11 @@ class DSAAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
         if self.indexer is not None:
-            selection = self.indexer.select(x, q_resid)
+            selection = selection_cache.get("selection") if selection_cache is not None else None
+            if selection is None:
+                selection = self.indexer.select(x, q_resid)
+            if selection_cache is not None:
+                selection_cache["selection"] = selection
         elif shared_selection is None:
             raise ValueError(
                 f"layer {self.layer_idx} shares its indexer: pass the selection of a full DSA layer"

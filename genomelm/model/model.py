@@ -53,9 +53,10 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, streams: Tensor, shared_selection: Selection | None = None
+        self, streams: Tensor, shared_selection: Selection | None = None, selection_cache: dict | None = None
     ) -> tuple[Tensor, Selection | None]:
-        """streams [B, S, N, D]; shared_selection: the latest full DSA layer's (used by "shared" DSA layers).
+        """streams [B, S, N, D]; shared_selection: the latest full DSA layer's (used by "shared" DSA layers);
+        selection_cache: see `DSAAttention.forward` (lets an activation recompute skip the indexer).
 
         Returns the new streams and this layer's DSA selection (None for KDA layers).
         """
@@ -63,7 +64,7 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(x)
         selection = None
         if self.layer_type == DSA:
-            x, selection = self.self_attn(x, shared_selection)
+            x, selection = self.self_attn(x, shared_selection, selection_cache)
         else:
             x, _ = self.self_attn(x)
         streams = hc_combine(post, comb, x, streams)

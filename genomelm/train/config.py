@@ -39,6 +39,7 @@ class TrainConfig:
     # memory stack (each a switch; none changes the numbers)
     recompute: bool = True  # full activation recompute per layer
     offload: bool = True  # CPU offload of each layer's saved input
+    keep_selection: bool = True  # keep DSA top-k selections for the recompute (the indexer runs once)
     moe_chunk_tokens: int = 16384
     indexer_query_block: int = 128
     attention_query_block: int = 128

@@ -131,7 +131,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     if resume_from is None and checkpoints.is_preset(config.model) and not (init_dir / "config.json").exists():
         save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
     model.train()
-    runner = LayerRunner(recompute=config.recompute, offload=config.offload)
+    runner = LayerRunner(recompute=config.recompute, offload=config.offload, keep_selection=config.keep_selection)
     optimizer = make_optimizer(model, config, device)
     order = DataOrder(len(dataset), config.seed)
     start_step, bad_in_row = 0, 0

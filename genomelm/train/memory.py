@@ -1,7 +1,8 @@
 """The long-context memory stack the trainer wraps around every decoder layer.
 
 - Full activation recompute per layer: `torch.utils.checkpoint` (reentrant form), so a layer keeps only
-  its input for the backward pass and recomputes everything else.
+  its input for the backward pass and recomputes everything else; a DSA layer may also keep its top-k
+  selection (int32 [S, index_topk / index_kpool]) so the recompute does not run the indexer again.
 - CPU offload of that saved input: a `saved_tensors_hooks` pair moves each tensor autograd saves into
   host memory and brings it back when the backward pass needs it. On CUDA the copies run on a side
   stream into pinned buffers so they overlap compute; on the CPU they are plain copies (which keeps the
@@ -62,6 +63,7 @@ class LayerRunner:
 
     recompute: bool
     offload: bool
+    keep_selection: bool = True  # with recompute: keep each DSA layer's selection for the backward
 
     def __post_init__(self) -> None:
         self.offload_hooks = HostOffload() if self.offload else None
@@ -69,8 +71,13 @@ class LayerRunner:
     def __call__(self, layer: nn.Module, hidden: torch.Tensor, selection: Any) -> Any:
         run: Callable[[], Any]
         if self.recompute and torch.is_grad_enabled():
+            cache: dict | None = {} if self.keep_selection else None  # lives as long as this layer's graph
+
+            def forward(h: torch.Tensor, shared: Any) -> Any:
+                return layer(h, shared, cache)
+
             def run() -> Any:
-                return checkpoint(layer, hidden, selection, use_reentrant=True, preserve_rng_state=True)
+                return checkpoint(forward, hidden, selection, use_reentrant=True, preserve_rng_state=True)
         else:
             def run() -> Any:
                 return layer(hidden, selection)
@@ -81,6 +88,8 @@ class LayerRunner:
 
     def describe(self) -> str:
         parts = ["recompute: full, per layer" if self.recompute else "recompute: off"]
+        if self.recompute and self.keep_selection:
+            parts.append("DSA selections kept for the recompute (the indexer runs once)")
         if self.offload:
             where = "pinned host buffers, side CUDA stream" if torch.cuda.is_available() else "host copies"
             parts.append(f"offload of saved layer inputs: on ({where})")

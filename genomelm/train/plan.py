@@ -63,8 +63,9 @@ def largest_tensors(model: ModelConfig, options: RunOptions, seq: int, act_bytes
         out += [
             TensorEstimate("indexer scores, one query block", f"[{qb}, {model.index_n_heads}, {pools}] fp32",
                            qb * model.index_n_heads * pools * 4, "device, transient"),
-            TensorEstimate("selected pools (per layer)", f"[{s}, {model.index_topk // model.index_kpool}] int32",
-                           s * model.index_topk // model.index_kpool * 4, "device, per layer"),
+            TensorEstimate("selected pools, one layer", f"[{s}, {model.index_topk // model.index_kpool}] int32",
+                           s * model.index_topk // model.index_kpool * 4,
+                           "device; one per DSA layer until the backward with keep_selection"),
             TensorEstimate("gathered latents, one query block", f"[{ab}, {slots}, {model.kv_lora_rank}]",
                            ab * slots * model.kv_lora_rank * act_bytes, "device, transient"),
             TensorEstimate("attention scores, one query block", f"[{ab}, {model.num_attention_heads}, {slots}] fp32",
@@ -74,10 +75,10 @@ def largest_tensors(model: ModelConfig, options: RunOptions, seq: int, act_bytes
         c, k, width = options.moe_chunk_tokens, model.num_experts_per_tok, model.moe_intermediate_size
         out.append(TensorEstimate("MoE expert activations, one chunk", f"[{c} x {k}, 3 x {width}]",
                                   c * k * 3 * width * act_bytes, "device, transient"))
-    dense_width = model.intermediate_size if "dense" in model.mlp_layer_types else 0
-    if dense_width:
-        out.append(TensorEstimate("dense MLP activations", f"[{s}, 3 x {dense_width}]", s * 3 * dense_width * act_bytes,
-                                  "device, per dense layer"))
+    if "dense" in model.mlp_layer_types:
+        c, width = options.moe_chunk_tokens, model.intermediate_size
+        out.append(TensorEstimate("dense MLP activations, one chunk", f"[{c}, 3 x {width}]", c * 3 * width * act_bytes,
+                                  "device, transient"))
     out.append(TensorEstimate("logits, one loss chunk", f"[{options.loss_chunk_tokens}, {model.vocab_size}] fp32",
                               options.loss_chunk_tokens * model.vocab_size * 4, "device, transient"))
     return out
@@ -122,7 +123,7 @@ def describe_run(config: TrainConfig) -> str:
         kda_note,
         "",
         "memory switches:",
-        f"  {LayerRunner(recompute=config.recompute, offload=config.offload).describe()}",
+        f"  {LayerRunner(recompute=config.recompute, offload=config.offload, keep_selection=config.keep_selection).describe()}",
         (
             f"  MoE chunks of {options.moe_chunk_tokens:,} tokens; indexer blocks of {options.indexer_query_block} "
             f"queries; attention blocks of {options.attention_query_block} queries; "
