@@ -28,9 +28,19 @@ def main(argv: list[str]) -> int:
 
         print(describe_run(config))
         return 0
-    from genomelm.train.loop import train
+    from genomelm.model.checkpoint import CheckpointError
+    from genomelm.model.config import ConfigError
+    from genomelm.train.loop import NonFiniteLoss, train
 
-    summary = train(config)
+    try:
+        summary = train(config)
+    except DataError as exc:
+        print(f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
+              f"(or set data=<prepared folder>)", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError, NonFiniteLoss) as exc:
+        print(f"genomelm train: {exc}", file=sys.stderr)
+        return 2
     print(f"trained {config.run}: steps {summary['start_step']}..{summary['steps']}, "
           f"last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "
           f"skipped {summary['skipped']}, checkpoint {summary['checkpoint']}")
