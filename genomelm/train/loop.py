@@ -142,6 +142,9 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         checkpoints.set_rng_state(state["rng"])
         start_step, bad_in_row = state["step"], state["bad_in_row"]
 
+    if progress:
+        print(f"model {model_source}: {sum(p.numel() for p in model.parameters()):,} parameters on {device}\n"
+              f"{model.path_table()}\nmemory: {runner.describe()}", flush=True)
     log = MetricsLog(config, resumed_step=start_step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     tokens_per_step = config.seq_len * config.grad_accum
