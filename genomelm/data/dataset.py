@@ -58,6 +58,14 @@ class WindowDataset(Dataset):
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def coordinates(self, index: int) -> dict:
+        """``record``, ``start``, ``end`` (0-based half-open) of window ``index``, without reading it."""
+        return {
+            "record": self.records[self.record_index[index]],
+            "start": int(self.starts[index]),
+            "end": int(self.ends[index]),
+        }
+
     def codes(self, index: int) -> np.ndarray:
         """On-disk codes (uint8 [SEQ], read-only view of the memory map) of window ``index``."""
         return self.tokens[index]
@@ -80,9 +88,7 @@ class WindowDataset(Dataset):
             "labels": labels,
             "softmask": torch.from_numpy(self.softmasks[index].astype(bool)),
             "position": torch.arange(self.seq_len, dtype=torch.long),
-            "record": self.records[self.record_index[index]],
-            "start": int(self.starts[index]),
-            "end": int(self.ends[index]),
+            **self.coordinates(index),
         }
 
 

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         provenance = {
             "data_dir": str(heldout.path),
             "manifest": str(heldout.path / "manifest.json"),
-            "windows": [{"index": i, **{k: heldout[i][k] for k in ("record", "start", "end")}} for i in indices],
+            "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
         }
         result = evaluate(config, windows, load, before, after, provenance)
     except (EvalError, DataError, ConfigError, FileNotFoundError) as exc:
