@@ -14,6 +14,7 @@ tail so that a sequence processed in pieces equals the whole.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,6 +29,8 @@ from .norms import GatedRMSNorm
 KDA_BACKENDS = ("auto", "fla", "torch", "recurrent")
 SUB_CHUNK = 16  # rows of a chunk sharing one decay reference point in the intra-chunk scores
 SAFE_EXPONENT = 80.0  # largest |log decay| summed over a sub-chunk that exp() may see (fp32 overflows at ~88)
+NEGLIGIBLE_EXPONENT = -30.0  # log decays below this count as exact zeros (see `_decay`)
+NEGLIGIBLE_DECAY = math.exp(NEGLIGIBLE_EXPONENT)
 
 
 class KDAState(NamedTuple):
@@ -61,55 +64,90 @@ def select_kda_backend(requested: str, device_type: str, fla_available: bool) ->
     return requested
 
 
+def _decay(exponent: Tensor) -> Tensor:
+    """exp() of log decays (<= 0 where used), with exponents below NEGLIGIBLE_EXPONENT giving exactly 0.
+
+    A decay under exp(-30) ~ 1e-13 changes no fp32 result of order one, while the fp32 subnormals that exp() and
+    products of such factors produce otherwise make CPU arithmetic ~100x slower (no flush-to-zero by default).
+    """
+    return F.threshold(exponent, NEGLIGIBLE_EXPONENT, float("-inf")).exp()
+
+
 def _intra_chunk_scores(
     xs: tuple[Tensor, ...], k: Tensor, cum_g: Tensor, exact_diagonal: bool
 ) -> list[Tensor]:
     """Decayed scores inside each chunk, for each x in xs: out[i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])
     for j <= i, else 0.
 
-    x, k, cum_g: [..., C, D] (cum_g = cumulative log decay within the chunk, non-increasing). Each sub-chunk of
-    rows a uses G at its first row, r_a, as reference: x_i exp(G_i - G_r) times k_j exp(G_r - G_j). For columns
-    before r_a both factors are <= 1. Inside the diagonal sub-block exp(G_r - G_j) may grow up to the decay over a
-    sub-chunk: fine when the gate's lower bound keeps it below SAFE_EXPONENT, otherwise (`exact_diagonal`) the
-    diagonal sub-blocks are computed pairwise. Returns one [..., C, C] fp32 tensor per x.
+    x, k, cum_g: [..., C, D] (cum_g = cumulative log decay within the chunk, non-increasing). Rows are split in
+    sub-chunks a of SUB_CHUNK rows, each with G at its first row, r_a, as reference: out[i, j] is
+    (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)). For the columns before r_a (only the sub-blocks below the
+    diagonal are built) both factors are <= 1 and may be cut to 0 below exp(NEGLIGIBLE_EXPONENT) (`_decay`), so
+    their products stay clear of fp32 subnormals. Inside the diagonal sub-block exp(G_r - G_j) may grow up to the
+    decay over a sub-chunk: fine when the gate's lower bound keeps it below SAFE_EXPONENT, otherwise
+    (`exact_diagonal`) the diagonal sub-blocks are computed pairwise. Returns one [..., C, C] fp32 tensor per x.
     """
     c = k.shape[-2]
-    n_sub = c // SUB_CHUNK
-    lead = k.shape[:-2]
-    g_sub = cum_g.unflatten(-2, (n_sub, SUB_CHUNK))  # [..., n_sub, s, D]
+    s = SUB_CHUNK
+    n_sub = c // s
+    g_sub = cum_g.unflatten(-2, (n_sub, s))  # [..., n_sub, s, D]
     g_ref = g_sub[..., :1, :]  # [..., n_sub, 1, D]
-    row_decay = (g_sub - g_ref).exp()
-    row_sub = torch.arange(n_sub, device=k.device)
-    col_sub = torch.arange(c, device=k.device) // SUB_CHUNK
-    visible = col_sub[None, :] < row_sub[:, None] if exact_diagonal else col_sub[None, :] <= row_sub[:, None]
-    exponent = (g_ref - cum_g.unsqueeze(-3)).masked_fill(
-        ~visible[:, :, None], float("-inf")
-    )  # [..., n_sub, C, D]
-    right = (k.unsqueeze(-3) * exponent.exp()).transpose(-1, -2)  # [..., n_sub, D, C]
-    causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+    k_sub = k.unflatten(-2, (n_sub, s))
+    row_exponent = g_sub - g_ref  # <= 0
+    causal = torch.ones(s, s, dtype=torch.bool, device=k.device).tril()
     if exact_diagonal:
-        pair_decay = (
-            (g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3))
-            .masked_fill(~causal[:SUB_CHUNK, :SUB_CHUNK, None], float("-inf"))
-            .exp()
+        pair_decay = _decay(
+            (g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf"))
         )  # [..., n_sub, s, s, D]
-        k_pair = k.unflatten(-2, (n_sub, SUB_CHUNK)).unsqueeze(-3) * pair_decay
+        k_pair = k_sub.unsqueeze(-3) * pair_decay
+    else:
+        row_decay = row_exponent.exp()  # >= exp(-SAFE_EXPONENT): no subnormals
+        k_diag = (k_sub * (-row_exponent).exp()).transpose(-1, -2)  # [..., n_sub, D, s]
+    row_cut = _decay(row_exponent) if n_sub > 1 else None
+    # k_j exp(G_ra - G_j) for the columns j before each sub-chunk a > 0: [..., D, a*s]
+    k_before = [
+        (k[..., : a * s, :] * _decay(g_ref[..., a, :, :] - cum_g[..., : a * s, :])).transpose(-1, -2)
+        for a in range(1, n_sub)
+    ]
     out = []
     for x in xs:
-        x_sub = x.unflatten(-2, (n_sub, SUB_CHUNK))
-        scores = ((x_sub * row_decay) @ right).reshape(*lead, c, c)
+        x_sub = x.unflatten(-2, (n_sub, s))
         if exact_diagonal:
-            scores = scores + _place_diagonal_blocks((x_sub.unsqueeze(-2) * k_pair).sum(-1), c)
-        out.append(scores.masked_fill(~causal, 0.0))
+            diag = (x_sub.unsqueeze(-2) * k_pair).sum(-1)
+        else:
+            diag = ((x_sub * row_decay) @ k_diag).masked_fill(~causal, 0.0)  # [..., n_sub, s, s]
+        rows = []
+        for a in range(n_sub):
+            parts = [] if a == 0 else [(x_sub[..., a, :, :] * row_cut[..., a, :, :]) @ k_before[a - 1]]
+            parts.append(diag[..., a, :, :])
+            if a < n_sub - 1:
+                parts.append(x.new_zeros(*x.shape[:-2], s, c - (a + 1) * s))
+            rows.append(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
+        out.append(torch.cat(rows, dim=-2))
     return out
 
 
-def _place_diagonal_blocks(blocks: Tensor, c: int) -> Tensor:
-    """blocks [..., n, s, s] -> [..., n*s, n*s] with the blocks on the diagonal, zeros elsewhere."""
-    n = blocks.shape[-3]
-    eye = torch.eye(n, dtype=blocks.dtype, device=blocks.device)  # [n, n]
-    full = blocks.unsqueeze(-3) * eye[:, :, None, None]  # [..., n, n, s, s]
-    return full.transpose(-3, -2).reshape(*blocks.shape[:-3], c, c)
+class _UnitLowerSolve(torch.autograd.Function):
+    """x = (I + tril(a, -1))^-1 b over the last two dims (a's diagonal and upper triangle are not read).
+
+    The forward solves in fp64: w's rows shrink like exp(G) and would turn into fp32 subnormals inside the solve
+    (an order of magnitude slower on CPU); results under NEGLIGIBLE_DECAY are cut to 0 on the way back. The
+    backward sees O(1) gradients and stays in fp32: grad_b = (I + A)^-T grad_x, grad_a = -tril(grad_b x^T, -1).
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:  # type: ignore[override]
+        x = torch.linalg.solve_triangular(a.double(), b.double(), upper=False, unitriangular=True)
+        x = x.masked_fill_(x.abs() < NEGLIGIBLE_DECAY, 0.0).to(b.dtype)
+        ctx.save_for_backward(a, x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        a, x = ctx.saved_tensors
+        grad_b = torch.linalg.solve_triangular(a.mT, grad_x, upper=True, unitriangular=True)
+        grad_a = (grad_b @ x.mT).tril_(-1).neg_()
+        return grad_a, grad_b
 
 
 def chunk_kda_torch(
@@ -130,6 +168,7 @@ def chunk_kda_torch(
     beta_i k_i.k_j exp(G_i - G_j), u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(G)); the chunk loop then
     carries the state: v' = u - w S, o = (q exp(G)) S + tril(q_i.k_j exp(G_i - G_j)) v',
     S <- exp(G_last) S + (k exp(G_last - G))^T v'. Returns output [B, S, H, Dv] (v's dtype), state fp32.
+    Decays under exp(NEGLIGIBLE_EXPONENT) count as 0 (`_decay`), keeping the fp32 math clear of subnormals.
     """
     if chunk_size % SUB_CHUNK:
         raise ValueError(f"kda chunk_size must be a multiple of {SUB_CHUNK}, got {chunk_size}")
@@ -149,26 +188,36 @@ def chunk_kda_torch(
     cum_g = g.cumsum(-2)  # [B, H, N, C, Dk]
     exact_diagonal = gate_bound is None or gate_bound * (SUB_CHUNK - 1) > SAFE_EXPONENT
     a_kk, a_qk = _intra_chunk_scores((k * beta, q), k, cum_g, exact_diagonal)  # a_kk's diagonal is not used
-    rhs = torch.cat([v * beta, k * beta * cum_g.exp()], dim=-1)
-    u, w = torch.linalg.solve_triangular(a_kk, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
+    decay_in = _decay(cum_g)  # exp(G)
+    rhs = torch.cat([v * beta, k * beta * decay_in], dim=-1)
+    u, w = _UnitLowerSolve.apply(a_kk, rhs).split([dv, dk], dim=-1)
     g_last = cum_g[..., -1:, :]  # [B, H, N, 1, Dk]
-    q_decayed = q * cum_g.exp()
-    k_to_end = k * (g_last - cum_g).exp()
-    chunk_decay = g_last.squeeze(-2).exp().unsqueeze(-1)  # [B, H, N, Dk, 1]
+    q_decayed = q * decay_in
+    k_to_end = k * _decay(g_last - cum_g)
+    chunk_decay = _decay(g_last.squeeze(-2)).unsqueeze(-1)  # [B, H, N, Dk, 1]
 
+    # the state recurrence runs on [B*H, ...] views: two fused multiply-adds per chunk; the outputs are batched
+    # matmuls after the loop, from the states entering each chunk and the corrected values v'
     state = (
-        torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=v.device)
+        torch.zeros(batch * heads, dk, dv, dtype=torch.float32, device=v.device)
         if initial_state is None
-        else initial_state.float()
+        else initial_state.float().flatten(0, 1)
     )
-    outputs = []
+    states, v_news = [], []
     # unbind once: indexing chunk n inside the loop would cost a full-size gradient buffer per chunk in backward
-    per_chunk = zip(*(t.unbind(2) for t in (u, w, q_decayed, a_qk, chunk_decay, k_to_end)))
-    for u_n, w_n, q_n, a_n, decay_n, k_n in per_chunk:
-        v_new = u_n - w_n @ state
-        outputs.append(q_n @ state + a_n @ v_new)
-        state = state * decay_n + k_n.transpose(-1, -2) @ v_new
-    out = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :seq_len]
+    per_chunk = zip(*(t.flatten(0, 1).unbind(1) for t in (u, w, chunk_decay, k_to_end.transpose(-1, -2))))
+    for u_n, w_n, decay_n, k_n in per_chunk:
+        states.append(state)
+        v_new = torch.baddbmm(u_n, w_n, state, alpha=-1.0)  # u - w S
+        v_news.append(v_new)
+        state = torch.baddbmm(state * decay_n, k_n, v_new)
+    entering = torch.stack(states, dim=1).unflatten(0, (batch, heads))  # [B, H, N, Dk, Dv]
+    v_new = torch.stack(v_news, dim=1).unflatten(0, (batch, heads))  # [B, H, N, C, Dv]
+    out = torch.baddbmm(
+        (q_decayed @ entering).flatten(0, 2), a_qk.flatten(0, 2), v_new.flatten(0, 2)
+    ).unflatten(0, (batch, heads, -1))
+    out = out.flatten(2, 3)[:, :, :seq_len]
+    state = state.unflatten(0, (batch, heads))
     return out.transpose(1, 2).to(out_dtype), state
 
 
