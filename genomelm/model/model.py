@@ -85,7 +85,7 @@ def _call_layer(
 
 
 class GlmForCausalLM(nn.Module):
-    """Decoder + untied output head. See the module docstring and /work/notes/model_contract.md."""
+    """Decoder + untied output head: `loss`, `token_logprobs`, `hidden_states`, `path_table`, `router_stats`."""
 
     def __init__(self, config: ModelConfig, options: RunOptions | None = None) -> None:
         super().__init__()
