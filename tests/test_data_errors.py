@@ -97,14 +97,6 @@ def test_bad_input_errors_and_leaves_nothing(tmp_path: Path, case: str) -> None:
     assert_nothing_left(tmp_path)
 
 
-def test_twobit_is_refused_with_conversion_hint(tmp_path: Path) -> None:
-    twobit = tmp_path / "g.2bit"
-    twobit.write_bytes(b"\x43\x27\x41\x1a" + bytes(12))
-    with pytest.raises(DataError, match="twoBitToFa"):
-        build(tmp_path, twobit, heldout=["x"])
-    assert_nothing_left(tmp_path)
-
-
 def test_cli_error_exit_status_and_config_override(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "demo"
     assert main(["--genome", "demo", "--seq", "2M", "--out", str(out), "--no-progress"]) == 2

@@ -11,7 +11,7 @@ from genomelm.data.config import DataConfig, genome_config_path, load_yaml
 from genomelm.data.errors import DataError
 from genomelm.data.prepare import prepare
 
-_FASTA_SUFFIXES = (".gz", ".bgz", ".fa", ".fasta", ".fna", ".fas")
+_FASTA_SUFFIXES = (".gz", ".bgz", ".fa", ".fasta", ".fna", ".fas", ".2bit")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--genome", help="config name in configs/data (demo, hg38); with --fasta, the output name")
     p.add_argument("--config", type=Path, help="data config YAML (default: configs/data/<genome>.yaml)")
     p.add_argument(
-        "--fasta", action="append", help="local FASTA (plain, gzip or BGZF); repeat for several files"
+        "--fasta", action="append", help="local FASTA (plain, gzip or BGZF) or UCSC .2bit; repeat for several files"
     )
     p.add_argument("--seq", help="tokens per window: 16k, 512k, 1M or an integer")
     p.add_argument("--stride", help="tokens between window starts (default: SEQ)")

@@ -50,7 +50,8 @@ class _HashingReader:
 
 
 def detect_format(path: Path) -> str:
-    """'gzip' (plain gzip or BGZF) or 'plain'; raises DataError for empty, .2bit and missing files."""
+    """'gzip' (plain gzip or BGZF), '2bit' or 'plain'; raises DataError for empty, byte-swapped .2bit and
+    missing files."""
     try:
         with open(path, "rb") as handle:
             magic = handle.read(4)
@@ -58,9 +59,23 @@ def detect_format(path: Path) -> str:
         raise DataError(f"{path}: cannot open FASTA ({err.strerror}); check the path") from err
     if not magic:
         raise DataError(f"{path}: file is empty; give a FASTA file with at least one '>' record")
-    if magic in TWOBIT_MAGICS:
-        raise DataError(f"{path}: .2bit is not supported; convert it first with `twoBitToFa {path} out.fa`")
+    if magic == TWOBIT_MAGICS[0]:
+        return "2bit"
+    if magic == TWOBIT_MAGICS[1]:
+        raise DataError(
+            f"{path}: big-endian .2bit is not supported (py2bit reads little-endian only); convert it first "
+            f"with `twoBitToFa {path} out.fa`"
+        )
     return "gzip" if magic[:2] == b"\x1f\x8b" else "plain"
+
+
+def open_stream(path: str | Path, block_bytes: int = BLOCK_BYTES, table: bytes | None = None) -> FastaStream:
+    """Events of a genome file: a :class:`FastaStream`, or for .2bit a ``TwoBitStream`` (same events)."""
+    if detect_format(Path(path)) == "2bit":
+        from genomelm.data.twobit import TwoBitStream  # imports this module
+
+        return TwoBitStream(path, block_bytes, table)
+    return FastaStream(path, block_bytes, table)
 
 
 class FastaStream:
@@ -105,6 +120,8 @@ class FastaStream:
                 events.put(None)
             except (DataError, EOFError, OSError, isal_zlib.error) as err:
                 events.put(err)
+            except Exception as err:  # noqa: BLE001 - hand anything else over, or the consumer waits forever
+                events.put(RuntimeError(f"reading {self.path} failed: {err!r}"))
             finally:
                 hasher.close()
 
@@ -115,7 +132,7 @@ class FastaStream:
                 item = events.get()
                 if item is None:
                     return
-                if isinstance(item, DataError):
+                if isinstance(item, (DataError, RuntimeError)):
                     raise item
                 if isinstance(item, BaseException):
                     raise DataError(

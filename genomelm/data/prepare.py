@@ -24,7 +24,7 @@ import numpy as np
 from genomelm.data.config import DataConfig
 from genomelm.data.download import check_md5, expected_md5, fetch, md5_of
 from genomelm.data.errors import DataError
-from genomelm.data.fasta import FastaStream
+from genomelm.data.fasta import FastaStream, open_stream
 from genomelm.data.indexed import IndexedWriter
 from genomelm.data.regions import Interval, check_overlaps, match_spec, static_interval
 from genomelm.data.vocab import (
@@ -200,7 +200,7 @@ class _Builder:
     def _read(self, path: Path) -> dict:
         from tqdm import tqdm  # ~0.1 s; only needed when there is something to build
 
-        stream = FastaStream(path, table=SCAN_BYTES)
+        stream = open_stream(path, table=SCAN_BYTES)  # FASTA (plain, gzip, BGZF) or .2bit
         size = path.stat().st_size
         record, offset, regions = "", 0, []
         bar = tqdm(
