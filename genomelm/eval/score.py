@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from genomelm.data.dataset import IGNORE_INDEX
 
 
 @dataclass
