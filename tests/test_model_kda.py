@@ -91,7 +91,8 @@ def test_layer_backends_agree() -> None:
 
 def test_backend_selection() -> None:
     assert select_kda_backend("auto", "cuda", fla_available=True) == "fla"
-    assert select_kda_backend("auto", "cuda", fla_available=False) == "torch"
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[gpu\]'.*kda_backend=torch"):
+        select_kda_backend("auto", "cuda", fla_available=False)
     assert select_kda_backend("auto", "cpu", fla_available=True) == "torch"
     assert select_kda_backend("recurrent", "cuda", fla_available=True) == "recurrent"
     assert select_kda_backend("fla", "cuda", fla_available=True) == "fla"

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .config import ModelConfig, RunOptions
 from .kda_naive import l2_normalise, recurrent_kda
 from .norms import GatedRMSNorm
+from .precision import fp32_region
 
 KDA_BACKENDS = ("auto", "fla", "torch", "recurrent")
 SUB_CHUNK = 16  # rows of a chunk sharing one decay reference point in the intra-chunk scores
@@ -51,11 +52,22 @@ def fla_chunk_kda() -> Callable[..., tuple[Tensor, Tensor]] | None:
 
 
 def select_kda_backend(requested: str, device_type: str, fla_available: bool) -> str:
-    """Resolve `RunOptions.kda_backend` for a device: "auto" -> "fla" on CUDA with fla installed, else "torch"."""
+    """Resolve `RunOptions.kda_backend` for a device: "auto" -> "fla" on CUDA, "torch" elsewhere.
+
+    On CUDA "auto" without fla-core is an error rather than a silent fall back: the torch path loops over the
+    chunks in Python and solves in fp64, far too slow for a GPU run (ask for kda_backend=torch to accept it).
+    """
     if requested not in KDA_BACKENDS:
         raise ValueError(f"kda_backend must be one of {KDA_BACKENDS}, got {requested!r}")
     if requested == "auto":
-        return "fla" if device_type == "cuda" and fla_available else "torch"
+        if device_type != "cuda":
+            return "torch"
+        if not fla_available:
+            raise RuntimeError(
+                "KDA on CUDA needs flash-linear-attention's chunk_kda, which is not installed: "
+                "pip install -e '.[gpu]' (fla-core), or set kda_backend=torch to run the slow torch path"
+            )
+        return "fla"
     if requested == "fla" and not (device_type == "cuda" and fla_available):
         raise RuntimeError(
             f"kda_backend 'fla' needs CUDA and flash-linear-attention (pip install fla-core); "
@@ -232,7 +244,11 @@ def kda_core(
     chunk_size: int,
     gate_bound: float | None,
 ) -> tuple[Tensor, Tensor]:
-    """The delta rule in a resolved backend ("fla", "torch", "recurrent"). Shapes as `chunk_kda_torch`."""
+    """The delta rule in a resolved backend ("fla", "torch", "recurrent"). Shapes as `chunk_kda_torch`.
+
+    The torch and recurrent paths run in fp32 with autocast off (autocast would otherwise run their matmuls,
+    and so the carried state, in bf16); fla's kernel takes bf16 q/k/v and keeps its state in fp32 itself.
+    """
     if backend == "fla":
         chunk_kda = fla_chunk_kda()
         assert chunk_kda is not None, "select_kda_backend returns 'fla' only when it is installed"
@@ -247,9 +263,10 @@ def kda_core(
             use_qk_l2norm_in_kernel=True,
         )
         return out, state.float()
-    if backend == "recurrent":
-        return recurrent_kda(q, k, v, g, beta, initial_state)
-    return chunk_kda_torch(q, k, v, g, beta, initial_state, chunk_size, gate_bound)
+    with fp32_region(q):
+        if backend == "recurrent":
+            return recurrent_kda(q, k, v, g, beta, initial_state)
+        return chunk_kda_torch(q, k, v, g, beta, initial_state, chunk_size, gate_bound)
 
 
 def causal_depthwise_conv(padded: Tensor, weight: Tensor) -> Tensor:

@@ -1,0 +1,18 @@
+"""Explicit fp32 regions inside an autocast forward.
+
+The model never turns autocast on; the trainer does (`precision=bf16`). Some math must stay fp32 whatever the
+caller chose (router logits, mHC mixing and the residual combine, the KDA delta rule and its state, indexer
+scores, the loss softmax): those regions run under `fp32_region`, which switches autocast off for the device
+of the tensors involved, and cast their inputs to fp32 themselves. Everything else (the large projections,
+the expert GEMMs, sparse attention over gathered latents) follows the caller's autocast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def fp32_region(like: Tensor) -> torch.autocast:
+    """Context manager: autocast off on `like`'s device type, so the ops inside run in their inputs' dtype."""
+    return torch.autocast(like.device.type, enabled=False)
