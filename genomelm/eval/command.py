@@ -98,7 +98,9 @@ def evaluate(
         began = time.perf_counter()
         print(f"scoring {len(windows)} window(s) with the {name} model {path}", flush=True)
         model = load(path)
-        scores[name] = score_windows(model, windows, config.bucket, context_cut, progress=True)
+        scores[name] = score_windows(
+            model, windows, config.bucket, context_cut, progress=True, precision=config.precision
+        )
         del model
         print(f"  {time.perf_counter() - began:.1f} s", flush=True)
     rows = {name: bucketed_loss(s.loss, s.valid, s.softmask, config.bucket) for name, s in scores.items()}

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from genomelm.data.dataset import IGNORE_INDEX
+from genomelm.train.precision import autocast_for
 
 
 @dataclass
@@ -42,19 +43,26 @@ def _device(model: torch.nn.Module) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-def _window_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
-    """float32 [S] per-token loss of one window ([S] ids and labels)."""
+def _window_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, precision: str
+) -> np.ndarray:
+    """float32 [S] per-token loss of one window ([S] ids and labels), under the run's `precision`."""
     device = _device(model)
-    # bf16 autocast on GPU, as in training; full precision on CPU
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with autocast_for(precision, device):
         out = model.loss(input_ids[None].to(device), labels[None].to(device), reduction="none")
     return out[0].float().cpu().numpy()
 
 
 def score_windows(
-    model: torch.nn.Module, windows: Sequence[dict], bucket: int, context_cut: bool, progress: bool = False
+    model: torch.nn.Module,
+    windows: Sequence[dict],
+    bucket: int,
+    context_cut: bool,
+    progress: bool = False,
+    precision: str = "auto",
 ) -> Scores:
-    """Score every window of `windows` (all of one length S) with `model`.
+    """Score every window of `windows` (all of one length S) with `model`, in `precision` ("auto": bf16 on
+    CUDA as in training, fp32 on the CPU).
 
     With `context_cut`, the last bucket's positions [c, S) are scored again from input_ids[c - bucket:S]
     only (the preceding bucket as context), c = `last_bucket_start(S, bucket)`; needs at least 2 buckets.
@@ -78,10 +86,10 @@ def score_windows(
                 raise ValueError(f"window {i} has {input_ids.shape[0]} tokens, window 0 has {seq}")
             valid[i] = (labels != IGNORE_INDEX).numpy()
             softmask[i, :-1] = window["softmask"][1:].numpy()  # the predicted base's flag
-            loss[i] = np.where(valid[i], _window_loss(model, input_ids, labels), 0.0)
+            loss[i] = np.where(valid[i], _window_loss(model, input_ids, labels, precision), 0.0)
             if cut_loss is not None:
                 begin = cut_start - bucket
-                part = _window_loss(model, input_ids[begin:], labels[begin:])[bucket:]
+                part = _window_loss(model, input_ids[begin:], labels[begin:], precision)[bucket:]
                 cut_loss[i] = np.where(valid[i, cut_start:], part, 0.0)
             if progress:
                 print(f"  window {i + 1}/{len(windows)}", flush=True)

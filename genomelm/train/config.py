@@ -45,6 +45,11 @@ class TrainConfig:
     attention_query_block: int = 128
     loss_chunk_tokens: int = 8192
     train_indexer: bool = False
+    precision: str = "auto"  # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on CUDA, fp32 on CPU
+    # training data options
+    rc_aug: float = 0.0  # probability of training on a window's reverse complement
+    softmask_weight: float = 1.0  # loss weight of soft-masked (lowercase, repeat) bases; eval is always unweighted
+    seq_warmup_steps: int = 0  # train on shorter crops first, growing to seq over this many steps
     # checkpoints and logging
     save_every: int = 100
     keep_checkpoints: int = 2
@@ -57,6 +62,11 @@ class TrainConfig:
     bucket: int = 32768  # tokens per position bucket
     eval_windows: int = 0  # held-out windows to score (0 = all)
     context_cut: bool = True  # also score the last bucket with only the preceding bucket as context
+    heldout: str | None = None  # prepared folders to evaluate, comma separated (default: the run's data)
+    # copy probe (`genomelm probe`)
+    probe_length: int = 200  # bases per planted segment
+    probe_distances: str = "1k,4k,16k,64k,256k,1M"  # distances from the first copy to the second (<= seq)
+    probe_windows: int = 4  # held-out windows probed (0 = all)
     runs_dir: str = "runs"
     results_dir: str = "results"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -99,6 +109,10 @@ class TrainConfig:
             raw[key] = _coerce(key, value, fields[key].default)
         config = cls(**raw)
         parse_seq(config.seq)
+        from genomelm.train.precision import PRECISIONS
+
+        if config.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
         if config.wandb not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb must be offline, online or disabled, not {config.wandb!r}")
         return config

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from genomelm.train import checkpoints
 from genomelm.train.config import TrainConfig
 from genomelm.train.memory import LayerRunner
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
+from genomelm.train.precision import autocast_for
 
 
 def run_options(config: TrainConfig) -> RunOptions:
@@ -146,7 +146,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         print(f"model {model_source}: {sum(p.numel() for p in model.parameters()):,} parameters on {device}\n"
               f"{model.path_table()}\nmemory: {runner.describe()}", flush=True)
     log = MetricsLog(config, resumed_step=start_step)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = autocast_for(config.precision, device)
     tokens_per_step = config.seq_len * config.grad_accum
     summary: dict[str, Any] = {"start_step": start_step, "losses": [], "skipped": 0, "checkpoint": resume_from}
     bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, disable=not progress,

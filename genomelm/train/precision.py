@@ -1,0 +1,31 @@
+"""The `precision` run setting: which autocast the trainer and the evaluator wrap the model in.
+
+`bf16`: parameters stay fp32 (the optimizer's master weights); the large matmuls run in bf16 under autocast,
+and the model keeps its own fp32 regions (see `genomelm.model.precision`). `fp32`: no autocast. `auto`: bf16
+on CUDA, fp32 on the CPU. bf16 also runs on the CPU through CPU autocast, which is how the tests hold the GPU's
+numerics.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"auto" -> "bf16" on CUDA, "fp32" elsewhere; "bf16" and "fp32" as given."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def autocast_for(precision: str, device: torch.device) -> AbstractContextManager:
+    """The context the model's forward runs in for a resolved or "auto" `precision` on `device`."""
+    if resolve_precision(precision, device) == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
