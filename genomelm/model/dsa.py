@@ -8,6 +8,10 @@ The core runs queries in blocks of `RunOptions.attention_query_block`: a custom 
 written-out backward regathers each block, recomputes its probabilities and scatter-adds the gathered latents'
 gradient into one [B, S, kv_lora_rank] buffer, so the core's forward + backward working set is bounded by the
 block ([B, block, W, kv_lora_rank]), not by S.
+
+Precision: the core takes the absorbed queries and the latent in one dtype (the compute dtype: bf16 under bf16
+autocast), runs its matmuls in it in forward and backward alike, takes the softmax in fp32 and accumulates the
+latent's gradient in fp32 across query blocks.
 """
 
 from __future__ import annotations
@@ -121,8 +125,9 @@ class DSAAttention(nn.Module):
             )
             pool_mass = self._pool_mass_dense(q_resid, latent, selection) if train_indexer else None
         else:
+            q_lat = self.absorbed_queries(q_resid)
             out_lat, pool_mass = _BlockedSparseMLA.apply(
-                self, selection, train_indexer, self.absorbed_queries(q_resid), latent
+                self, selection, train_indexer, q_lat, latent.to(q_lat.dtype)
             )
             out = self.project_out(out_lat)
         self.indexer_loss = self.indexer.kl_loss(x, q_resid, selection, pool_mass) if train_indexer else None
@@ -236,7 +241,7 @@ class _BlockedSparseMLA(torch.autograd.Function):
         batch, seq_len, heads, width = q_lat.shape
         grad_out = grad_out.contiguous()
         grad_q_lat = torch.empty_like(q_lat)
-        grad_latent = torch.zeros(batch * seq_len, width, dtype=latent.dtype, device=latent.device)
+        grad_latent = torch.zeros(batch * seq_len, width, dtype=torch.float32, device=latent.device)
         row_offset = (torch.arange(batch, device=latent.device) * seq_len)[:, None, None]
         for start in range(0, seq_len, block):
             end = min(start + block, seq_len)
@@ -254,5 +259,5 @@ class _BlockedSparseMLA(torch.autograd.Function):
             grad_gathered = torch.bmm(
                 torch.cat([probs, grad_scores], dim=1).transpose(1, 2), torch.cat([g, q_block], dim=1)
             )  # [n, W, L]
-            grad_latent.index_add_(0, (index + row_offset).flatten(), grad_gathered.flatten(0, 1))
-        return None, None, None, grad_q_lat, grad_latent.view(batch, seq_len, width)
+            grad_latent.index_add_(0, (index + row_offset).flatten(), grad_gathered.flatten(0, 1).float())
+        return None, None, None, grad_q_lat, grad_latent.to(latent.dtype).view(batch, seq_len, width)

@@ -9,6 +9,9 @@ query (the up to kpool-1 tokens after the last complete visible pool, ending at 
 Only the causal, unpadded case is supported (one window per row): the first valid token is position 0.
 Scoring runs over blocks of `RunOptions.indexer_query_block` queries, so working memory is
 [B, block, index_n_heads, S / kpool], never S x S.
+
+Precision: the projections (wq_b, wk, weights_proj, the pool gate) follow the caller's autocast; the scores, their
+ReLU and head-weighted sum, the causal mask, the top-k and the KL term run in fp32 with autocast off.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from genomelm.model.chunking import ChunkRunner, run_directly
 from genomelm.model.config import ModelConfig, RunOptions
+from genomelm.model.precision import fp32_region
 
 # torch.topk on the CPU partially sorts a row (value ties kept in scan order) when k * 64 <= its length, else
 # it uses nth_element, which orders ties differently: rows are never cut below this many times k pools
@@ -81,6 +85,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, config.hidden_size))
+        self.chunk_runner: ChunkRunner = run_directly  # runs each query block of the KL term
 
     def pool_keys(self, x: Tensor) -> Tensor:
         """Keys of the complete pools: x [B, S, D] -> [B, S // kpool, head_dim] (in x's dtype)."""
@@ -103,10 +108,11 @@ class Indexer(nn.Module):
         batch, block, _ = x.shape
         n_pools = pool_keys.shape[1]
         q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
-        scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))
-        scores.mul_(self.softmax_scale).relu_()
-        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
-        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype))
+        with fp32_region(q):
+            scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))
+            scores.mul_(self.softmax_scale).relu_()
+            index_scores = torch.matmul(weights.float().unsqueeze(-2) * (self.n_heads**-0.5), scores).squeeze(-2)
         first = min((start + 1) // self.kpool, n_pools)  # pools before this one are visible to every query
         index_scores[..., first:].masked_fill_(
             ~self._visible(start, block, first, n_pools, x.device), torch.finfo(torch.float32).min
@@ -163,14 +169,13 @@ class Indexer(nn.Module):
         for start in range(0, seq_len, block):
             end = min(start + block, seq_len)
             pools = selection.pools[:, start:end].long()
-            total = total + checkpoint(
+            total = total + self.chunk_runner(
                 self._block_kl,
                 x[:, start:end],
                 q_resid[:, start:end],
                 pool_keys,
                 pools,
                 pool_mass[:, start:end],
-                use_reentrant=False,
             )
         queries = (selection.pools >= 0).any(-1).sum()
         return total / queries.clamp(min=1)
@@ -184,11 +189,11 @@ class Indexer(nn.Module):
         safe = pools.clamp(min=0)
         keys = pool_keys[torch.arange(batch, device=x.device)[:, None, None], safe]  # [B, b, K, head_dim]
         q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
-        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.softmax_scale)
-        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
-        index_scores = (
-            torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2).masked_fill(~valid, float("-inf"))
-        )
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype))
+        with fp32_region(q):
+            scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.softmax_scale)
+            index_scores = torch.matmul(weights.float().unsqueeze(-2) * (self.n_heads**-0.5), scores).squeeze(-2)
+        index_scores = index_scores.masked_fill(~valid, float("-inf"))
         index_scores = index_scores.masked_fill(
             ~valid.any(-1, keepdim=True), 0.0
         )  # rows with no pool: finite

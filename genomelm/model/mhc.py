@@ -4,6 +4,10 @@ Before a block the streams are collapsed into the block input with weights `pre`
 spread back with weights `post` and added to the streams mixed by a doubly-stochastic `comb` (Sinkhorn). All three
 weights come from a one-layer projection of the RMS-normed, flattened streams, computed in fp32.
 
+Precision: the streams are stored in the compute dtype (bf16 under bf16 autocast: 2 bytes per value, the
+tensor a layer keeps for its recompute), while the mixing weights, the Sinkhorn iterations, the collapse into
+the block input and the combine after the block all run in fp32 with autocast off, rounding once on the way out.
+
 Speed on the CPU: the per-token weights are tiny ([N], [N, N] with N = 4), so they are computed token-minor
 ([.., T] with the T = B*S tokens last and contiguous): every elementwise op of the Sinkhorn iterations then runs
 over long contiguous rows instead of 4-wide ones. The RMS norm is folded into the projection (`_NormedMix`) and
@@ -18,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .precision import fp32_region
 
 SINKHORN_BACKWARD_TOKENS = 16384  # tokens whose Sinkhorn iterates are recomputed and held at once in backward
 
@@ -37,7 +42,11 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
 
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """streams: [B, S, N, D] -> post [B, S, N] fp32, comb [B, S, N, N] fp32, block input [B, S, D]."""
+        """streams: [B, S, N, D] -> post [B, S, N] fp32, comb [B, S, N, N] fp32, block input [B, S, D] fp32."""
+        with fp32_region(streams):
+            return self._mix(streams.float())
+
+    def _mix(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = self.hc_mult
         batch, seq_len = streams.shape[:2]
         flat = streams.flatten(2).float().flatten(0, 1)  # [T, N*D]
@@ -52,7 +61,7 @@ class HyperConnection(nn.Module):
             torch.softmax(comb_logits, dim=1) + self.hc_eps, self.sinkhorn_iters, self.hc_eps
         )
         # back to token-major (small copies) so the batched matmuls over tokens see contiguous matrices
-        mix_in = pre.T.contiguous().to(streams.dtype).view(batch, seq_len, 1, n)
+        mix_in = pre.T.contiguous().view(batch, seq_len, 1, n)
         block_input = torch.matmul(mix_in, streams).squeeze(-2)
         return (
             post.T.contiguous().view(batch, seq_len, n),
@@ -143,12 +152,14 @@ class _Sinkhorn(torch.autograd.Function):
 
 
 def hc_combine(post: Tensor, comb: Tensor, block_output: Tensor, residual: Tensor) -> Tensor:
-    """New streams [B, S, N, D]: `post[n] * block_output + sum_m comb[m, n] * residual[m]` (in residual's dtype)."""
-    dtype = residual.dtype
-    spread = post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2)
-    return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+    """New streams [B, S, N, D]: `post[n] * block_output + sum_m comb[m, n] * residual[m]`, computed in fp32 and
+    returned in residual's dtype."""
+    with fp32_region(residual):
+        spread = post.float().unsqueeze(-1) * block_output.float().unsqueeze(-2)
+        mixed = torch.matmul(comb.float().transpose(-1, -2), residual.float())
+        return (spread + mixed).to(residual.dtype)
 
 
 def hc_head(streams: Tensor) -> Tensor:
-    """Final collapse of the streams: their unweighted mean. [B, S, N, D] -> [B, S, D]."""
-    return streams.mean(dim=2)
+    """Final collapse of the streams: their unweighted mean. [B, S, N, D] -> [B, S, D] fp32."""
+    return streams.float().mean(dim=2)

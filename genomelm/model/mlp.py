@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from .chunking import ChunkRunner, run_directly
 from .config import ModelConfig
 
 
@@ -18,8 +18,8 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 class MLP(nn.Module):
     """`down(swiglu(gate(x), up(x)))` with width `intermediate_size` (default: config.intermediate_size).
 
-    With `chunk_tokens`, a sequence is processed that many tokens at a time, each chunk under
-    `torch.utils.checkpoint` when gradients are on, so the [S, width] activations never exist at once.
+    With `chunk_tokens`, a sequence is processed that many tokens at a time through `chunk_runner` (the trainer
+    may recompute each chunk in backward, so the [S, width] activations never exist at once).
     """
 
     def __init__(
@@ -32,6 +32,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.swiglu_limit = config.swiglu_limit
         self.chunk_tokens = chunk_tokens
+        self.chunk_runner: ChunkRunner = run_directly
         self.path = f"mlp: dense swiglu, width {width}" + (f", chunks of {chunk_tokens} tokens" if chunk_tokens else "")
 
     def forward(self, x: Tensor) -> Tensor:
@@ -39,11 +40,8 @@ class MLP(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         if not self.chunk_tokens or flat.shape[0] <= self.chunk_tokens:
             return self._swiglu(x)
-        if torch.is_grad_enabled():
-            parts = [checkpoint(self._swiglu, c, use_reentrant=False) for c in flat.split(self.chunk_tokens)]
-        else:
-            parts = [self._swiglu(c) for c in flat.split(self.chunk_tokens)]
-        return torch.cat(parts).view_as(x)
+        parts = [self.chunk_runner(self._swiglu, c) for c in flat.split(self.chunk_tokens)]
+        return torch.cat(parts).view(*x.shape[:-1], -1)
 
     def _swiglu(self, x: Tensor) -> Tensor:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))

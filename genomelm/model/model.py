@@ -3,6 +3,10 @@
 Token embeddings are copied into `hc_mult` residual streams; each `DecoderLayer` runs two mHC-wrapped blocks
 (attention: KDA or DSA; feed-forward: dense SwiGLU or MoE); the streams are averaged, normed and projected onto the
 vocabulary only inside the chunked loss. Parameter names equal transformers' `Glm5NextTextModel` plus `lm_head`.
+
+Everything goes through `forward` (`model(input_ids, labels)`), and every submodule is called through
+`__call__`, so module hooks (FSDP2, `torch.compile`, profilers) see each call. The model never turns autocast
+on or decides to recompute: the caller does (see `genomelm.train`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from .config import DSA, KDA, MOE, ModelConfig, RunOptions
 from .dsa import DSAAttention
 from .indexer import Indexer, Selection
 from .kda import ForgetGate, KDAttention
-from .loss import chunked_cross_entropy, token_nll
+from .loss import IGNORE_INDEX, LMHead, reduce_nll
 from .mhc import HyperConnection, hc_combine, hc_head
 from .mlp import MLP
 from .moe import Experts, MoE, TopkRouter
 from .norms import GatedRMSNorm, RMSNorm
+from .precision import compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,8 @@ def _call_layer(
 
 
 class GlmForCausalLM(nn.Module):
-    """Decoder + untied output head: `loss`, `token_logprobs`, `hidden_states`, `path_table`, `router_stats`."""
+    """Decoder + untied output head: `forward` (= `loss`), `token_logprobs`, `hidden_states`, `path_table`,
+    `router_stats`."""
 
     def __init__(self, config: ModelConfig, options: RunOptions | None = None) -> None:
         super().__init__()
@@ -98,7 +104,7 @@ class GlmForCausalLM(nn.Module):
             DecoderLayer(config, i, self.options) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, self.options.loss_chunk_tokens)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.last_indexer_loss: dict[int, Tensor] = {}
@@ -126,7 +132,9 @@ class GlmForCausalLM(nn.Module):
         so it runs on the meta device."""
         std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Conv1d)):
+            if isinstance(module, LMHead):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, (nn.Linear, nn.Conv1d)):
                 module.weight.normal_(0.0, std)
                 if module.bias is not None:
                     module.bias.zero_()
@@ -179,9 +187,10 @@ class GlmForCausalLM(nn.Module):
         """
         self.check_dense_guard(input_ids.shape[1])
         runner = layer_runner if layer_runner is not None else _call_layer
-        streams = (
-            self.embed_tokens(input_ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        )
+        embedded = self.embed_tokens(input_ids)
+        # the streams are stored in the compute dtype (bf16 under bf16 autocast); mHC mixes them in fp32
+        streams = embedded.to(compute_dtype(embedded)).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
+        streams = streams.contiguous()
         selection: Selection | None = None
         for layer in self.layers:
             streams, new_selection = runner(layer, streams, selection)
@@ -201,7 +210,7 @@ class GlmForCausalLM(nn.Module):
             )
         return self.norm(hc_head(streams))
 
-    def loss(
+    def forward(
         self,
         input_ids: Tensor,
         labels: Tensor,
@@ -210,23 +219,32 @@ class GlmForCausalLM(nn.Module):
     ) -> Tensor:
         """Cross-entropy of position t predicting labels[t] (-100 ignored), chunked over tokens.
 
-        reduction "mean" (over non-ignored tokens) or "sum": a scalar, plus the DSA indexer KL terms when
-        `options.train_indexer` (also kept, per layer, in `last_indexer_loss`); "none": [B, S] fp32, 0 at ignored
-        positions, without indexer terms.
+        input_ids, labels [B, S]. reduction "mean" (over non-ignored tokens) or "sum": a scalar, plus the DSA
+        indexer KL terms when `options.train_indexer` (also kept, per layer, in `last_indexer_loss`); "none":
+        [B, S] fp32, 0 at ignored positions, without indexer terms.
         """
         hidden = self.hidden_states(input_ids, layer_runner)
-        ce = chunked_cross_entropy(
-            hidden, self.lm_head.weight, labels, self.options.loss_chunk_tokens, reduction
-        )
+        nll = self.lm_head(hidden, labels)
+        loss = reduce_nll(nll, labels, reduction)
         if reduction != "none" and self.last_indexer_loss:
-            ce = ce + sum(self.last_indexer_loss.values())
-        return ce
+            loss = loss + sum(self.last_indexer_loss.values())
+        return loss
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        reduction: str = "mean",
+        layer_runner: LayerRunner | None = None,
+    ) -> Tensor:
+        """`model(input_ids, labels, ...)`: see `forward`."""
+        return self(input_ids, labels, reduction=reduction, layer_runner=layer_runner)
 
     @torch.no_grad()
     def token_logprobs(self, input_ids: Tensor, layer_runner: LayerRunner | None = None) -> Tensor:
-        """log p(x[t+1] | x[<=t]) for t = 0..S-2: [B, S-1] fp32, chunked over tokens."""
-        hidden = self.hidden_states(input_ids, layer_runner)[:, :-1]
-        return -token_nll(hidden, self.lm_head.weight, input_ids[:, 1:], self.options.loss_chunk_tokens)
+        """log p(x[t+1] | x[<=t]) for t = 0..S-2: [B, S-1] fp32, chunked over tokens (through `forward`)."""
+        labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], IGNORE_INDEX)], dim=1)
+        return -self(input_ids, labels, reduction="none", layer_runner=layer_runner)[:, :-1]
 
     # ------------------------------------------------------------------ reports
     def path_table(self) -> str:

@@ -2,8 +2,13 @@
 
 The sequence is routed and computed `options.moe_chunk_tokens` tokens at a time, so working memory is bounded by
 the chunk size times `num_experts_per_tok` whatever the length or the routing balance. Two backends give the same
-numbers: "grouped" sorts a chunk's (token, expert) pairs by expert and runs each expert once on its contiguous
-slice; "loop" is the readable reference (each expert gathers its tokens with a mask).
+numbers: "grouped" sorts a chunk's (token, expert) pairs by expert and runs all experts in one grouped GEMM over
+the expert offsets (`torch._grouped_mm`; where the device or dtype lacks it, a loop over the experts' slices of one
+`unbind`, so the backward writes one stacked gradient, never a full-size buffer per expert); "loop" is the
+readable reference (each expert gathers its tokens with a mask).
+
+Precision: routing (logits, sigmoid scores, group and top-k choice, combine weights) runs in fp32 with autocast
+off; the expert GEMMs follow the caller's autocast (bf16 on GPUs).
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from .chunking import ChunkRunner, run_directly
 from .config import ModelConfig, RunOptions
 from .mlp import MLP, clamped_swiglu
+from .precision import compute_dtype, fp32_region
 
 MOE_BACKENDS = ("grouped", "loop")
 
@@ -34,63 +40,89 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x: [T, D] -> (expert ids [T, k] long, weights [T, k] fp32).
+        """x: [T, D] -> (expert ids [T, k] long, weights [T, k] fp32), all in fp32 whatever the autocast.
 
         Scores are sigmoid(logits); the bias only steers the choice (group scores = sum of each group's two best
         biased scores; experts outside the `topk_group` best groups are excluded); the weights are the unbiased
         scores of the chosen experts, normalised to sum 1 (if `norm_topk_prob`) and times `routed_scaling_factor`.
         """
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        biased = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            grouped = biased.unflatten(-1, (self.n_group, self.num_experts // self.n_group))
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            kept_groups = group_scores.topk(self.topk_group, dim=-1).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
-        expert_ids = biased.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, expert_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return expert_ids, weights * self.routed_scaling_factor
+        with fp32_region(x):
+            scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+            biased = scores.detach() + self.e_score_correction_bias.float()
+            if self.n_group > 1:
+                grouped = biased.unflatten(-1, (self.n_group, self.num_experts // self.n_group))
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+                kept_groups = group_scores.topk(self.topk_group, dim=-1).indices
+                keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+                biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+            expert_ids = biased.topk(self.top_k, dim=-1).indices
+            weights = scores.gather(1, expert_ids)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return expert_ids, weights * self.routed_scaling_factor
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs for this device and dtype (CPU: fp32 and bf16; CUDA: bf16)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 class Experts(nn.Module):
     """Routed expert weights: `gate_up_proj` [E, 2I, D] (gate rows first), `down_proj` [E, D, I]."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: str = "grouped") -> None:
         super().__init__()
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.swiglu_limit = config.swiglu_limit
+        self.backend = backend
 
-    def expert_forward(self, expert: int, x: Tensor) -> Tensor:
-        """One expert's clamped SwiGLU on x [n, D] -> [n, D]."""
-        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return F.linear(clamped_swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])
+    def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """Sum of weighted expert outputs per token: x [T, D], expert_ids/weights [T, k] -> (out [T, D], tokens
+        per expert [E] long)."""
+        if self.backend == "loop":
+            return self.loop(x, expert_ids, weights)
+        return self.grouped(x, expert_ids, weights)
 
     def grouped(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """Sum of weighted expert outputs per token, pairs sorted by expert.
-
-        x [T, D], expert_ids/weights [T, k] -> (out [T, D], tokens per expert [E] long).
-        """
+        """`forward` with the (token, expert) pairs sorted by expert and one grouped GEMM per projection."""
         k = expert_ids.shape[1]
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         token_of_pair = order // k
         counts = torch.bincount(flat_ids, minlength=self.num_experts)
-        x_sorted = x[token_of_pair]
-        pieces = []
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                pieces.append(self.expert_forward(expert, x_sorted[start : start + count]))
-                start += count
-        y_sorted = torch.cat(pieces) * weights.reshape(-1)[order].unsqueeze(-1)
+        dtype = compute_dtype(x)
+        x_sorted = x[token_of_pair].to(dtype)
+        if grouped_mm_supported(x.device, dtype):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = _grouped_linear(x_sorted, self.gate_up_proj.to(dtype), offsets).chunk(2, dim=-1)
+            hidden = clamped_swiglu(gate, up, self.swiglu_limit)
+            y_sorted = _grouped_linear(hidden, self.down_proj.to(dtype), offsets)
+        else:
+            y_sorted = self._sliced(x_sorted, counts)
+        y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(y_sorted.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of_pair, y_sorted.to(x.dtype))
         return out, counts
+
+    def _sliced(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
+        """Fallback of the grouped GEMM: each expert on its contiguous slice. The weights are split with one
+        `unbind`, whose backward stacks the experts' gradients once (indexing `gate_up_proj[e]` per expert would
+        allocate a zero gradient the size of the whole parameter for each expert)."""
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        pieces, start = [], 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                rows = x_sorted[start : start + count]
+                gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
+                pieces.append(F.linear(clamped_swiglu(gate, up, self.swiglu_limit), down[expert]))
+                start += count
+        return torch.cat(pieces) if pieces else x_sorted.new_zeros(0, x_sorted.shape[-1])
 
     def loop(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """Readable reference of `grouped`: each expert picks its tokens with a mask. Same shapes."""
@@ -100,9 +132,28 @@ class Experts(nn.Module):
             token, slot = torch.nonzero(expert_ids == expert, as_tuple=True)
             counts[expert] = token.numel()
             if token.numel():
-                y = self.expert_forward(expert, x[token]) * weights[token, slot].unsqueeze(-1)
-                out = out.index_add(0, token, y.to(x.dtype))
+                gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                y = F.linear(clamped_swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])
+                out = out.index_add(0, token, (y * weights[token, slot].unsqueeze(-1)).to(x.dtype))
         return out, counts
+
+
+def _grouped_linear(x_sorted: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """Rows of x_sorted [T, in] times their expert's weight [E, out, in]^T -> [T, out]; expert e owns rows
+    offsets[e-1]..offsets[e]-1 (int32 cumulative counts)."""
+    return torch._grouped_mm(_ContiguousGrad.apply(x_sorted), weight.transpose(-2, -1), offs=offsets)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (the grouped GEMM's backward rejects expanded ones)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
 
 
 class MoE(nn.Module):
@@ -115,39 +166,31 @@ class MoE(nn.Module):
         if options.moe_chunk_tokens < 1:
             raise ValueError(f"moe_chunk_tokens must be positive, got {options.moe_chunk_tokens}")
         self.gate = TopkRouter(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, options.moe_backend)
         self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
-        self.backend = options.moe_backend
         self.chunk_tokens = options.moe_chunk_tokens
+        self.chunk_runner: ChunkRunner = run_directly
         self.path = (
-            f"moe: {self.backend}, {config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
+            f"moe: {options.moe_backend}, {config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
             f"chunks of {self.chunk_tokens} tokens"
         )
         self.tokens_per_expert: Tensor | None = None  # [E] long, of the last forward
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [B, S, D] -> [B, S, D]. Records `tokens_per_expert` (detached).
-
-        With gradients on, each chunk runs under `torch.utils.checkpoint`, so autograd keeps only the chunk's
-        input and the backward pass recomputes one chunk's expert activations at a time.
-        """
+        """x: [B, S, D] -> [B, S, D]. Records `tokens_per_expert` (detached); each chunk runs through
+        `chunk_runner`."""
         flat = x.reshape(-1, x.shape[-1])
         outputs = []
         counts = torch.zeros(self.experts.num_experts, dtype=torch.long, device=x.device)
-        chunks = flat.split(self.chunk_tokens)
-        for chunk in chunks:
-            if torch.is_grad_enabled() and len(chunks) > 1:
-                out, chunk_counts = checkpoint(self._chunk_forward, chunk, use_reentrant=False)
-            else:
-                out, chunk_counts = self._chunk_forward(chunk)
+        for chunk in flat.split(self.chunk_tokens):
+            out, chunk_counts = self.chunk_runner(self._chunk_forward, chunk)
             outputs.append(out)
             counts += chunk_counts
         self.tokens_per_expert = counts.detach()
-        return torch.cat(outputs).view_as(x)
+        return torch.cat(outputs).view(*x.shape[:-1], -1)
 
     def _chunk_forward(self, chunk: Tensor) -> tuple[Tensor, Tensor]:
         """Routed experts + shared expert for [T, D] tokens -> ([T, D], tokens per expert [E])."""
-        compute = self.experts.grouped if self.backend == "grouped" else self.experts.loop
         expert_ids, weights = self.gate(chunk)
-        routed, counts = compute(chunk, expert_ids, weights)
+        routed, counts = self.experts(chunk, expert_ids, weights)
         return routed + self.shared_experts(chunk), counts

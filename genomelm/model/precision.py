@@ -16,3 +16,10 @@ from torch import Tensor
 def fp32_region(like: Tensor) -> torch.autocast:
     """Context manager: autocast off on `like`'s device type, so the ops inside run in their inputs' dtype."""
     return torch.autocast(like.device.type, enabled=False)
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul of x runs in here: autocast's when it is on for x's device, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
