@@ -162,8 +162,8 @@ def test_memory_switches_do_not_change_numbers(recompute, offload, keep_selectio
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, many_windows, monkeypatch):
     from genomelm.model.model import GlmForCausalLM
 
-    real_loss = GlmForCausalLM.loss
-    monkeypatch.setattr(GlmForCausalLM, "loss", lambda self, *a, **k: real_loss(self, *a, **k) * float("nan"))
+    real_forward = GlmForCausalLM.forward
+    monkeypatch.setattr(GlmForCausalLM, "forward", lambda self, *a, **k: real_forward(self, *a, **k) * float("nan"))
     cfg = config(tmp_path, many_windows, steps=10, max_bad_steps=3)
     with pytest.raises(NonFiniteLoss, match="3 non-finite steps in a row"):
         train(cfg, progress=False)

@@ -29,8 +29,8 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def is_preset(model: str) -> bool:
-    return not Path(model).exists() and (PRESET_DIR / f"{model}.yaml").exists()
+def is_preset(model: str | None) -> bool:
+    return bool(model) and not Path(model).exists() and (PRESET_DIR / f"{model}.yaml").exists()
 
 
 def base_model_path(config: TrainConfig) -> str:

@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
         return 0
     from genomelm.model.checkpoint import CheckpointError
     from genomelm.model.config import ConfigError
+    from genomelm.train.guards import RunMismatch
     from genomelm.train.loop import NonFiniteLoss, train
 
     try:
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> int:
         print(f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
               f"(or set data=<prepared folder>)", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, ConfigError, CheckpointError, NonFiniteLoss) as exc:
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError, NonFiniteLoss, RunMismatch) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 2
     print(f"trained {config.run}: steps {summary['start_step']}..{summary['steps']}, "

@@ -8,6 +8,7 @@ A run is described by a YAML file in `configs/train/` plus `key=value` overrides
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,11 @@ class TrainConfig:
     genome: str = "hg38"  # prepared data lives in data/prepared/<genome>-<seq>/ unless `data` is set
     seq: str = "512k"
     data: str | None = None  # explicit prepared-data folder
-    model: str = "glm-5.3-flash"  # preset name or checkpoint folder
+    model: str | None = "glm-5.3-flash"  # checkpoint folder or preset name (the hg38 configs need a folder)
+    allow_random_init: bool = False  # allow a preset of over 1B parameters (random weights: benchmarks only)
     # optimisation
-    steps: int = 1000
+    steps: int = 0  # optimizer steps; 0: from `epochs`
+    epochs: float = 1.0  # passes over the training windows when steps = 0
     lr: float = 1e-5
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 50
@@ -40,6 +43,8 @@ class TrainConfig:
     recompute: bool = True  # full activation recompute per layer
     offload: bool = True  # CPU offload of each layer's saved input
     keep_selection: bool = True  # keep DSA top-k selections for the recompute (the indexer runs once)
+    recompute_chunks: bool = False  # also recompute each MoE / MLP / indexer-KL chunk on its own (less memory)
+    expert_bias_speed: float = 1e-3  # auxiliary-loss-free expert balancing per step (DeepSeek-V3); 0 = off
     moe_chunk_tokens: int = 16384
     indexer_query_block: int = 128
     attention_query_block: int = 128
@@ -74,6 +79,12 @@ class TrainConfig:
     @property
     def seq_len(self) -> int:
         return parse_seq(self.seq)
+
+    def total_steps(self, n_windows: int) -> int:
+        """`steps` if set, else enough optimizer steps for `epochs` passes over `n_windows` training windows."""
+        if self.steps > 0:
+            return self.steps
+        return max(1, math.ceil(self.epochs * n_windows / self.grad_accum))
 
     @property
     def data_dir(self) -> Path:
@@ -113,6 +124,9 @@ class TrainConfig:
 
         if config.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
+        if config.steps < 0 or config.epochs <= 0 or config.grad_accum < 1:
+            raise ValueError(f"steps={config.steps}, epochs={config.epochs}, grad_accum={config.grad_accum}: "
+                             "give steps >= 1 (or 0 to size from epochs > 0) and grad_accum >= 1")  # fmt: skip
         if config.wandb not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb must be offline, online or disabled, not {config.wandb!r}")
         return config

@@ -7,6 +7,7 @@ a single process beyond reading the whole window on one device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -19,10 +20,12 @@ import torch
 from tqdm import tqdm
 
 from genomelm.data import WindowDataset
-from genomelm.model import RunOptions, load_model, save_model
+from genomelm.model import ModelConfig, RunOptions, load_model, save_model
 from genomelm.train import checkpoints
 from genomelm.train.config import TrainConfig
-from genomelm.train.memory import LayerRunner
+from genomelm.train.balance import ExpertLoad, update_expert_bias
+from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
+from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
 from genomelm.train.precision import autocast_for
 
@@ -109,6 +112,12 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         )
     if len(dataset) == 0:
         raise ValueError(f"{config.data_dir} has no training windows")
+    if not config.model:
+        raise RunMismatch(
+            "no model: this run config trains from a released checkpoint; pass MODEL=/path/to/GLM-5.3-Flash "
+            "(make train) or model=<folder> (genomelm train), or model=<preset> for a small model"
+        )
+    config = dataclasses.replace(config, steps=config.total_steps(len(dataset)))
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,24 +128,34 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     elif config.resume not in ("never", "", None):
         resume_from = Path(config.resume)
 
+    preset = ModelConfig.preset(config.model) if checkpoints.is_preset(config.model) else None
+    check_random_init(config.model, preset, config.allow_random_init)
+    identity = run_identity(config, dataset.manifest)
+    resume_state = None
+    if resume_from is not None:
+        resume_state = torch.load(resume_from / "trainer.pt", weights_only=False)
+        check_resume(resume_state.get("identity"), identity, resume_from)
     model_source = str(resume_from / "model") if resume_from else config.model
     model = load_model(model_source, options=run_options(config), device=device)
-    max_token_id = max(dataset.vocab.code_to_id)
-    if model.config.vocab_size <= max_token_id:
-        raise ValueError(
-            f"the data's token ids reach {max_token_id} but the model's vocabulary has "
-            f"{model.config.vocab_size} entries; prepare the data with the model's tokenizer (--tokenizer)"
-        )
+    check_vocabulary(dataset.vocab, config.data_dir, config.model, model.config)
+    set_chunk_recompute(model, config.recompute_chunks)
+    for layer in model.layers:  # KDA resolves its kernel on the device now, not at the first step
+        if hasattr(layer.self_attn, "resolve_backend"):
+            try:
+                layer.self_attn.resolve_backend(device)
+            except RuntimeError as exc:
+                raise RunMismatch(str(exc)) from exc
     init_dir = run_dir / "init"
     if resume_from is None and checkpoints.is_preset(config.model) and not (init_dir / "config.json").exists():
         save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
     model.train()
-    runner = LayerRunner(recompute=config.recompute, offload=config.offload, keep_selection=config.keep_selection)
+    runner = LayerRunner(recompute=config.recompute, offload=config.offload, keep_selection=config.keep_selection,
+                         recompute_chunks=config.recompute_chunks)
     optimizer = make_optimizer(model, config, device)
     order = DataOrder(len(dataset), config.seed)
     start_step, bad_in_row = 0, 0
-    if resume_from is not None:
-        state = torch.load(resume_from / "trainer.pt", weights_only=False)
+    if resume_state is not None:
+        state = resume_state
         optimizer.load_state_dict(state["optimizer"])
         order.load(state["data_order"])
         checkpoints.set_rng_state(state["rng"])
@@ -157,7 +176,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, windows = 0.0, []
+        loss_sum, windows, load = 0.0, [], ExpertLoad()
         for _ in range(config.grad_accum):
             index = order.next()
             windows.append(index)
@@ -165,7 +184,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             input_ids = row["input_ids"][None].to(device)
             labels = row["labels"][None].to(device)
             with autocast:
-                loss = model.loss(input_ids, labels, layer_runner=runner)
+                loss = model(input_ids, labels, layer_runner=runner)
+            load.add(model.router_stats())  # read before the backward's recompute routes the tokens again
             (loss / config.grad_accum).backward()
             loss_sum += float(loss.detach())
         loss_value = loss_sum / config.grad_accum
@@ -173,6 +193,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         if finite:
             optimizer.step()
+            update_expert_bias(model.layers, load, config.expert_bias_speed)
             bad_in_row = 0
         else:
             optimizer.zero_grad(set_to_none=True)
@@ -188,10 +209,10 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         }
         if model.last_indexer_loss:
             record["indexer_kl"] = float(sum(model.last_indexer_loss.values()))
-        for layer, counts in model.router_stats().items():
-            counts = counts.float()
-            record[f"router/{layer}/max_over_mean"] = float(counts.max() / counts.mean().clamp_min(1e-9))
-            record[f"router/{layer}/unused_experts"] = int((counts == 0).sum())
+        unused = load.unused()
+        for layer, ratio in load.max_over_mean().items():
+            record[f"router/{layer}/max_over_mean"] = ratio
+            record[f"router/{layer}/unused_experts"] = unused[layer]
         if (step + 1) % config.log_every == 0 or not finite:
             log.log(record)
         summary["losses"].append(loss_value)
@@ -209,7 +230,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             state = {
                 "step": step + 1, "bad_in_row": bad_in_row, "optimizer": optimizer.state_dict(),
                 "schedule": {"step": step + 1, "lr": lr}, "data_order": order.state(), "rng": checkpoints.rng_state(),
-                "config": config.to_dict(),
+                "config": config.to_dict(), "identity": identity,
             }
             summary["checkpoint"] = checkpoints.save_checkpoint(run_dir, step + 1, model, state,
                                                                 config.keep_checkpoints)

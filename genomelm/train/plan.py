@@ -28,6 +28,9 @@ class TensorEstimate:
 
 
 def resolve_model_config(config: TrainConfig) -> ModelConfig:
+    """The run's architecture; without a model set, the GLM-5.3-Flash architecture the hg38 configs train."""
+    if not config.model:
+        return ModelConfig.preset("glm-5.3-flash")
     if is_preset(config.model):
         return ModelConfig.preset(config.model)
     if not Path(config.model).exists():
@@ -108,14 +111,15 @@ def describe_run(config: TrainConfig) -> str:
     )
     lines = [
         (
-            f"run {config.run}: model {config.model} ({n_params / 1e9:.2f}B parameters, "
+            f"run {config.run}: model {config.model or 'not set, sized as glm-5.3-flash'} "
+            f"({n_params / 1e9:.2f}B parameters, "
             f"{len(model_config.kda_layers)} KDA + {len(model_config.dsa_layers)} DSA layers), "
             f"windows of {seq:,} tokens from {config.data_dir}"
         ),
         (
-            f"steps {config.steps}, lr {config.lr} (warmup {config.warmup_steps}, cosine to x{config.min_lr_ratio}), "
+            f"steps {config.steps or f'from epochs={config.epochs}'}, lr {config.lr} (warmup {config.warmup_steps}, cosine to x{config.min_lr_ratio}), "
             f"grad_accum {config.grad_accum}, clip {config.grad_clip}, "
-            f"{'bf16 autocast on CUDA' if cuda else 'fp32 on the CPU (no GPU here)'}, fp32 master weights"
+            f"precision {config.precision} ({'bf16' if config.precision == 'bf16' or (cuda and config.precision == 'auto') else 'fp32'} here), fp32 master weights"
         ),
         "",
         "layer paths:",

@@ -1,0 +1,106 @@
+"""Checks the trainer makes before its first step, each with a message that says what to do.
+
+- a random full-size model (a preset, not a checkpoint) is refused unless asked for (`allow_random_init=true`);
+- the data's token ids must be the model's: the tokenizer in a checkpoint folder, or the vocabulary size and
+  padding id of a preset;
+- a resumed run must be the same run: model, window length, data and vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from genomelm.data.vocab import Vocabulary
+from genomelm.model import ModelConfig
+
+RANDOM_INIT_LIMIT = 1e9  # parameters above which a random initialisation is refused without allow_random_init
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class RunMismatch(ValueError):
+    """A run setting that contradicts the model, the data or the checkpoint being resumed."""
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Exact parameter count, from the model built on the meta device (no memory, about a second at full size)."""
+    from genomelm.model import GlmForCausalLM
+
+    model = GlmForCausalLM.from_config(config, device="meta")
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_random_init(model: str, preset: ModelConfig | None, allow_random_init: bool) -> None:
+    """Refuse training a preset of more than RANDOM_INIT_LIMIT parameters from random weights."""
+    if preset is None or allow_random_init:
+        return
+    count = parameter_count(preset)
+    if count > RANDOM_INIT_LIMIT:
+        raise RunMismatch(
+            f"model={model} is a preset: {count / 1e9:.1f}B parameters of random weights, so training would start "
+            "from noise (and first save the random weights as the run's 'before' model). Give the released "
+            "checkpoint folder instead: make train MODEL=/path/to/GLM-5.3-Flash (or model=<folder>); for memory "
+            "and speed benchmarks only, add allow_random_init=true"
+        )
+
+
+def check_vocabulary(data_vocab: Vocabulary, data_dir: Path, model: str, config: ModelConfig) -> None:
+    """The data's token ids must be the model's.
+
+    A checkpoint folder with a tokenizer: the data must have been prepared with it (same ids for A, C, G, T, N
+    and padding). Otherwise: every id must be inside the model's vocabulary, and the padding id must be the
+    model's `pad_token_id` when it has one.
+    """
+    fix = f"make data TOKENIZER={model} (genomelm data --tokenizer {model})"
+    folder = Path(model)
+    if folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES):
+        from genomelm.data.vocab import tokenizer_vocabulary
+
+        wanted = tokenizer_vocabulary(folder)
+        if tuple(wanted.code_to_id) != tuple(data_vocab.code_to_id):
+            raise RunMismatch(
+                f"{data_dir} was tokenised with {_describe(data_vocab)}, but the model {model} uses ids "
+                f"{_ids(wanted)} from its tokenizer: prepare the data again with {fix}"
+            )
+        return
+    largest = max(data_vocab.code_to_id)
+    pad_mismatch = config.pad_token_id is not None and data_vocab.pad_id != config.pad_token_id
+    if largest >= config.vocab_size or pad_mismatch:
+        raise RunMismatch(
+            f"{data_dir} was tokenised with {_describe(data_vocab)}, but the model {model} has a "
+            f"{config.vocab_size:,}-token vocabulary with padding id {config.pad_token_id}: prepare the data "
+            f"with the model's tokenizer, {fix}"
+        )
+
+
+def _ids(vocab: Vocabulary) -> str:
+    names = ("pad", "A", "C", "G", "T", "N")
+    return ", ".join(f"{n}={i}" for n, i in zip(names, vocab.code_to_id, strict=True))
+
+
+def _describe(vocab: Vocabulary) -> str:
+    source = f"the tokenizer {vocab.tokenizer}" if vocab.tokenizer else "the built-in vocabulary"
+    return f"{source} (ids {_ids(vocab)}; {vocab.vocab_size} entries)"
+
+
+def run_identity(config: Any, data_manifest: dict) -> dict[str, Any]:
+    """What must not change between a run and its resumption."""
+    return {
+        "model": config.model,
+        "seq": config.seq_len,
+        "data_fingerprint": data_manifest.get("fingerprint"),
+        "vocabulary": list(data_manifest["vocab"]["code_to_id"]),
+    }
+
+
+def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path) -> None:
+    """Refuse to continue `checkpoint` (whose trainer state stored `saved`) with a different run."""
+    if saved is None:
+        return
+    differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in current.items()
+              if saved.get(key) != value]  # fmt: skip
+    if differ:
+        raise RunMismatch(
+            f"resume=auto found {checkpoint}, written by a different run ({'; '.join(differ)}). Continue with "
+            "the original settings, start a new run (run=<name>), or resume=never to start this one over"
+        )
