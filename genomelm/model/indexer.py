@@ -135,6 +135,7 @@ class Indexer(nn.Module):
         row with the same algorithm whatever its length (partial sort), and trailing invisible pools never
         displace a visible one, so the selection, ties included, equals scoring every pool.
         """
+        x, q_resid = x.detach(), q_resid.detach()  # (views of grad-requiring inputs confuse module hooks)
         batch, seq_len, _ = x.shape
         pool_keys = self.pool_keys(x)
         n_pools = pool_keys.shape[1]
