@@ -44,8 +44,36 @@ def test_chunked_gradients_match_recurrent() -> None:
     expected = torch.autograd.grad((out * weights).sum() + state.sum(), inputs)
     out, state = chunk_kda_torch(*inputs, chunk_size=32, gate_bound=5.0)
     got = torch.autograd.grad((out * weights).sum() + state.sum(), inputs)
-    for e, g in zip(expected, got):
-        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    for e, g in zip(expected, got):  # fp64 inputs run in fp64
+        torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+
+
+def test_chunked_runs_in_fp64_for_fp64_inputs() -> None:
+    q, k, v, g, beta, state = (t.double() for t in _inputs(2, 150, 3, 16, 5.0, seed=8))
+    expected, expected_state = recurrent_kda(q, k, v, g, beta, state)
+    got, got_state = chunk_kda_torch(q, k, v, g, beta, state, chunk_size=32, gate_bound=5.0)
+    assert got.dtype == got_state.dtype == expected_state.dtype == torch.float64
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got_state, expected_state, atol=1e-12, rtol=1e-12)
+
+
+def test_core_from_the_summary_transforms_equals_the_plain_core() -> None:
+    """The layer's steps as the parallel code calls them: `summarise` builds the chunk transforms once, `core`
+    reuses them, and the result equals `forward` (whose core builds its own)."""
+    layer = _layer("torch")
+    x = torch.randn(2, 70, tiny_config().hidden_size)
+    state = layer.initial_state(2, x.dtype, x.device)
+    with torch.no_grad():
+        expected, expected_state = layer(x, state)
+        q, k, v = layer.convolve(layer.project(x), state.conv_tail.transpose(1, 2), x.dtype)
+        g, beta = layer.gates(x)
+        summary, transforms = layer.summarise(q, k, v, g, beta)
+        core, final = layer.core(q, k, v, g, beta, state.recurrent, transforms)
+        got = layer.output(x, core)
+    assert summary.shape == (2, layer.num_heads, layer.head_dim, 2 * layer.head_dim)
+    torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(final, expected_state.recurrent, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(summary[..., layer.head_dim :], final)  # zero start: S_ext is the final state
 
 
 def _layer(backend: str) -> KDAttention:

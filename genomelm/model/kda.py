@@ -9,6 +9,14 @@ The delta rule runs in one of three backends behind `kda_core`:
 - "recurrent": `kda_naive.recurrent_kda`, the token loop (reference, slow).
 "auto" picks "fla" on CUDA when importable, else "torch". `KDAState` carries the recurrent state and the conv
 tail so that a sequence processed in pieces equals the whole.
+
+The delta rule is affine in its incoming state: a segment maps S_in to S_out = M S_in + S_ext.
+`kda_segment_summary` gives [M | S_ext] from the same chunk transforms (`kda_chunk_transforms`) that the
+output path (`kda_chunk_outputs`) uses, so a segment can be summarised before its incoming state is known
+(context parallelism, `genomelm.parallel`). `KDAttention` exposes its steps (`project`, `convolve`, `gates`,
+`summarise`, `core`, `output`) for that caller; this module itself never communicates.
+
+Math runs in fp32, or in fp64 for fp64 inputs (`compute_dtype`).
 """
 
 from __future__ import annotations
@@ -162,6 +170,160 @@ class _UnitLowerSolve(torch.autograd.Function):
         return grad_a, grad_b
 
 
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype the delta rule runs in for an input like `t`: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+class ChunkTransforms(NamedTuple):
+    """A sequence's chunk-local quantities of the chunked delta rule (`kda_chunk_transforms`).
+
+    Tensors are [B, H, N, ...] in the compute dtype, for N chunks of C tokens (the last one zero padded: a
+    padded token is an identity step). With S the state entering chunk n, the chunk's corrected values are
+    u - w S and the state after it is diag(chunk_decay) S + k_to_end^T (u - w S).
+    """
+
+    u: Tensor  # [B, H, N, C, Dv] (I + A)^-1 (beta v)
+    w: Tensor  # [B, H, N, C, Dk] (I + A)^-1 (beta k exp(G))
+    k_to_end: Tensor  # [B, H, N, C, Dk] k exp(G_last - G)
+    chunk_decay: Tensor  # [B, H, N, Dk] exp(G_last)
+    q_decayed: Tensor | None  # [B, H, N, C, Dk] q exp(G); None when built for the summary only
+    scores: Tensor | None  # [B, H, N, C, C] tril(q_i.k_j exp(G_i - G_j)); None as q_decayed
+    seq_len: int  # tokens before padding
+
+
+def kda_chunk_transforms(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    gate_bound: float | None = None,
+    with_queries: bool = True,
+) -> ChunkTransforms:
+    """The per-chunk transforms of the delta rule (q, k normalised inside). Shapes as `chunk_kda_torch`.
+
+    Inside a chunk the WY form replaces the token loop: with A = strict-lower beta_i k_i.k_j exp(G_i - G_j)
+    (G: cumulative log decay within the chunk), u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(G)).
+    `gate_bound`: a bound on |g| per token (the gate's lower bound) if known; it lets the diagonal sub-blocks
+    of the scores use the factorised form. `with_queries=False` skips q_decayed and the q.k scores (summary
+    only). Decays under exp(NEGLIGIBLE_EXPONENT) count as 0 (`_decay`), keeping the fp32 math clear of
+    subnormals.
+    """
+    if chunk_size % SUB_CHUNK:
+        raise ValueError(f"kda chunk_size must be a multiple of {SUB_CHUNK}, got {chunk_size}")
+    dtype = compute_dtype(v)
+    seq_len, dk, dv = k.shape[1], k.shape[-1], v.shape[-1]
+    pad = (-seq_len) % chunk_size
+
+    def chunked(t: Tensor) -> Tensor:  # [B, S, H, *] -> [B, H, N, C, *] in the compute dtype, zero padded
+        t = t.to(dtype).transpose(1, 2)
+        t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad))
+        return t.unflatten(2, (-1, chunk_size))
+
+    k = chunked(l2_normalise(k.to(dtype)))
+    v, g, beta = chunked(v), chunked(g), chunked(beta).unsqueeze(-1)
+    cum_g = g.cumsum(-2)  # [B, H, N, C, Dk]
+    exact_diagonal = gate_bound is None or gate_bound * (SUB_CHUNK - 1) > SAFE_EXPONENT
+    q = chunked(l2_normalise(q.to(dtype)) * dk**-0.5) if with_queries else None
+    xs = (k * beta, q) if q is not None else (k * beta,)
+    a_kk, *a_qk = _intra_chunk_scores(xs, k, cum_g, exact_diagonal)  # a_kk's diagonal is not used
+    decay_in = _decay(cum_g)  # exp(G)
+    rhs = torch.cat([v * beta, k * beta * decay_in], dim=-1)
+    u, w = _UnitLowerSolve.apply(a_kk, rhs).split([dv, dk], dim=-1)
+    g_last = cum_g[..., -1:, :]  # [B, H, N, 1, Dk]
+    return ChunkTransforms(
+        u=u,
+        w=w,
+        k_to_end=k * _decay(g_last - cum_g),
+        chunk_decay=_decay(g_last.squeeze(-2)),
+        q_decayed=q * decay_in if q is not None else None,
+        scores=a_qk[0] if a_qk else None,
+        seq_len=seq_len,
+    )
+
+
+def _chunk_recurrence(
+    values: Tensor, transforms: ChunkTransforms, state: Tensor
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Carry a state [B, H, Dk, W] through the chunks: v' = values - w S, S <- exp(G_last) S + k_to_end^T v'.
+
+    values: [B, H, N, C, W] (u for the delta rule). Returns the states entering each chunk and each chunk's v'
+    (lists of N [B*H, ...] tensors) and the final state [B, H, Dk, W]. Runs on [B*H, ...] views: two fused
+    multiply-adds per chunk.
+    """
+    batch, heads = values.shape[:2]
+    state = state.flatten(0, 1)
+    entering, corrected = [], []
+    # unbind once: indexing chunk n in the loop would cost a full-size gradient buffer per chunk in backward
+    per_chunk = zip(
+        *(
+            t.flatten(0, 1).unbind(1)
+            for t in (
+                values,
+                transforms.w,
+                transforms.chunk_decay.unsqueeze(-1),
+                transforms.k_to_end.transpose(-1, -2),
+            )
+        )
+    )
+    for values_n, w_n, decay_n, k_n in per_chunk:
+        entering.append(state)
+        v_new = torch.baddbmm(values_n, w_n, state, alpha=-1.0)  # values - w S
+        corrected.append(v_new)
+        state = torch.baddbmm(state * decay_n, k_n, v_new)
+    return entering, corrected, state.unflatten(0, (batch, heads))
+
+
+def kda_chunk_outputs(transforms: ChunkTransforms, initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The delta rule's outputs from the chunk transforms and an incoming state [B, H, Dk, Dv] (None: zeros).
+
+    o = (q exp(G)) S + tril(q_i.k_j exp(G_i - G_j)) (u - w S) per chunk, with S the state entering the chunk:
+    the states come from the chunk loop, the outputs are batched matmuls after it. Returns the output
+    [B, S, H, Dv] and the final state [B, H, Dk, Dv], both in the compute dtype.
+    """
+    q_decayed, scores = transforms.q_decayed, transforms.scores
+    if q_decayed is None or scores is None:
+        raise ValueError("these chunk transforms were built for the summary only (with_queries=False)")
+    batch, heads, _, _, dk = transforms.w.shape
+    dv = transforms.u.shape[-1]
+    state = (
+        transforms.u.new_zeros(batch, heads, dk, dv)
+        if initial_state is None
+        else initial_state.to(transforms.u.dtype)
+    )
+    entering, corrected, state = _chunk_recurrence(transforms.u, transforms, state)
+    entering_all = torch.stack(entering, dim=1).unflatten(0, (batch, heads))  # [B, H, N, Dk, Dv]
+    corrected_all = torch.stack(corrected, dim=1).unflatten(0, (batch, heads))  # [B, H, N, C, Dv]
+    out = torch.baddbmm(
+        (q_decayed @ entering_all).flatten(0, 2), scores.flatten(0, 2), corrected_all.flatten(0, 2)
+    ).unflatten(0, (batch, heads, -1))
+    out = out.flatten(2, 3)[:, :, : transforms.seq_len]
+    return out.transpose(1, 2), state
+
+
+def kda_segment_summary(transforms: ChunkTransforms) -> Tensor:
+    """The segment's affine state map, packed [M | S_ext]: [B, H, Dk, Dk+Dv] in the compute dtype.
+
+    S_out = M S_in + S_ext for any incoming state S_in (`apply_state_map`): M is the product of the chunk
+    transitions M_n = diag(exp(G_last)) - k_to_end^T w (latest on the left), S_ext the final state from a zero
+    start. Both come from one run of the chunk loop on the packed state [M | E] started at [I | 0] with values
+    [0 | u] (each chunk maps it to [M_n M | M_n E + k_to_end^T u]).
+    """
+    batch, heads, _, _, dk = transforms.w.shape
+    values = F.pad(transforms.u, (dk, 0))  # [0 | u]
+    identity = torch.eye(dk, dtype=values.dtype, device=values.device).expand(batch, heads, dk, dk)
+    start = F.pad(identity, (0, transforms.u.shape[-1]))  # [I | 0]
+    return _chunk_recurrence(values, transforms, start)[2]
+
+
+def apply_state_map(summary: Tensor, state: Tensor) -> Tensor:
+    """M S + S_ext for a packed summary [..., Dk, Dk+Dv] and a state [..., Dk, Dv]."""
+    dk = summary.shape[-2]
+    return summary[..., :dk] @ state + summary[..., dk:]
+
+
 def chunk_kda_torch(
     q: Tensor,
     k: Tensor,
@@ -175,62 +337,12 @@ def chunk_kda_torch(
     """Chunked delta rule, same contract as `kda_naive.recurrent_kda` (q, k normalised inside, fp32 math).
 
     q, k, g: [B, S, H, Dk]; v: [B, S, H, Dv]; beta: [B, S, H]; initial_state [B, H, Dk, Dv] or None.
-    `gate_bound`: a bound on |g| per token (the gate's lower bound) if known; it lets the diagonal sub-blocks use
-    the factorised form. Inside a chunk the WY form replaces the token loop: with A = strict-lower
-    beta_i k_i.k_j exp(G_i - G_j), u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(G)); the chunk loop then
-    carries the state: v' = u - w S, o = (q exp(G)) S + tril(q_i.k_j exp(G_i - G_j)) v',
-    S <- exp(G_last) S + (k exp(G_last - G))^T v'. Returns output [B, S, H, Dv] (v's dtype), state fp32.
-    Decays under exp(NEGLIGIBLE_EXPONENT) count as 0 (`_decay`), keeping the fp32 math clear of subnormals.
+    `kda_chunk_transforms` then `kda_chunk_outputs`. Returns output [B, S, H, Dv] (v's dtype) and the final
+    state (compute dtype: fp32, fp64 for fp64 inputs).
     """
-    if chunk_size % SUB_CHUNK:
-        raise ValueError(f"kda chunk_size must be a multiple of {SUB_CHUNK}, got {chunk_size}")
-    out_dtype = v.dtype
-    batch, seq_len, heads, dk = k.shape
-    dv = v.shape[-1]
-    pad = (-seq_len) % chunk_size
-
-    def chunked(t: Tensor) -> Tensor:  # [B, S, H, *] -> [B, H, N, C, *] fp32, zero padded
-        t = t.float().transpose(1, 2)
-        t = F.pad(t, (0, 0, 0, pad)) if t.dim() == 4 else F.pad(t, (0, pad))
-        return t.unflatten(2, (-1, chunk_size))
-
-    q = chunked(l2_normalise(q.float()) * dk**-0.5)
-    k = chunked(l2_normalise(k.float()))
-    v, g, beta = chunked(v), chunked(g), chunked(beta).unsqueeze(-1)
-    cum_g = g.cumsum(-2)  # [B, H, N, C, Dk]
-    exact_diagonal = gate_bound is None or gate_bound * (SUB_CHUNK - 1) > SAFE_EXPONENT
-    a_kk, a_qk = _intra_chunk_scores((k * beta, q), k, cum_g, exact_diagonal)  # a_kk's diagonal is not used
-    decay_in = _decay(cum_g)  # exp(G)
-    rhs = torch.cat([v * beta, k * beta * decay_in], dim=-1)
-    u, w = _UnitLowerSolve.apply(a_kk, rhs).split([dv, dk], dim=-1)
-    g_last = cum_g[..., -1:, :]  # [B, H, N, 1, Dk]
-    q_decayed = q * decay_in
-    k_to_end = k * _decay(g_last - cum_g)
-    chunk_decay = _decay(g_last.squeeze(-2)).unsqueeze(-1)  # [B, H, N, Dk, 1]
-
-    # the state recurrence runs on [B*H, ...] views: two fused multiply-adds per chunk; the outputs are batched
-    # matmuls after the loop, from the states entering each chunk and the corrected values v'
-    state = (
-        torch.zeros(batch * heads, dk, dv, dtype=torch.float32, device=v.device)
-        if initial_state is None
-        else initial_state.float().flatten(0, 1)
-    )
-    states, v_news = [], []
-    # unbind once: indexing chunk n inside the loop would cost a full-size gradient buffer per chunk in backward
-    per_chunk = zip(*(t.flatten(0, 1).unbind(1) for t in (u, w, chunk_decay, k_to_end.transpose(-1, -2))))
-    for u_n, w_n, decay_n, k_n in per_chunk:
-        states.append(state)
-        v_new = torch.baddbmm(u_n, w_n, state, alpha=-1.0)  # u - w S
-        v_news.append(v_new)
-        state = torch.baddbmm(state * decay_n, k_n, v_new)
-    entering = torch.stack(states, dim=1).unflatten(0, (batch, heads))  # [B, H, N, Dk, Dv]
-    v_new = torch.stack(v_news, dim=1).unflatten(0, (batch, heads))  # [B, H, N, C, Dv]
-    out = torch.baddbmm(
-        (q_decayed @ entering).flatten(0, 2), a_qk.flatten(0, 2), v_new.flatten(0, 2)
-    ).unflatten(0, (batch, heads, -1))
-    out = out.flatten(2, 3)[:, :, :seq_len]
-    state = state.unflatten(0, (batch, heads))
-    return out.transpose(1, 2).to(out_dtype), state
+    transforms = kda_chunk_transforms(q, k, v, g, beta, chunk_size, gate_bound)
+    out, state = kda_chunk_outputs(transforms, initial_state)
+    return out.to(v.dtype), state
 
 
 def kda_core(
@@ -243,11 +355,14 @@ def kda_core(
     initial_state: Tensor | None,
     chunk_size: int,
     gate_bound: float | None,
+    transforms: ChunkTransforms | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The delta rule in a resolved backend ("fla", "torch", "recurrent"). Shapes as `chunk_kda_torch`.
 
-    The torch and recurrent paths run in fp32 with autocast off (autocast would otherwise run their matmuls,
-    and so the carried state, in bf16); fla's kernel takes bf16 q/k/v and keeps its state in fp32 itself.
+    The torch and recurrent paths run in fp32 (fp64 for fp64 inputs) with autocast off (autocast would
+    otherwise run their matmuls, and so the carried state, in bf16); fla's kernel takes bf16 q/k/v and keeps
+    its state in fp32 itself. `transforms`: the torch path's chunk transforms if already built for these
+    inputs (with queries, e.g. by `KDAttention.summarise`); the other backends do not use them.
     """
     if backend == "fla":
         chunk_kda = fla_chunk_kda()
@@ -266,7 +381,10 @@ def kda_core(
     with fp32_region(q):
         if backend == "recurrent":
             return recurrent_kda(q, k, v, g, beta, initial_state)
-        return chunk_kda_torch(q, k, v, g, beta, initial_state, chunk_size, gate_bound)
+        if transforms is None:
+            return chunk_kda_torch(q, k, v, g, beta, initial_state, chunk_size, gate_bound)
+        out, state = kda_chunk_outputs(transforms, initial_state)
+        return out.to(v.dtype), state
 
 
 def causal_depthwise_conv(padded: Tensor, weight: Tensor) -> Tensor:
@@ -300,11 +418,12 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [B, S, D] -> g [B, S, H, Dk] fp32."""
-        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).unflatten(
+        """x: [B, S, D] -> g [B, S, H, Dk] fp32 (fp64 for an fp64 model)."""
+        dtype = compute_dtype(x)
+        f = (self.f_b_proj(self.f_a_proj(x)).to(dtype) + self.dt_bias.to(dtype)).unflatten(
             -1, (self.num_heads, -1)
         )
-        rate = self.A_log.float().exp().view(self.num_heads, 1)
+        rate = self.A_log.to(dtype).exp().view(self.num_heads, 1)
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * f)
         return -rate * F.softplus(f, threshold=20.0)
@@ -353,33 +472,83 @@ class KDAttention(nn.Module):
         return self.backend
 
     def initial_state(self, batch: int, dtype: torch.dtype, device: torch.device) -> KDAState:
-        """Zero state: what a sequence starts from."""
+        """Zero state: what a sequence starts from (recurrent part fp32, fp64 for an fp64 model)."""
         width = self.num_heads * self.head_dim
         return KDAState(
             torch.zeros(
-                batch, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float32, device=device
+                batch,
+                self.num_heads,
+                self.head_dim,
+                self.head_dim,
+                dtype=torch.promote_types(dtype, torch.float32),
+                device=device,
             ),
             torch.zeros(batch, 3 * width, self.kernel - 1, dtype=dtype, device=device),
         )
 
+    # The layer's steps in order: `forward` chains them, `genomelm.parallel` calls them around its exchanges.
+    def project(self, x: Tensor) -> Tensor:
+        """x [B, S, D] -> the conv's input rows [B, S, 3W] (q | k | v projections, W = H*Dk)."""
+        return F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+
+    def convolve(self, rows: Tensor, halo: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """Causal depthwise conv + SiLU of rows [B, S, 3W] after halo [B, K-1, 3W] (the K-1 rows before them;
+        zeros at the start of a sequence) -> q, k, v [B, S, H, Dk] in `dtype`. The conv runs in its weight's
+        dtype (fp32)."""
+        padded = torch.cat([halo.to(rows.dtype), rows], dim=1)  # [B, K-1+S, 3W]
+        conv = causal_depthwise_conv(padded.to(self.conv1d.weight.dtype), self.conv1d.weight)
+        q, k, v = F.silu(conv).to(dtype).unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
+        return q, k, v
+
+    def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, S, D] -> log decay g [B, S, H, Dk] (fp32) and beta [B, S, H] (x's dtype)."""
+        return self.forget_gate(x), torch.sigmoid(self.b_proj(x))
+
+    def summarise(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
+    ) -> tuple[Tensor, ChunkTransforms]:
+        """The segment's state map [M | S_ext] [B, H, Dk, Dk+Dv] (`kda_segment_summary`, torch math whatever
+        the backend) and the chunk transforms it came from, to pass to `core` (used there by the torch
+        backend)."""
+        backend = self.resolve_backend(q.device)
+        with fp32_region(q):
+            transforms = kda_chunk_transforms(
+                q, k, v, g, beta, self.chunk_size, self.gate_bound, with_queries=backend == "torch"
+            )
+            return kda_segment_summary(transforms), transforms
+
+    def core(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        initial_state: Tensor | None,
+        transforms: ChunkTransforms | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The delta rule from `initial_state` [B, H, Dk, Dv] -> (out [B, S, H, Dv], final state); see
+        `kda_core`."""
+        backend = self.resolve_backend(q.device)
+        return kda_core(
+            backend, q, k, v, g, beta, initial_state, self.chunk_size, self.gate_bound, transforms
+        )
+
+    def output(self, x: Tensor, core: Tensor) -> Tensor:
+        """Gated RMS norm of the delta rule's output core [B, S, H, Dv] (gate from x [B, S, D]), then the
+        output projection -> [B, S, D]."""
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        return self.o_proj(self.o_norm(core, gate).flatten(2))
+
     def forward(self, x: Tensor, state: KDAState | None = None) -> tuple[Tensor, KDAState]:
         """x: [B, S, D] -> (y [B, S, D], state after the last token)."""
-        backend = self.resolve_backend(x.device)
         if state is None:
             state = self.initial_state(x.shape[0], x.dtype, x.device)
-        qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        mixed = F.linear(x, qkv_weight)  # [B, S, 3W]
-        padded = torch.cat([state.conv_tail.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [B, K-1+S, 3W]
-        conv_tail = padded[:, padded.shape[1] - (self.kernel - 1) :].transpose(1, 2)
-        conv = F.silu(causal_depthwise_conv(padded.to(self.conv1d.weight.dtype), self.conv1d.weight)).to(
-            x.dtype
-        )
-        q, k, v = conv.unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x))
-        core, recurrent = kda_core(
-            backend, q, k, v, g, beta, state.recurrent, self.chunk_size, self.gate_bound
-        )
-        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
-        out = self.o_norm(core, gate).flatten(2)
-        return self.o_proj(out), KDAState(recurrent, conv_tail)
+        rows = self.project(x)
+        halo = state.conv_tail.transpose(1, 2).to(rows.dtype)
+        q, k, v = self.convolve(rows, halo, x.dtype)
+        seq_len = rows.shape[1]  # the state's tail: the last K-1 rows of [halo, rows], also when S < K-1
+        conv_tail = torch.cat([halo[:, seq_len:], rows[:, max(seq_len - halo.shape[1], 0) :]], dim=1)
+        g, beta = self.gates(x)
+        core, recurrent = self.core(q, k, v, g, beta, state.recurrent)
+        return self.output(x, core), KDAState(recurrent, conv_tail.transpose(1, 2))

@@ -1,0 +1,37 @@
+"""Running one model over many processes (between `genomelm.model` and `genomelm.train`).
+
+Phase 1, context parallelism for the KDA layers:
+- `layout`: how a window is split over the ranks (`ContextLayout`: zigzag or contiguous, shard / restore,
+  labels made over the whole window before sharding, global positions);
+- `exchange`: the autograd-aware collectives of a KDA layer (conv halo, segment-summary hand-over);
+- `context`: `apply_context_parallel(model, group, kind)`, the CP forward of each KDA attention module;
+- `launch`: `launch(fn, world_size, ...)`, N local ranks (gloo on CPU, NCCL on CUDA) with failures and hangs
+  turned into errors in the parent.
+The model's math (a KDA segment's summary) lives in `genomelm.model.kda`; only this package communicates.
+"""
+
+from .context import (
+    ContextParallel,
+    apply_context_parallel,
+    kda_context_parallel_forward,
+    remove_context_parallel,
+)
+from .launch import LaunchError, LaunchTimeout, is_output_rank, launch
+from .layout import CONTIGUOUS, ZIGZAG, ContextLayout, LayoutError, LocalWindow, next_token_labels
+
+__all__ = [
+    "CONTIGUOUS",
+    "ZIGZAG",
+    "ContextLayout",
+    "ContextParallel",
+    "LaunchError",
+    "LaunchTimeout",
+    "LayoutError",
+    "LocalWindow",
+    "apply_context_parallel",
+    "is_output_rank",
+    "kda_context_parallel_forward",
+    "launch",
+    "next_token_labels",
+    "remove_context_parallel",
+]
