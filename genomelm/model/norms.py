@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMS norm of x times `sigmoid(gate)`, all in fp32 (KDA's output norm, per head of size `dim`)."""
+    """RMS norm of x times `sigmoid(gate)`, in fp32 or wider (KDA's output norm, per head of size `dim`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,6 +41,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         """x, gate: [..., dim] -> [..., dim] in x's dtype."""
-        x32 = x.float()
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(dtype)
         normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+        return (self.weight.to(dtype) * normed * torch.sigmoid(gate.to(dtype))).to(x.dtype)
