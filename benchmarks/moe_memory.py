@@ -72,7 +72,7 @@ def main() -> None:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = next(r["working_mb"] for r in rows if r["backend"] == "grouped")
     print(f"one MoE layer, {TOKENS:,} tokens, hidden {HIDDEN}, expert width {WIDTH}, top-{TOP_K}: forward + backward")
-    print(f"| experts | backend | parameters MB | working memory MB (peak RSS - before - gradients) | vs 8 experts |")
+    print("| experts | backend | parameters MB | working memory MB (peak RSS - before - gradients) | vs 8 experts |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['experts']} | {r['backend']} | {r['param_mb']:.1f} | {r['working_mb']:.1f} | "

@@ -148,7 +148,7 @@ def test_steps_from_epochs(tmp_path, windows) -> None:
 
 def test_kda_on_cuda_without_fla_is_refused(tmp_path, windows, monkeypatch) -> None:
     """On CUDA, KDA 'auto' without fla-core stops before the first step with the install command."""
-    import genomelm.model.kda as kda
+    from genomelm.model import kda
 
     monkeypatch.setattr(kda, "fla_chunk_kda", lambda: None)
     layer = load_model("tiny").layers[0].self_attn

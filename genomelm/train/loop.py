@@ -22,8 +22,8 @@ from tqdm import tqdm
 from genomelm.data import WindowDataset
 from genomelm.model import ModelConfig, RunOptions, load_model, save_model
 from genomelm.train import checkpoints
-from genomelm.train.config import TrainConfig
 from genomelm.train.balance import ExpertLoad, update_expert_bias
+from genomelm.train.config import TrainConfig
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
