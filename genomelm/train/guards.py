@@ -51,8 +51,9 @@ def check_vocabulary(data_vocab: Vocabulary, data_dir: Path, model: str, config:
     and padding). Otherwise: every id must be inside the model's vocabulary, and the padding id must be the
     model's `pad_token_id` when it has one.
     """
-    fix = f"make data TOKENIZER={model} (genomelm data --tokenizer {model})"
     folder = Path(model)
+    source = model if folder.is_dir() else "/path/to/the/checkpoint/folder"  # a preset has no tokenizer
+    fix = f"make data TOKENIZER={source} (genomelm data --tokenizer {source})"
     if folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES):
         from genomelm.data.vocab import tokenizer_vocabulary
 

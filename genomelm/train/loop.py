@@ -130,6 +130,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
 
     preset = ModelConfig.preset(config.model) if checkpoints.is_preset(config.model) else None
     check_random_init(config.model, preset, config.allow_random_init)
+    model_config = preset if preset is not None else ModelConfig.from_file(config.model)
+    check_vocabulary(dataset.vocab, config.data_dir, config.model, model_config)  # before loading any weights
     identity = run_identity(config, dataset.manifest)
     resume_state = None
     if resume_from is not None:
@@ -137,7 +139,6 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         check_resume(resume_state.get("identity"), identity, resume_from)
     model_source = str(resume_from / "model") if resume_from else config.model
     model = load_model(model_source, options=run_options(config), device=device)
-    check_vocabulary(dataset.vocab, config.data_dir, config.model, model.config)
     set_chunk_recompute(model, config.recompute_chunks)
     for layer in model.layers:  # KDA resolves its kernel on the device now, not at the first step
         if hasattr(layer.self_attn, "resolve_backend"):
