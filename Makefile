@@ -5,7 +5,8 @@
 #   make data GENOME=hg38 SEQ=512k    hg38 chr1+chr2 (train) and chr22 (held out) as 512k-token windows
 #   make data FASTA=my.fa.gz TRAIN=chrA,chrB HELDOUT=chrC SEQ=1M OUT=dir
 #   make train SEQ=512k [STEPS=...] [MODEL=...] [ARGS="key=value ..."]
-#   make eval-buckets SEQ=512k [BUCKET=32768]
+#   make eval-buckets SEQ=512k [BUCKET=32768] [HELDOUT=dirA,dirB]
+#   make probe SEQ=512k [ARGS="probe_distances=1k,4k,16k probe_windows=4"]
 
 PYTHON ?= python3
 VENV := .venv
@@ -26,7 +27,7 @@ OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
              $(if $(STEPS),steps=$(STEPS)) $(if $(MODEL),model=$(MODEL)) $(if $(RUN),run=$(RUN)) \
              $(if $(DATA),data=$(DATA)) $(if $(BUCKET),bucket=$(BUCKET)) $(ARGS)
 
-.PHONY: install data train eval-buckets demo test lint clean
+.PHONY: install data train eval-buckets probe demo test lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,7 +46,10 @@ train: $(STAMP)
 	$(BIN)/genomelm train $(CONFIG) $(OVERRIDES)
 
 eval-buckets: $(STAMP)
-	$(BIN)/genomelm eval $(CONFIG) $(OVERRIDES)
+	$(BIN)/genomelm eval $(CONFIG) $(OVERRIDES) $(if $(HELDOUT),heldout=$(HELDOUT))
+
+probe: $(STAMP)
+	$(BIN)/genomelm probe $(CONFIG) $(OVERRIDES)
 
 # CPU runs: glibc keeps freed memory instead of mapping fresh pages for every large temporary
 # (benchmarks/model_step.py: 64k-token step 72 s -> 45 s on 2 cores, for more resident memory)

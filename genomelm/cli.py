@@ -1,4 +1,4 @@
-"""Command-line entry point: ``genomelm {data,train,eval} ...``.
+"""Command-line entry point: ``genomelm {data,train,eval,probe} ...``.
 
 Each stage owns its argument parsing in ``genomelm.<stage>.command.main(argv)``; this module only
 dispatches, and imports a stage lazily so ``genomelm data`` never pays for importing torch models.
@@ -13,6 +13,7 @@ STAGES = {
     "data": ("genomelm.data.command", "FASTA or hg38 chromosomes -> token windows"),
     "train": ("genomelm.train.command", "fine-tune the model on prepared windows"),
     "eval": ("genomelm.eval.command", "held-out loss per position bucket, before and after training"),
+    "probe": ("genomelm.eval.probe", "copy probe: how far back the model retrieves a copied segment"),
 }
 
 

@@ -11,25 +11,31 @@ from genomelm.data.config import DataConfig, genome_config_path, load_yaml
 from genomelm.data.errors import DataError
 from genomelm.data.prepare import prepare
 
-_FASTA_SUFFIXES = (".gz", ".bgz", ".fa", ".fasta", ".fna", ".fas", ".2bit")
+_FASTA_SUFFIXES = (".gz", ".bgz", ".fa", ".fasta", ".fna", ".fas", ".2bit", ".gb", ".gbk", ".gbff", ".genbank",
+                   ".embl", ".dat")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="genomelm data",
-        description="Turn a genome (hg38 from UCSC, the bundled demo, or any FASTA) into SEQ-token windows.",
+        description="Turn a genome (hg38 from UCSC, the bundled demo, or a FASTA, GenBank, EMBL or .2bit file) "
+        "into SEQ-token windows.",
     )
     p.add_argument("--genome", help="config name in configs/data (demo, hg38); with --fasta, the output name")
     p.add_argument("--config", type=Path, help="data config YAML (default: configs/data/<genome>.yaml)")
     p.add_argument(
-        "--fasta", action="append", help="local FASTA (plain, gzip or BGZF) or UCSC .2bit; repeat for several files"
+        "--fasta", action="append",
+        help="local genome: FASTA (plain, gzip or BGZF), GenBank or EMBL (plain or gzip, told apart by content) or "
+        "UCSC .2bit; repeat for several files",
     )
     p.add_argument("--seq", help="tokens per window: 16k, 512k, 1M or an integer")
     p.add_argument("--stride", help="tokens between window starts (default: SEQ)")
     p.add_argument(
-        "--train", help="comma-separated records or name:start-end (default: everything not held out)"
+        "--train",
+        help="comma-separated records, name:start-end (1-based inclusive) or BED files (.bed, .bed.gz; 0-based "
+        "half-open) (default: everything not held out)",
     )
-    p.add_argument("--heldout", help="comma-separated records or name:start-end (1-based inclusive)")
+    p.add_argument("--heldout", help="comma-separated records, name:start-end or BED files, as --train")
     p.add_argument("--out", help="output folder (default: data/prepared/<genome>-<seq>)")
     p.add_argument("--tokenizer", help="local Hugging Face model folder whose A,C,G,T,N token ids to use")
     p.add_argument("--max-n-fraction", type=float, help="drop windows with a larger N fraction (default 0.5)")

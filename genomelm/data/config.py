@@ -20,8 +20,9 @@ class DataConfig:
     """Everything that decides the prepared output; relative paths are relative to the working directory.
 
     ``source`` 'hg38' downloads ``files`` from ``base_url`` into ``cache``/hg38; 'fasta' reads ``fasta``.
-    ``train``/``heldout`` are record names or ``name:start-end`` (1-based inclusive); an empty ``train``
-    means every base not in ``heldout``. ``seq`` and ``stride`` are in tokens (= bases).
+    ``train``/``heldout`` are record names, ``name:start-end`` (1-based inclusive) or BED files (``.bed``,
+    ``.bed.gz``; 0-based half-open); an empty ``train`` means every base not in ``heldout``. ``fasta`` files
+    may be FASTA, GenBank, EMBL or .2bit. ``seq`` and ``stride`` are in tokens (= bases).
     """
 
     genome: str

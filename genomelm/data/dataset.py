@@ -8,11 +8,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from genomelm.data.augment import labels_for
 from genomelm.data.errors import DataError
 from genomelm.data.prepare import MANIFEST, SPLITS, indexed_dataset_module, read_manifest
-from genomelm.data.vocab import CODE_LETTERS, PAD, N, Vocabulary
+from genomelm.data.vocab import CODE_LETTERS, IGNORE_INDEX, Vocabulary
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "WindowDataset", "as_hf_dataset"]
 
 
 class WindowDataset(Dataset):
@@ -51,9 +52,6 @@ class WindowDataset(Dataset):
                 f"{self.path}: {info['prefix']}.idx and {MANIFEST} disagree; rebuild with --force"
             )
         self._code_to_id = torch.tensor(self.vocab.code_to_id, dtype=torch.long)
-        ignore = np.zeros(len(self.vocab.code_to_id), dtype=bool)
-        ignore[[PAD, N]] = True
-        self._ignore = torch.from_numpy(ignore)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -81,11 +79,9 @@ class WindowDataset(Dataset):
             raise IndexError(f"window {index} out of range 0..{len(self) - 1}")
         codes = torch.from_numpy(self.codes(index).astype(np.int64))
         input_ids = self._code_to_id[codes]
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        labels[:-1] = torch.where(self._ignore[codes[1:]], IGNORE_INDEX, input_ids[1:])
         return {
             "input_ids": input_ids,
-            "labels": labels,
+            "labels": labels_for(input_ids, self.vocab),
             "softmask": torch.from_numpy(self.softmasks[index].astype(bool)),
             "position": torch.arange(self.seq_len, dtype=torch.long),
             **self.coordinates(index),

@@ -8,6 +8,7 @@ Decompression uses ISA-L (``isal.igzip``, a drop-in for ``gzip``), about 3x fast
 from __future__ import annotations
 
 import hashlib
+import io
 import queue
 import threading
 from collections.abc import Iterator
@@ -25,13 +26,20 @@ _WHITESPACE = b" \t\r\n"
 INVALID_BYTE = bytes([INVALID])  # what a ``table`` maps a byte to that must not be in a sequence
 
 
-class _HashingReader:
-    """File wrapper that feeds every byte read through MD5, so checksumming costs no extra pass."""
+class _HashingReader(io.RawIOBase):
+    """File wrapper that feeds every byte read through MD5, so checksumming costs no extra pass.
+
+    A readable raw stream, so ``io.TextIOWrapper`` can decode it (GenBank and EMBL through Biopython).
+    """
 
     def __init__(self, raw: BinaryIO) -> None:
+        super().__init__()
         self.raw = raw
         self.md5 = hashlib.md5()
         self.count = 0
+
+    def readable(self) -> bool:
+        return True
 
     def read(self, size: int = -1) -> bytes:
         data = self.raw.read(size)
@@ -47,6 +55,7 @@ class _HashingReader:
 
     def close(self) -> None:
         self.raw.close()
+        super().close()
 
 
 def detect_format(path: Path) -> str:
@@ -69,12 +78,36 @@ def detect_format(path: Path) -> str:
     return "gzip" if magic[:2] == b"\x1f\x8b" else "plain"
 
 
+def detect_records_format(path: Path) -> str:
+    """'genbank', 'embl' or 'fasta', from the first non-blank line of the (decompressed) text: GenBank
+    files begin with a LOCUS line and EMBL files with an ID line, whatever the file is called."""
+    compressed = detect_format(path) == "gzip"
+    try:
+        with igzip.open(path, "rb") if compressed else open(path, "rb") as handle:
+            head = handle.read(1 << 16)
+    except (EOFError, OSError, isal_zlib.error):
+        return "fasta"  # the FASTA reader reports the broken file, naming it
+    first = next((line for line in head.splitlines() if line.strip()), b"")
+    if first.startswith(b"LOCUS "):
+        return "genbank"
+    if first.startswith(b"ID   "):
+        return "embl"
+    return "fasta"
+
+
 def open_stream(path: str | Path, block_bytes: int = BLOCK_BYTES, table: bytes | None = None) -> FastaStream:
-    """Events of a genome file: a :class:`FastaStream`, or for .2bit a ``TwoBitStream`` (same events)."""
-    if detect_format(Path(path)) == "2bit":
+    """Events of a genome file: a :class:`FastaStream`, or with the same events a ``TwoBitStream`` for .2bit
+    and a ``FlatFileStream`` for GenBank and EMBL (plain or gzip)."""
+    path = Path(path)
+    if detect_format(path) == "2bit":
         from genomelm.data.twobit import TwoBitStream  # imports this module
 
         return TwoBitStream(path, block_bytes, table)
+    records_format = detect_records_format(path)
+    if records_format != "fasta":
+        from genomelm.data.flatfile import FlatFileStream  # imports this module
+
+        return FlatFileStream(path, records_format, block_bytes, table)
     return FastaStream(path, block_bytes, table)
 
 
@@ -183,7 +216,7 @@ class FastaStream:
                         if not seen_record:
                             raise DataError(
                                 f"{self.path}: not a FASTA file (no '>' header before the first sequence "
-                                "line); give a FASTA file"
+                                "line); give a FASTA, GenBank, EMBL or .2bit file"
                             )
                         yield piece, self._first_invalid(piece, block, pos, end)
                     at_line_start = block[end - 1] == 0x0A
@@ -199,7 +232,9 @@ class FastaStream:
         if in_header:  # header on the last line without a trailing newline
             yield self._record_name(header, names), None
         if not seen_record:
-            raise DataError(f"{self.path}: not a FASTA file (no '>' header found); give a FASTA file")
+            raise DataError(
+                f"{self.path}: not a FASTA file (no '>' header found); give a FASTA, GenBank, EMBL or .2bit file"
+            )
 
     def _first_invalid(self, piece: bytes, block: bytes, pos: int, end: int) -> tuple[int, str] | None:
         if self.table is None:
@@ -208,6 +243,13 @@ class FastaStream:
         if at < 0:
             return None
         return at, chr(block[pos:end].translate(None, _WHITESPACE)[at])
+
+    def _first_invalid_unwrapped(self, piece: bytes, raw: bytes) -> tuple[int, str] | None:
+        """As ``_first_invalid`` for a piece translated from ``raw`` without dropping any byte (no line breaks)."""
+        if self.table is None:
+            return None
+        at = piece.find(INVALID_BYTE)
+        return None if at < 0 else (at, chr(raw[at]))
 
     def _record_name(self, header: bytearray, names: set[str]) -> str:
         name = header_name(header)

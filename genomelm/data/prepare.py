@@ -16,7 +16,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +24,18 @@ import numpy as np
 from genomelm.data.config import DataConfig
 from genomelm.data.download import check_md5, expected_md5, fetch, md5_of
 from genomelm.data.errors import DataError
-from genomelm.data.fasta import FastaStream, open_stream
+from genomelm.data.faidx import IndexedFasta, region_index
+from genomelm.data.fasta import BLOCK_BYTES, INVALID_BYTE, detect_format, open_stream
 from genomelm.data.indexed import IndexedWriter
-from genomelm.data.regions import Interval, check_overlaps, match_spec, static_interval
+from genomelm.data.regions import (
+    BedFile,
+    Interval,
+    check_overlaps,
+    is_bed,
+    match_spec,
+    read_bed,
+    static_interval,
+)
 from genomelm.data.vocab import (
     BUILTIN,
     CODE_MASK,
@@ -129,13 +138,48 @@ def _complement(record: str, held: list[Interval]) -> list[Interval]:
     return [*pieces, Interval("train", spec, record, start, None)]
 
 
-class _Builder:
-    """Streams every source once, routing each record's bases to the regions that select them."""
+@dataclass
+class _Selection:
+    """What --train and --heldout select: record names and region strings, matched to records as they are
+    read, and the intervals of BED files, whose records are known."""
 
-    def __init__(self, cfg: DataConfig, folder: Path, progress: bool, md5s: dict[Path, str]) -> None:
-        self.cfg, self.progress, self.md5s = cfg, progress, md5s
+    specs: list[tuple[str, str]]  # (split, record name or name:start-end)
+    bed_files: list[BedFile]
+
+    @property
+    def bed_intervals(self) -> list[Interval]:
+        return [iv for bed in self.bed_files for iv in bed.intervals]
+
+
+def _selection(cfg: DataConfig) -> _Selection:
+    """Split items as given; an item ending .bed or .bed.gz is a BED file, read (and checked) here."""
+    specs, beds = [], []
+    for split in SPLITS:
+        for item in getattr(cfg, split):
+            if is_bed(item):
+                beds.append(read_bed(item, split))
+            else:
+                specs.append((split, item))
+    return _Selection(specs, beds)
+
+
+class _Builder:
+    """Streams every source once, routing each record's bases to the regions that select them.
+
+    With explicit --train and --heldout, a FASTA with an up-to-date samtools index is instead read region by
+    region through pyfaidx (`genomelm.data.faidx`), with the same windows as the stream gives.
+    """
+
+    def __init__(
+        self, cfg: DataConfig, folder: Path, progress: bool, md5s: dict[Path, str], selection: _Selection,
+        log: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self.cfg, self.progress, self.md5s, self.log = cfg, progress, md5s, log
         self.writers = {s: _SplitWriter(folder, s, cfg.seq, cfg.max_n_fraction) for s in SPLITS}
-        self.specs = [(s, spec) for s in SPLITS for spec in getattr(cfg, s)]
+        self.selection = selection
+        self.bed_by_record: dict[str, list[Interval]] = {}
+        for iv in selection.bed_intervals:
+            self.bed_by_record.setdefault(iv.record, []).append(iv)
         self.matched: set[tuple[str, str]] = set()
         self.seen: dict[str, Path] = {}
 
@@ -146,11 +190,12 @@ class _Builder:
             )
         self.seen[record] = path
         intervals = []
-        for split, spec in self.specs:
+        for split, spec in self.selection.specs:
             interval = match_spec(spec, split, record)
             if interval is not None:
                 intervals.append(interval)
                 self.matched.add((split, spec))
+        intervals += self.bed_by_record.get(record, [])
         check_overlaps(intervals)
         if not self.cfg.train:
             intervals += _complement(record, intervals)
@@ -164,20 +209,21 @@ class _Builder:
                 continue
             if end > length:
                 raise DataError(
-                    f"{path}: region {iv.spec} ends at base {end} but record {record} has {length:,} bases; "
-                    "fix the region's end"
+                    f"{path}: region {iv.describe()} ends at base {end:,} but record {record} has {length:,} "
+                    "bases; fix the region's end"
                 )
             cutter, writer = region.cutter, region.writer
             if cutter.windows == 0:
                 if not self.cfg.allow_short:
                     raise DataError(
-                        f"{path}: {iv.spec} ({iv.split}) has {end - iv.start:,} bases, fewer than SEQ="
+                        f"{path}: {iv.describe()} has {end - iv.start:,} bases, fewer than SEQ="
                         f"{self.cfg.seq:,}; use a smaller --seq, or --allow-short to keep it as one padded window"
                     )
                 writer.add(record, cutter.pad_short())
                 writer.stats["padded_short"] += 1
             writer.stats["dropped_tail_bases"] += max(0, end - cutter.last_end)
-            writer.regions.append({"spec": iv.spec, "record": record, "start": iv.start, "end": end})
+            origin = {"origin": iv.origin} if iv.origin else {}  # the BED file and line
+            writer.regions.append({"spec": iv.spec, "record": record, "start": iv.start, "end": end, **origin})
 
     def read(self, path: Path) -> dict:
         """Stream one FASTA file through the regions; returns its manifest entry.
@@ -187,8 +233,11 @@ class _Builder:
         reported instead, as ``fetch`` would have.
         """
         expected = self.md5s.get(path)
+        index, why_not = region_index(path) if self.cfg.train and expected is None else (None, "")
+        if index is None and why_not and self.selection.bed_files:
+            self.log(f"{path}: reading the whole file ({why_not} to read only the BED regions)")
         try:
-            entry = self._read(path)
+            entry = self._read_indexed(path, index) if index is not None else self._read(path)
         except DataError:
             if expected is not None:
                 check_md5(path, md5_of(path), expected)
@@ -214,21 +263,52 @@ class _Builder:
                     record, offset, regions = event, 0, self._regions_for(path, event)
                     continue
                 if regions:
-                    self._feed(stream, record, offset, event, regions)
+                    self._feed(path, record, offset, event, stream.invalid, regions)
                 offset += len(event)
                 bar.update(min(size, stream.bytes_read) - bar.n)
             if record:
                 self._finish_record(path, record, offset, regions)
         return {"path": str(path.resolve()), "format": stream.format, "bytes": size, "md5": stream.md5}
 
+    def _read_indexed(self, path: Path, index: Path) -> dict:
+        """Read only the selected regions of an indexed FASTA; returns its manifest entry (no md5: the file is
+        not read whole)."""
+        from tqdm import tqdm
+
+        fasta = IndexedFasta(path, index)
+        bar = tqdm(unit="b", unit_scale=True, desc=f"regions of {path.name}", disable=not self.progress)
+        try:
+            for record, length in fasta.records():
+                regions = self._regions_for(path, record)
+                for region in sorted(regions, key=lambda r: r.interval.start):  # as the stream meets them
+                    iv = region.interval
+                    offset = iv.start
+                    end = length if iv.end is None else min(iv.end, length)
+                    for raw in fasta.bases(record, iv.start, end, BLOCK_BYTES):
+                        piece = raw.translate(SCAN_BYTES)
+                        at = piece.find(INVALID_BYTE)
+                        invalid = None if at < 0 else (at, chr(raw[at]))
+                        self._feed(path, record, offset, piece, invalid, [region])
+                        offset += len(raw)
+                        bar.update(len(raw))
+                self._finish_record(path, record, length, regions)
+        finally:
+            bar.close()
+            fasta.close()
+        size = path.stat().st_size
+        return {"path": str(path.resolve()), "format": detect_format(path), "bytes": size, "md5": None,
+                "index": str(index.resolve())}  # fmt: skip
+
     def _feed(
-        self, stream: FastaStream, record: str, offset: int, piece: bytes, regions: list[_Region]
-    ) -> None:
-        """``piece``: bases already mapped through SCAN_BYTES by the reader (one translate per byte)."""
-        if stream.invalid is not None:
-            at, char = stream.invalid
+        self, path: Path, record: str, offset: int, piece: bytes, invalid: tuple[int, str] | None,
+        regions: list[_Region],
+    ) -> None:  # fmt: skip
+        """``piece``: bases [offset, offset + len) of ``record`` mapped through SCAN_BYTES; ``invalid``: the
+        first base the table rejects (index in the piece, character) or None."""
+        if invalid is not None:
+            at, char = invalid
             raise DataError(
-                f"{stream.path}: record {record}, base {offset + at + 1:,} (1-based): invalid character "
+                f"{path}: record {record}, base {offset + at + 1:,} (1-based): invalid character "
                 f"{char!r}; only A C G T N, IUPAC codes R Y K M S W B D H V (either case) are allowed"
             )
         scan = np.frombuffer(piece, dtype=np.uint8)
@@ -242,8 +322,10 @@ class _Builder:
                 region.feed(codes[lo - offset : hi - offset], mask[lo - offset : hi - offset],
                             scan[lo - offset : hi - offset])  # fmt: skip
 
-    def unmatched(self) -> list[tuple[str, str]]:
-        return [item for item in self.specs if item not in self.matched]
+    def unmatched(self) -> list[str]:
+        """Split items that selected no record read, as messages name them."""
+        specs = [f"{spec!r} ({s})" for s, spec in self.selection.specs if (s, spec) not in self.matched]
+        return specs + [iv.describe() for iv in self.selection.bed_intervals if iv.record not in self.seen]
 
 
 def _sources(cfg: DataConfig, progress: bool) -> list[Path]:
@@ -259,25 +341,29 @@ def _sources(cfg: DataConfig, progress: bool) -> list[Path]:
     return [Path(p) for p in cfg.fasta]
 
 
-def _check_settings(cfg: DataConfig) -> None:
-    """Errors that need no reading: no splits, overlapping or too-short explicit regions."""
+def _check_settings(cfg: DataConfig) -> _Selection:
+    """Errors that need no genome reading: no splits, bad BED lines, overlapping or too-short explicit regions.
+    Returns what the splits select."""
     if not cfg.heldout:
         raise DataError(
-            "no held-out split: give --heldout (record names or name:start-end, comma-separated); "
+            "no held-out split: give --heldout (record names, name:start-end or a BED file, comma-separated); "
             "--train defaults to everything not held out"
         )
-    intervals = [static_interval(spec, s) for s in SPLITS for spec in getattr(cfg, s)]
+    selection = _selection(cfg)
+    intervals = [static_interval(spec, s) for s, spec in selection.specs] + selection.bed_intervals
     check_overlaps(intervals)
     for iv in intervals:
         if iv.end is not None and iv.end - iv.start < cfg.seq and not cfg.allow_short:
             raise DataError(
-                f"region {iv.spec} ({iv.split}) has {iv.end - iv.start:,} bases, fewer than SEQ={cfg.seq:,}; "
+                f"region {iv.describe()} has {iv.end - iv.start:,} bases, fewer than SEQ={cfg.seq:,}; "
                 "use a smaller --seq, or --allow-short to keep it as one padded window"
             )
+    return selection
 
 
-def _fingerprint(cfg: DataConfig, sources: list[Path], vocab: Vocabulary) -> str:
-    """Hash of everything that decides the output: settings, vocabulary, and each source's size and mtime."""
+def _fingerprint(cfg: DataConfig, sources: list[Path], vocab: Vocabulary, selection: _Selection) -> str:
+    """Hash of everything that decides the output: settings, vocabulary, each source's size and mtime, and the
+    BED files' contents."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("force", "out", "cache", "base_url")}
     stats = []
     for path in sources:
@@ -285,7 +371,9 @@ def _fingerprint(cfg: DataConfig, sources: list[Path], vocab: Vocabulary) -> str
             raise DataError(f"{path}: no such FASTA file; check --fasta (or the `fasta:` of the data config)")
         info = path.stat()
         stats.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
-    blob = json.dumps([FORMAT_VERSION, settings, vocab.to_json(), stats], sort_keys=True)
+    beds = [[bed.split, str(bed.path.resolve()), bed.md5] for bed in selection.bed_files]
+    hashed = [FORMAT_VERSION, settings, vocab.to_json(), stats] + ([beds] if beds else [])  # as before without BED
+    blob = json.dumps(hashed, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -332,10 +420,10 @@ def format_report(manifest: dict) -> str:
 
 def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[[str], None] = print) -> Path:
     """Build ``cfg.out_dir`` (see module docstring) unless an identical build is already there; returns it."""
-    _check_settings(cfg)
+    selection = _check_settings(cfg)
     vocab = tokenizer_vocabulary(cfg.tokenizer) if cfg.tokenizer else BUILTIN
     sources = _sources(cfg, progress)
-    fingerprint = _fingerprint(cfg, sources, vocab)
+    fingerprint = _fingerprint(cfg, sources, vocab, selection)
     out = cfg.out_dir
     existing = read_manifest(out)
     if existing and existing.get("fingerprint") == fingerprint and not cfg.force:
@@ -353,7 +441,7 @@ def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[
     try:
         began = time.perf_counter()
         md5s = {p: expected_md5(p.parent, p.name) for p in sources} if cfg.source == "hg38" else {}
-        builder = _Builder(cfg, temp, progress, md5s)
+        builder = _Builder(cfg, temp, progress, md5s, selection, log)
         source_entries = [builder.read(path) for path in sources]
         missing = builder.unmatched()
         if missing:
@@ -362,8 +450,9 @@ def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[
                 "not found in "
                 + ", ".join(str(p) for p in sources)
                 + ": "
-                + ", ".join(f"{spec!r} ({split})" for split, spec in missing)
+                + ", ".join(missing)
                 + f"; records present: {names}; fix --train/--heldout"
+                + (" or the BED file" if selection.bed_files else "")
             )
         splits = {s: w.finalize() for s, w in builder.writers.items()}
         empty = [s for s in SPLITS if splits[s]["stats"]["windows"] == 0]
@@ -383,6 +472,10 @@ def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[
             "max_n_fraction": cfg.max_n_fraction,
             "vocab": vocab.to_json(),
             "sources": source_entries,
+            "split_files": [
+                {"split": b.split, "path": str(b.path.resolve()), "md5": b.md5, "intervals": len(b.intervals)}
+                for b in selection.bed_files
+            ],
             "splits": splits,
             "seconds": round(time.perf_counter() - began, 3),
         }

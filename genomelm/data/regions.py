@@ -1,15 +1,19 @@
-"""Split specifications (record names or samtools-style ``name:start-end``) and SEQ sizes."""
+"""Split specifications (record names, samtools-style ``name:start-end`` or BED files) and SEQ sizes."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from genomelm.data.errors import DataError
 
 _SEQ_UNITS = {"": 1, "k": 1024, "m": 1024 * 1024}
 _COORDS = re.compile(r"^([0-9,]+)-([0-9,]+)$")
+BED_SUFFIXES = (".bed", ".bed.gz")
+_BED_HEADERS = ("track", "browser")
 
 
 def parse_seq(text: str | int) -> int:
@@ -38,6 +42,11 @@ class Interval:
     record: str
     start: int
     end: int | None
+    origin: str = ""  # where a BED interval came from: "<file> line <n>"
+
+    def describe(self) -> str:
+        """How messages name it: ``'chr4:1-100' (train)`` or ``held.bed line 3: chr4:1-100 (heldout)``."""
+        return f"{self.origin}: {self.spec} ({self.split})" if self.origin else f"{self.spec!r} ({self.split})"
 
 
 def match_spec(spec: str, split: str, record: str) -> Interval | None:
@@ -78,6 +87,63 @@ def check_overlaps(intervals: list[Interval]) -> None:
         if left.end is None or right.start < left.end:
             where = "both splits" if left.split != right.split else f"the {left.split} split twice"
             raise DataError(
-                f"regions {left.spec!r} ({left.split}) and {right.spec!r} ({right.split}) share bases of "
-                f"{left.record}: the same bases are in {where}; make --train and --heldout disjoint"
+                f"regions {left.describe()} and {right.describe()} share bases of {left.record}: the same bases "
+                f"are in {where}; make --train and --heldout disjoint"
             )
+
+
+def is_bed(spec: str) -> bool:
+    """Whether a --train/--heldout item names a BED file (``.bed`` or ``.bed.gz``) rather than a region."""
+    return spec.lower().endswith(BED_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class BedFile:
+    """The intervals of one BED file given for a split, and the file's MD5 (for the manifest)."""
+
+    path: Path
+    split: str
+    intervals: list[Interval]
+    md5: str
+
+
+def read_bed(path: str | Path, split: str) -> BedFile:
+    """Intervals of a BED file (plain or gzip): columns chrom, start, end (0-based half-open), more ignored.
+
+    Blank lines and header lines (``#``, ``track``, ``browser``) are skipped. DataError naming the file and
+    line for a line with fewer than 3 columns, coordinates that are not integers, start < 0 or end <= start;
+    and for a missing file or one without intervals.
+    """
+    import gzip
+
+    path = Path(path)
+    flag = f"--{split}"
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{flag} {path}: cannot read the BED file ({err.strerror}); check the path") from err
+    try:
+        text = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not a readable BED file ({err}); give a plain or gzip text BED file") from err
+    intervals = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("\t") if "\t" in line else line.split()
+        if not line.strip() or line.startswith("#") or fields[0] in _BED_HEADERS:
+            continue
+        origin = f"{path} line {number}"
+        if len(fields) < 3:
+            raise DataError(f"{origin}: {line.strip()!r} has {len(fields)} column(s); a BED line needs chrom, "
+                            "start and end separated by tabs")  # fmt: skip
+        chrom, start_text, end_text = (field.strip() for field in fields[:3])
+        if not start_text.isdigit() or not end_text.isdigit():
+            raise DataError(f"{origin}: start {start_text!r} and end {end_text!r} must be non-negative integers "
+                            "(BED is 0-based, half-open)")  # fmt: skip
+        start, end = int(start_text), int(end_text)
+        if end <= start:
+            raise DataError(f"{origin}: end {end:,} is not after start {start:,}; BED intervals are 0-based "
+                            "half-open, so end > start")  # fmt: skip
+        intervals.append(Interval(split, f"{chrom}:{start + 1}-{end}", chrom, start, end, origin))
+    if not intervals:
+        raise DataError(f"{flag} {path}: the BED file has no intervals; give chrom, start, end lines")
+    return BedFile(path, split, intervals, hashlib.md5(data).hexdigest())

@@ -21,7 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from genomelm.data.errors import DataError
-from genomelm.data.fasta import BLOCK_BYTES, INVALID_BYTE, FastaStream, _HashingReader, header_name
+from genomelm.data.fasta import BLOCK_BYTES, FastaStream, _HashingReader, header_name
 
 SIGNATURE = 0x1A412743
 _RE_DOWNLOAD = "re-download or re-create it (a cached download can simply be deleted)"
@@ -184,7 +184,7 @@ class TwoBitStream(FastaStream):
                     raw = _lower_n(raw, record.lower_n, start, end)
                     piece = raw.translate(self.table) if self.table is not None else raw
                     self._hash_to(hasher, record.data_offset + (end + 3) // 4)
-                    yield piece, self._first_invalid_2bit(piece, raw)
+                    yield piece, self._first_invalid_unwrapped(piece, raw)
             while hasher.read(self.block_bytes):  # the rest of the file, for the md5
                 pass
         finally:
@@ -194,12 +194,6 @@ class TwoBitStream(FastaStream):
         while hasher.count < position:
             if not hasher.read(min(self.block_bytes, position - hasher.count)):
                 raise DataError(f"{self.path}: the file shrank while it was read; {_RE_DOWNLOAD}")
-
-    def _first_invalid_2bit(self, piece: bytes, raw: bytes) -> tuple[int, str] | None:
-        if self.table is None:
-            return None
-        at = piece.find(INVALID_BYTE)
-        return None if at < 0 else (at, chr(raw[at]))
 
 
 def _lower_n(raw: bytes, lower_n: list[tuple[int, int]], start: int, end: int) -> bytes:

@@ -18,6 +18,9 @@ CODE_NAMES: tuple[str, ...] = ("pad", "A", "C", "G", "T", "N")
 LETTERS: tuple[str, ...] = ("A", "C", "G", "T", "N")
 IUPAC_AMBIGUOUS = "RYKMSWBDHV"
 INVALID = 255
+IGNORE_INDEX = -100  # label of a position whose next token is N or padding (and of the last position)
+# code -> code of the complementary base (A<->T, C<->G; N and pad stay)
+COMPLEMENT_CODE: tuple[int, ...] = (PAD, T, G, C, A, N)
 
 
 def _code_table() -> np.ndarray:
@@ -75,6 +78,15 @@ class Vocabulary:
     @classmethod
     def from_json(cls, data: dict) -> Vocabulary:
         return cls(tuple(data["code_to_id"]), int(data["vocab_size"]), data.get("tokenizer"))
+
+    @property
+    def pad_id(self) -> int:
+        return self.code_to_id[PAD]
+
+    @property
+    def ignored_ids(self) -> tuple[int, int]:
+        """Token ids that are never a label: pad and N."""
+        return self.code_to_id[PAD], self.code_to_id[N]
 
 
 BUILTIN = Vocabulary(code_to_id=tuple(range(len(CODE_NAMES))), vocab_size=len(CODE_NAMES))

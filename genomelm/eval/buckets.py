@@ -17,7 +17,7 @@ STATS = ("loss", "se", "tokens", "windows")
 SUBSETS = {"": None, "repeat_": True, "unmasked_": False}
 
 
-def _stats(sums: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
+def window_stats(sums: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
     """Per-bucket statistics from per-window sums and token counts, both [W, n_buckets].
 
     loss: token-weighted mean (NaN with no tokens); se: std (ddof=1) of per-window means over the
@@ -59,7 +59,7 @@ def bucketed_loss(token_loss: np.ndarray, valid: np.ndarray, softmask: np.ndarra
         keep = valid if masked is None else valid & (softmask == masked)
         sums = np.add.reduceat(np.where(keep, loss64, 0.0), starts, axis=1)
         counts = np.add.reduceat(keep.astype(np.int64), starts, axis=1)
-        stats = _stats(sums, counts)
+        stats = window_stats(sums, counts)
         for i, row in enumerate(rows):
             row[prefix + "loss"] = float(stats["loss"][i])
             row[prefix + "se"] = float(stats["se"][i])

@@ -1,7 +1,9 @@
 """`genomelm eval CONFIG [key=value ...] [--before PATH] [--after PATH]`.
 
-Scores the run's held-out windows with the model before and after training and writes
-`results/<run>/buckets.json`, `buckets.csv` and `loss_by_position.png`.
+Scores held-out windows with the model before and after training and writes `results/<run>/buckets.json`,
+`buckets.csv` and `loss_by_position.png`. The windows are those of the run's own prepared folder, or with
+`heldout=dirA,dirB` those of each folder given (same SEQ and vocabulary), reported side by side: the JSON
+then holds one single-folder result per folder under "sets" (see `genomelm.eval.report`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -77,6 +80,95 @@ def context_cut_summary(before: Scores, after: Scores, bucket: int) -> dict:
     return out
 
 
+@dataclass
+class HeldoutSet:
+    """Windows of one held-out folder to score: its name in tables and figures, the windows, and provenance
+    (data_dir, manifest, window coordinates)."""
+
+    name: str
+    windows: Sequence[dict]
+    provenance: dict
+
+
+def heldout_folders(config: TrainConfig) -> list[Path]:
+    """The prepared folders to evaluate: `heldout` (comma-separated) or else the run's own data folder."""
+    if not config.heldout:
+        return [config.data_dir]
+    items = [item.strip() for item in str(config.heldout).split(",")]
+    if not all(items):
+        raise EvalError(f"heldout={config.heldout!r}: an empty folder name; give prepared folders separated by "
+                        "commas, e.g. heldout=data/prepared/hg38-512k,data/prepared/mm39-512k")  # fmt: skip
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise EvalError(f"heldout={config.heldout!r}: {', '.join(repeated)} given twice; give each folder once")
+    return [Path(item) for item in items]
+
+
+def set_names(folders: Sequence[Path]) -> list[str]:
+    """Folder names as the sets' labels, or the paths as given when two folders share a name."""
+    names = [folder.name or str(folder) for folder in folders]
+    return names if len(set(names)) == len(names) else [str(folder) for folder in folders]
+
+
+def evaluate_sets(
+    config: TrainConfig,
+    sets: Sequence[HeldoutSet],
+    load: Callable[[str], torch.nn.Module],
+    before: str,
+    after: str,
+) -> dict:
+    """Score every set's windows with `load(before)` and then `load(after)` (each model loaded once).
+
+    One set gives the single-folder result (settings, buckets, overall, context_cut, provenance); several give
+    {"settings", "sets": [{"name", **single-folder result}, ...], "provenance"}.
+    """
+    if not sets or any(not len(s.windows) for s in sets):
+        raise EvalError("no held-out windows to score")
+    seqs = {int(s.windows[0]["input_ids"].shape[0]) for s in sets}
+    if len(seqs) > 1:
+        raise EvalError(f"held-out sets have windows of different lengths {sorted(seqs)}; prepare them with the "
+                        "same SEQ")  # fmt: skip
+    seq = seqs.pop()
+    n_buckets = check_bucket(config.bucket, seq)
+    context_cut = config.context_cut and last_bucket_start(seq, config.bucket) >= config.bucket
+    if config.context_cut and not context_cut:
+        print(f"context cut skipped: it needs at least 2 buckets per window, SEQ {seq} has {n_buckets}")
+    scores: dict[tuple[str, str], Scores] = {}
+    for model_name, path in (("before", before), ("after", after)):
+        began = time.perf_counter()
+        model = load(path)
+        for heldout in sets:
+            count = len(heldout.windows)
+            print(f"scoring {count} window(s) of {heldout.name} with the {model_name} model {path}", flush=True)
+            scores[heldout.name, model_name] = score_windows(
+                model, heldout.windows, config.bucket, context_cut, progress=True, precision=config.precision
+            )
+        del model
+        print(f"  {time.perf_counter() - began:.1f} s", flush=True)
+    timestamp = datetime.now(UTC).isoformat(timespec="seconds")
+    models = {"before_model": before, "after_model": after}
+    settings = {"run": config.run, "seq": seq, "bucket": config.bucket, "buckets": n_buckets}
+    results = []
+    for heldout in sets:
+        pair = scores[heldout.name, "before"], scores[heldout.name, "after"]
+        rows = [bucketed_loss(s.loss, s.valid, s.softmask, config.bucket) for s in pair]
+        results.append({
+            "settings": {**settings, "windows": len(heldout.windows), "eval_windows": config.eval_windows,
+                         "context_cut": context_cut},
+            **compare(*rows),
+            "context_cut": context_cut_summary(*pair, config.bucket) if context_cut else None,
+            "provenance": {**models, **heldout.provenance, "timestamp": timestamp},
+        })  # fmt: skip
+    if len(sets) == 1:
+        return results[0]
+    return {
+        "settings": {**settings, "eval_windows": config.eval_windows, "context_cut": context_cut,
+                     "heldout": [s.name for s in sets]},
+        "sets": [{"name": s.name, **result} for s, result in zip(sets, results)],
+        "provenance": {**models, "timestamp": timestamp},
+    }  # fmt: skip
+
+
 def evaluate(
     config: TrainConfig,
     windows: Sequence[dict],
@@ -85,42 +177,9 @@ def evaluate(
     after: str,
     provenance: dict,
 ) -> dict:
-    """Score `windows` with the models `load(before)` and `load(after)`; the result `report` writes."""
-    if not len(windows):
-        raise EvalError("no held-out windows to score")
-    seq = int(windows[0]["input_ids"].shape[0])
-    n_buckets = check_bucket(config.bucket, seq)
-    context_cut = config.context_cut and last_bucket_start(seq, config.bucket) >= config.bucket
-    if config.context_cut and not context_cut:
-        print(f"context cut skipped: it needs at least 2 buckets per window, SEQ {seq} has {n_buckets}")
-    scores: dict[str, Scores] = {}
-    for name, path in (("before", before), ("after", after)):
-        began = time.perf_counter()
-        print(f"scoring {len(windows)} window(s) with the {name} model {path}", flush=True)
-        model = load(path)
-        scores[name] = score_windows(
-            model, windows, config.bucket, context_cut, progress=True, precision=config.precision
-        )
-        del model
-        print(f"  {time.perf_counter() - began:.1f} s", flush=True)
-    rows = {name: bucketed_loss(s.loss, s.valid, s.softmask, config.bucket) for name, s in scores.items()}
-    settings = {
-        "run": config.run,
-        "seq": seq,
-        "bucket": config.bucket,
-        "buckets": n_buckets,
-        "windows": len(windows),
-        "eval_windows": config.eval_windows,
-        "context_cut": context_cut,
-    }
-    cut = context_cut_summary(scores["before"], scores["after"], config.bucket) if context_cut else None
-    timestamp = datetime.now(UTC).isoformat(timespec="seconds")
-    return {
-        "settings": settings,
-        **compare(rows["before"], rows["after"]),
-        "context_cut": cut,
-        "provenance": {"before_model": before, "after_model": after, **provenance, "timestamp": timestamp},
-    }
+    """Score `windows` of one held-out folder with the models `load(before)` and `load(after)`."""
+    name = Path(str(provenance.get("data_dir", "heldout"))).name
+    return evaluate_sets(config, [HeldoutSet(name, windows, provenance)], load, before, after)
 
 
 def write_outputs(result: dict, folder: Path) -> dict[str, Path]:
@@ -156,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # model and data are imported here: both are slow to import and not needed for --help or bad settings
     from genomelm.data import DataError, WindowDataset
+    from genomelm.data.augment import check_compatible
     from genomelm.model import load_model
     from genomelm.model.config import ConfigError
     from genomelm.train.loop import run_options
@@ -166,20 +226,24 @@ def main(argv: list[str] | None = None) -> int:
         return load_model(path, options=run_options(config), device=device)
 
     try:
-        heldout = WindowDataset(config.data_dir, "heldout")
-        if not len(heldout):
-            raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-                            "(genomelm data --heldout ...)")  # fmt: skip
-        indices = pick_windows(len(heldout), config.eval_windows)
-        check_bucket(config.bucket, heldout.seq_len)
+        folders = heldout_folders(config)
+        check_compatible(folders)  # same SEQ and vocabulary, or an error naming both folders
+        sets = []
+        for name, folder in zip(set_names(folders), folders):
+            heldout = WindowDataset(folder, "heldout")
+            if not len(heldout):
+                raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
+                                "(genomelm data --heldout ...)")  # fmt: skip
+            check_bucket(config.bucket, heldout.seq_len)
+            indices = pick_windows(len(heldout), config.eval_windows)
+            provenance = {
+                "data_dir": str(heldout.path),
+                "manifest": str(heldout.path / "manifest.json"),
+                "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
+            }
+            sets.append(HeldoutSet(name, Subset(heldout, indices), provenance))  # read one window at a time
         before, after = resolve_models(config, args.before, args.after)
-        windows = Subset(heldout, indices)  # read one window at a time while scoring
-        provenance = {
-            "data_dir": str(heldout.path),
-            "manifest": str(heldout.path / "manifest.json"),
-            "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
-        }
-        result = evaluate(config, windows, load, before, after, provenance)
+        result = evaluate_sets(config, sets, load, before, after)
     except (EvalError, DataError, ConfigError, FileNotFoundError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""The loss-by-position figure: loss per bucket before/after training, and its relative change."""
+"""Figures: loss per position bucket before/after training and its relative change; the copy probe's gap."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+from genomelm.data.regions import seq_label
+from genomelm.eval.report import result_sets
 
 
 def context_kb(buckets: list[dict]) -> np.ndarray:
@@ -42,15 +45,79 @@ def draw(result: dict, axes: tuple[Axes, Axes]) -> None:
     change_ax.set_title("(after - before) / before per bucket")
 
 
+def draw_sets(result: dict, figure: Figure) -> None:
+    """A column of two panels (loss, change) per held-out folder of a result (one or several folders), the
+    loss axes shared."""
+    sets = result_sets(result)
+    axes = figure.subplots(2, len(sets), sharey="row", squeeze=False)
+    for column, (name, one) in enumerate(sets):
+        draw(one, (axes[0][column], axes[1][column]))
+        axes[0][column].set_title(f"{name}: loss by position ({one['settings']['windows']} windows)")
+        axes[1][column].set_title(f"{name}: (after - before) / before")
+
+
 def save_figure(result: dict, path: Path) -> Path:
-    """Write the two-panel figure of `result` as PNG to `path` (through a temporary name)."""
+    """Write the figure of `result` as PNG to `path` (through a temporary name): two panels, or for several
+    held-out folders a column of two panels each."""
+    settings = result["settings"]
+    if "sets" in result:
+        figure = Figure(figsize=(6 * len(result["sets"]), 8), layout="constrained")
+        draw_sets(result, figure)
+        figure.suptitle(f"{settings['run']}: held-out windows of {settings['seq']} tokens, buckets of "
+                        f"{settings['bucket']}")  # fmt: skip
+        return save_png(figure, path)
     figure = Figure(figsize=(12, 4.5), layout="constrained")
     axes = figure.subplots(1, 2)
     draw(result, (axes[0], axes[1]))
-    settings = result["settings"]
     figure.suptitle(f"{settings['run']}: {settings['windows']} held-out windows of {settings['seq']} tokens, "
                     f"buckets of {settings['bucket']}")  # fmt: skip
+    return save_png(figure, path)
+
+
+def save_png(figure: Figure, path: Path) -> Path:
+    """Write ``figure`` as PNG to ``path`` through a temporary name in the same folder."""
     tmp = path.with_name(path.name + ".tmp")
     figure.savefig(tmp, format="png", dpi=120)
     os.replace(tmp, path)
     return path
+
+
+def draw_probe(result: dict, axes: tuple[Axes, Axes]) -> None:
+    """Draw a `copy_probe.json` result on two axes: the loss gap (baseline - with copy) +- s.e. against the
+    distance between the copies (log scale), and the loss with and without the copy."""
+    rows = result["distances"]
+    x = np.array([r["distance"] for r in rows], dtype=float)
+    gap_ax, loss_ax = axes
+
+    def values(model: str, key: str) -> np.ndarray:
+        return np.array([np.nan if r[model][key] is None else r[model][key] for r in rows], dtype=float)
+
+    for model, colour in (("before", "tab:gray"), ("after", "tab:blue")):
+        gap_ax.errorbar(x, values(model, "gap"), yerr=np.nan_to_num(values(model, "gap_se")), marker="o", ms=4,
+                        capsize=3, color=colour, label=model)  # fmt: skip
+        loss_ax.plot(x, values(model, "planted"), marker="o", color=colour, label=f"{model}: with the copy")
+        loss_ax.plot(x, values(model, "baseline"), marker="s", ls="--", color=colour, label=f"{model}: without")
+    gap_ax.axhline(0, color="black", lw=0.5)
+    settings = result["settings"]
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xticks(x, [seq_label(int(d)) for d in x])
+        ax.minorticks_off()
+        ax.set_xlabel("distance between the copies (tokens)")
+    gap_ax.set_ylabel("loss gap, without - with copy (nats/base)")
+    gap_ax.set_title(f"retrieval of a {settings['probe_length']}-base copy (error bars: s.e. across windows)")
+    gap_ax.legend()
+    loss_ax.set_ylabel("loss on the copied bases (nats/base)")
+    loss_ax.set_title("with and without the earlier copy")
+    loss_ax.legend(fontsize="small")
+
+
+def save_probe_figure(result: dict, path: Path) -> Path:
+    """Write the copy-probe figure of `result` as PNG to `path` (through a temporary name)."""
+    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    axes = figure.subplots(1, 2)
+    draw_probe(result, (axes[0], axes[1]))
+    settings = result["settings"]
+    windows, seq = settings["windows"], settings["seq"]
+    figure.suptitle(f"{settings['run']}: copy probe on {windows} held-out windows of {seq} tokens")
+    return save_png(figure, path)

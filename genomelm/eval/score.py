@@ -43,7 +43,7 @@ def _device(model: torch.nn.Module) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-def _window_loss(
+def window_loss(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, precision: str
 ) -> np.ndarray:
     """float32 [S] per-token loss of one window ([S] ids and labels), under the run's `precision`."""
@@ -86,10 +86,10 @@ def score_windows(
                 raise ValueError(f"window {i} has {input_ids.shape[0]} tokens, window 0 has {seq}")
             valid[i] = (labels != IGNORE_INDEX).numpy()
             softmask[i, :-1] = window["softmask"][1:].numpy()  # the predicted base's flag
-            loss[i] = np.where(valid[i], _window_loss(model, input_ids, labels, precision), 0.0)
+            loss[i] = np.where(valid[i], window_loss(model, input_ids, labels, precision), 0.0)
             if cut_loss is not None:
                 begin = cut_start - bucket
-                part = _window_loss(model, input_ids[begin:], labels[begin:], precision)[bucket:]
+                part = window_loss(model, input_ids[begin:], labels[begin:], precision)[bucket:]
                 cut_loss[i] = np.where(valid[i, cut_start:], part, 0.0)
             if progress:
                 print(f"  window {i + 1}/{len(windows)}", flush=True)

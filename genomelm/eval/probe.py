@@ -1,0 +1,340 @@
+"""`genomelm probe CONFIG [key=value ...] [--before PATH] [--after PATH]`: how far back the model finds a copy.
+
+In each probed held-out window the last L = `probe_length` real bases, the *target* [T, T + L), are copied over
+the bases [T - d, T - d + L) for each distance d of `probe_distances` (the *planted* window). The model scores
+the target in the planted window and in the original window (the *baseline*, which keeps its own bases at
+[T - d, T - d + L)): the same real bases at the same place, with and without a copy d tokens earlier. The gap,
+baseline loss - planted loss in nats per base, over the target's bases after its first (nothing before the
+first says that a copy begins), shows how far back the model retrieves. Distances with d < L (the copies would
+overlap) or d > T (no room before the target) are skipped and reported. Writes `results/<run>/copy_probe.json`,
+`copy_probe.csv` and `copy_probe.png`, before and after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genomelm.data.augment import labels_for, unpadded_length
+from genomelm.data.errors import DataError
+from genomelm.data.regions import parse_seq
+from genomelm.data.vocab import IGNORE_INDEX, Vocabulary
+from genomelm.eval.buckets import window_stats
+from genomelm.eval.report import format_number, jsonable, write_atomic
+from genomelm.eval.score import window_loss
+from genomelm.train.config import TrainConfig
+
+MODELS = ("before", "after")
+CURVES = ("planted", "baseline", "gap")  # per model and distance: loss with the copy, without it, and the gap
+
+
+class ProbeError(Exception):
+    """Bad probe settings or inputs; the message says how to fix them."""
+
+
+def parse_distances(text: str) -> list[int]:
+    """``"1k,4k,16k"`` -> [1024, 4096, 16384] (tokens, sorted, without repeats)."""
+    distances = set()
+    for item in str(text).split(","):
+        try:
+            distances.add(parse_seq(item))
+        except DataError:
+            raise ProbeError(f"probe_distances={text!r}: {item.strip()!r} is not a distance; give positive token "
+                             "counts such as 1k,4k,16k,64k,256k,1M") from None  # fmt: skip
+    return sorted(distances)
+
+
+@dataclass(frozen=True)
+class ProbeSite:
+    """One probe in a window: the target [target, target + length) and its planted copy ``distance`` earlier."""
+
+    target: int
+    distance: int
+    length: int
+
+    @property
+    def source(self) -> int:
+        """First position of the planted copy."""
+        return self.target - self.distance
+
+    @property
+    def scored(self) -> slice:
+        """Loss positions scored: those predicting the target's bases after its first (position t predicts
+        token t + 1), [target, target + length - 1)."""
+        return slice(self.target, self.target + self.length - 1)
+
+
+def probe_sites(
+    real_length: int, length: int, distances: Sequence[int]
+) -> tuple[list[ProbeSite], list[dict]]:
+    """Sites of a window with ``real_length`` bases before its padding, and the skipped distances with why."""
+    if length < 2:
+        raise ProbeError(
+            f"probe_length={length}: give at least 2 bases (the first base of a copy is not scored)"
+        )
+    target = real_length - length
+    sites, skipped = [], []
+    for d in distances:
+        if d < length:
+            skipped.append(
+                {"distance": d, "reason": f"shorter than probe_length={length}: the copies would overlap"}
+            )
+        elif d > target:
+            skipped.append({"distance": d, "reason": f"does not fit: in a window of {real_length:,} bases, copies "
+                            f"of {length} bases are at most {max(target, 0):,} apart"})  # fmt: skip
+        else:
+            sites.append(ProbeSite(target, d, length))
+    return sites, skipped
+
+
+def plant(input_ids: torch.Tensor, site: ProbeSite, vocab: Vocabulary) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) LongTensor[S] of the window with the target copied to ``site.source``; the input is
+    not modified."""
+    ids = input_ids.clone()
+    ids[site.source : site.source + site.length] = input_ids[site.target : site.target + site.length]
+    return ids, labels_for(ids, vocab)
+
+
+@dataclass
+class ProbeScores:
+    """Summed target loss [W, D] (nats) of W windows at D distances, planted and baseline, and the number of
+    scored bases [W, D] (0 where a distance does not fit the window or every target base is N)."""
+
+    planted: np.ndarray
+    baseline: np.ndarray
+    tokens: np.ndarray
+
+
+def score_probe(
+    model: torch.nn.Module,
+    windows: Sequence[dict],
+    length: int,
+    distances: Sequence[int],
+    vocab: Vocabulary,
+    precision: str = "auto",
+    progress: bool = False,
+) -> ProbeScores:
+    """Score the probe of every window (dicts as `WindowDataset` gives) at every distance with ``model``: one
+    forward pass of the original window, and one per distance that fits."""
+    shape = (len(windows), len(distances))
+    scores = ProbeScores(np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=np.int64))
+    model.eval()
+    with torch.no_grad():
+        for w in range(len(windows)):
+            window = windows[w]
+            input_ids, labels = window["input_ids"], window["labels"]
+            sites, _ = probe_sites(unpadded_length(input_ids, vocab), length, distances)
+            if not sites:
+                continue
+            baseline = window_loss(model, input_ids, labels, precision)
+            for site in sites:
+                ids, planted_labels = plant(input_ids, site, vocab)
+                valid = (planted_labels[site.scored] != IGNORE_INDEX).numpy()
+                planted = window_loss(model, ids, planted_labels, precision)
+                j = list(distances).index(site.distance)
+                scores.planted[w, j] = planted[site.scored][valid].sum()
+                scores.baseline[w, j] = baseline[site.scored][valid].sum()
+                scores.tokens[w, j] = valid.sum()
+            if progress:
+                print(f"  window {w + 1}/{len(windows)}: {len(sites)} distance(s)", flush=True)
+    return scores
+
+
+def summarise(scores: ProbeScores) -> dict[str, dict[str, np.ndarray]]:
+    """Per distance [D]: planted and baseline loss and their gap (token-weighted means over windows, nats per
+    base), each with its standard error across windows, and the tokens and windows scored."""
+    out = {}
+    for name, sums in (("planted", scores.planted), ("baseline", scores.baseline),
+                       ("gap", scores.baseline - scores.planted)):  # fmt: skip
+        out[name] = window_stats(sums, scores.tokens)
+    return out
+
+
+def run_probe(
+    config: TrainConfig,
+    windows: Sequence[dict],
+    load: Callable[[str], torch.nn.Module],
+    before: str,
+    after: str,
+    vocab: Vocabulary,
+    provenance: dict,
+) -> dict:
+    """The copy probe of ``windows`` with the models ``load(before)`` and ``load(after)``: what the writers take."""
+    if not len(windows):
+        raise ProbeError("no held-out windows to probe")
+    requested = parse_distances(config.probe_distances)
+    lengths = [unpadded_length(windows[i]["input_ids"], vocab) for i in range(len(windows))]
+    longest = max(lengths)
+    sites, skipped = probe_sites(longest, config.probe_length, requested)
+    distances = [site.distance for site in sites]
+    if not distances:
+        raise ProbeError(f"no distance of probe_distances={config.probe_distances} fits windows of {longest:,} "
+                         f"bases with probe_length={config.probe_length}: give distances from "
+                         f"{config.probe_length} to {longest - config.probe_length}")  # fmt: skip
+    for item in skipped:
+        print(f"distance {item['distance']:,} skipped: {item['reason']}")
+    summaries = {}
+    for name, path in (("before", before), ("after", after)):
+        began = time.perf_counter()
+        print(f"probing {len(windows)} window(s) at {len(distances)} distance(s) with the {name} model {path}",
+              flush=True)  # fmt: skip
+        model = load(path)
+        scores = score_probe(
+            model, windows, config.probe_length, distances, vocab, config.precision, progress=True
+        )
+        del model
+        summaries[name] = summarise(scores)
+        print(f"  {time.perf_counter() - began:.1f} s", flush=True)
+    rows = []
+    for j, d in enumerate(distances):
+        row: dict = {"distance": d, "windows": int(summaries["after"]["gap"]["windows"][j]),
+                     "tokens": int(summaries["after"]["gap"]["tokens"][j])}  # fmt: skip
+        for name in MODELS:
+            stats = summaries[name]
+            row[name] = {f"{curve}{suffix}": float(stats[curve][key][j])
+                         for curve in CURVES for suffix, key in (("", "loss"), ("_se", "se"))}  # fmt: skip
+        rows.append(row)
+    settings = {
+        "run": config.run,
+        "seq": int(windows[0]["input_ids"].shape[0]),
+        "probe_length": config.probe_length,
+        "scored_bases": config.probe_length - 1,
+        "probe_distances": config.probe_distances,
+        "distances": distances,
+        "skipped": skipped,
+        "windows": len(windows),
+        "probe_windows": config.probe_windows,
+        "targets": [n - config.probe_length for n in lengths],  # first position of each window's target
+    }
+    timestamp = datetime.now(UTC).isoformat(timespec="seconds")
+    models = {"before_model": before, "after_model": after}
+    return {"settings": settings, "distances": rows, "provenance": {**models, **provenance, "timestamp": timestamp}}
+
+
+def csv_columns() -> list[str]:
+    return ["distance", "windows", "tokens"] + [
+        f"{name}_{curve}{suffix}" for name in MODELS for curve in CURVES for suffix in ("", "_se")
+    ]
+
+
+def write_probe_csv(result: dict, path: Path) -> Path:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=csv_columns(), lineterminator="\n")
+    writer.writeheader()
+    for row in jsonable(result["distances"]):
+        flat = {"distance": row["distance"], "windows": row["windows"], "tokens": row["tokens"]}
+        flat.update({f"{name}_{key}": value for name in MODELS for key, value in row[name].items()})
+        writer.writerow({k: "" if v is None else v for k, v in flat.items()})
+    return write_atomic(path, out.getvalue())
+
+
+def write_probe_outputs(result: dict, folder: Path) -> dict[str, Path]:
+    """Write copy_probe.json, copy_probe.csv and copy_probe.png into ``folder`` (created if needed)."""
+    from genomelm.eval.plot import save_probe_figure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "json": write_atomic(
+            folder / "copy_probe.json", json.dumps(jsonable(result), indent=2, allow_nan=False) + "\n"
+        ),
+        "csv": write_probe_csv(result, folder / "copy_probe.csv"),
+        "figure": save_probe_figure(result, folder / "copy_probe.png"),
+    }
+
+
+def format_probe_table(result: dict) -> str:
+    """One line per distance: windows, scored bases, and per model the planted and baseline loss and the gap."""
+    header = f"{'distance':>9} {'windows':>7} {'tokens':>7}" + "".join(
+        f" | {name + ': copy':>12} {'base':>7} {'gap':>7} {'s.e.':>6}" for name in MODELS
+    )
+    lines = [header, "-" * len(header)]
+    for row in result["distances"]:
+        cells = [f"{row['distance']:>9,} {row['windows']:>7} {row['tokens']:>7}"]
+        for name in MODELS:
+            r = row[name]
+            cells.append(f"{format_number(r['planted'], '.4f'):>12} {format_number(r['baseline'], '.4f'):>7} "
+                         f"{format_number(r['gap'], '+.4f'):>7} {format_number(r['gap_se'], '.4f'):>6}")  # fmt: skip
+        lines.append(" | ".join(cells))
+    lines.append(f"(nats/base over the {result['settings']['scored_bases']} bases after the first of each "
+                 f"{result['settings']['probe_length']}-base copy; gap = baseline - copy)")  # fmt: skip
+    lines += [f"skipped {item['distance']:,}: {item['reason']}" for item in result["settings"]["skipped"]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="genomelm probe",
+        description="Copy probe: loss on a copied segment with its first copy d tokens earlier vs without it, "
+        "before and after training.",
+        epilog="example: genomelm probe configs/train/demo.yaml probe_distances=1k,4k probe_windows=2",
+    )
+    parser.add_argument("config", nargs="?", help="run config YAML (configs/train/...)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="run settings to override")
+    parser.add_argument("--before", help="model before training (default: the run's base model)")
+    parser.add_argument("--after", help="model after training (default: the run's newest checkpoint)")
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from genomelm.eval.command import EvalError, pick_windows, resolve_models
+
+    try:
+        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
+        parse_distances(config.probe_distances)
+        if config.probe_length < 2:
+            raise ProbeError(f"probe_length={config.probe_length}: give at least 2 bases")
+    except (ProbeError, ValueError, FileNotFoundError) as exc:
+        print(f"genomelm probe: {exc}", file=sys.stderr)
+        return 1
+    # model and data are imported here: both are slow to import and not needed for --help or bad settings
+    from torch.utils.data import Subset
+
+    from genomelm.data import WindowDataset
+    from genomelm.model import load_model
+    from genomelm.model.config import ConfigError
+    from genomelm.train.loop import run_options
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def load(path: str) -> torch.nn.Module:
+        return load_model(path, options=run_options(config), device=device)
+
+    try:
+        heldout = WindowDataset(config.data_dir, "heldout")
+        if not len(heldout):
+            raise ProbeError(
+                f"{heldout.path} has no held-out windows; prepare the data with a held-out region"
+            )
+        indices = pick_windows(len(heldout), config.probe_windows)
+        before, after = resolve_models(config, args.before, args.after)
+        provenance = {
+            "data_dir": str(heldout.path),
+            "manifest": str(heldout.path / "manifest.json"),
+            "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
+        }
+        result = run_probe(config, Subset(heldout, indices), load, before, after, heldout.vocab, provenance)
+    except (ProbeError, EvalError, DataError, ConfigError, FileNotFoundError) as exc:
+        print(f"genomelm probe: {exc}", file=sys.stderr)
+        return 1
+    paths = write_probe_outputs(result, config.results_path)
+    print()
+    print(format_probe_table(result))
+    print(f"\nwrote {paths['json']} and {paths['csv']}")
+    print(f"figure: {paths['figure']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
