@@ -102,10 +102,10 @@ def test_dense_mlp_chunked_equals_unchunked() -> None:
 
 def test_grouped_fallback_without_grouped_gemm_equals_loop() -> None:
     """In fp64 (no grouped GEMM) the grouped backend slices one `unbind` of the weights: same numbers as the loop."""
-    x = torch.randn(2, 37, tiny_config().hidden_size, dtype=torch.float64)
+    x = torch.randn(2, 37, tiny_config().hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     reference = _run(_moe("loop", 10_000).double(), x)
     got = _run(_moe("grouped", 9).double(), x)
     torch.testing.assert_close(got[0], reference[0])
     torch.testing.assert_close(got[2], reference[2])
-    for name, grad in reference[1].items():  # the router runs in fp32 whatever the model's dtype
-        torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, grad in reference[1].items():  # the router runs in fp32 whatever the model's dtype (grads ~10)
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=2e-5, msg=name)

@@ -25,7 +25,7 @@ class TrainConfig:
     run: str = "run"  # name: runs/<run>/ and results/<run>/
     genome: str = "hg38"  # prepared data lives in data/prepared/<genome>-<seq>/ unless `data` is set
     seq: str = "512k"
-    data: str | None = None  # explicit prepared-data folder
+    data: str | None = None  # prepared-data folder, or a weighted blend of several: dirA:0.7,dirB:0.3
     model: str | None = "glm-5.3-flash"  # checkpoint folder or preset name (the hg38 configs need a folder)
     allow_random_init: bool = False  # allow a preset of over 1B parameters (random weights: benchmarks only)
     # optimisation
@@ -54,7 +54,8 @@ class TrainConfig:
     # training data options
     rc_aug: float = 0.0  # probability of training on a window's reverse complement
     softmask_weight: float = 1.0  # loss weight of soft-masked (lowercase, repeat) bases; eval is always unweighted
-    seq_warmup_steps: int = 0  # train on shorter crops first, growing to seq over this many steps
+    seq_warmup_steps: int = 0  # train on shorter crops first, doubling up to seq over this many steps
+    seq_warmup_start: int = 1024  # tokens of the first crops of the warm-up
     # checkpoints and logging
     save_every: int = 100
     keep_checkpoints: int = 2
@@ -87,8 +88,18 @@ class TrainConfig:
         return max(1, math.ceil(self.epochs * n_windows / self.grad_accum))
 
     @property
+    def data_blend(self) -> list[tuple[str, float]]:
+        """The training folders with their normalised weights (one folder: weight 1)."""
+        if not self.data:
+            return [(str(Path("data/prepared") / f"{self.genome}-{seq_label(self.seq_len)}"), 1.0)]
+        from genomelm.data.augment import parse_blend
+
+        return parse_blend(self.data)
+
+    @property
     def data_dir(self) -> Path:
-        return Path(self.data) if self.data else Path("data/prepared") / f"{self.genome}-{seq_label(self.seq_len)}"
+        """The run's (first) prepared folder: its held-out split is what `genomelm eval` scores by default."""
+        return Path(self.data_blend[0][0])
 
     @property
     def run_dir(self) -> Path:

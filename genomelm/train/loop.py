@@ -11,7 +11,6 @@ import dataclasses
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from genomelm.data import WindowDataset
+from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.model import ModelConfig, RunOptions, load_model, save_model
 from genomelm.train import checkpoints
 from genomelm.train.balance import ExpertLoad, update_expert_bias
 from genomelm.train.config import TrainConfig
+from genomelm.train.feed import TrainingData
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
@@ -60,39 +60,6 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.de
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fast)
 
 
-@dataclass
-class DataOrder:
-    """Which window comes next: a seeded permutation per epoch and a cursor into it."""
-
-    n_windows: int
-    seed: int
-    epoch: int = 0
-    cursor: int = 0
-    order: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.order = self._permutation(self.epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.n_windows, generator=generator).tolist()
-
-    def next(self) -> int:
-        if self.cursor >= self.n_windows:
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self.order = self._permutation(self.epoch)
-        index = self.order[self.cursor]
-        self.cursor += 1
-        return index
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load(self, state: dict[str, int]) -> None:
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
-        self.order = self._permutation(self.epoch)
-
-
 class NonFiniteLoss(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
@@ -104,20 +71,13 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     np.random.seed(config.seed)
     random.seed(config.seed)
 
-    dataset = WindowDataset(config.data_dir, "train")
-    if dataset.seq_len != config.seq_len:
-        raise ValueError(
-            f"{config.data_dir} holds {dataset.seq_len}-token windows but the run asks for seq={config.seq}; "
-            f"prepare matching data (make data SEQ={config.seq}) or set data=<folder>"
-        )
-    if len(dataset) == 0:
-        raise ValueError(f"{config.data_dir} has no training windows")
+    data = TrainingData(config)
     if not config.model:
         raise RunMismatch(
             "no model: this run config trains from a released checkpoint; pass MODEL=/path/to/GLM-5.3-Flash "
             "(make train) or model=<folder> (genomelm train), or model=<preset> for a small model"
         )
-    config = dataclasses.replace(config, steps=config.total_steps(len(dataset)))
+    config = dataclasses.replace(config, steps=config.total_steps(len(data)))
 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,8 +91,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     preset = ModelConfig.preset(config.model) if checkpoints.is_preset(config.model) else None
     check_random_init(config.model, preset, config.allow_random_init)
     model_config = preset if preset is not None else ModelConfig.from_file(config.model)
-    check_vocabulary(dataset.vocab, config.data_dir, config.model, model_config)  # before loading any weights
-    identity = run_identity(config, dataset.manifest)
+    check_vocabulary(data.vocab, config.data_dir, config.model, model_config)  # before loading any weights
+    identity = run_identity(config, data.manifest)
     resume_state = None
     if resume_from is not None:
         resume_state = torch.load(resume_from / "trainer.pt", weights_only=False)
@@ -153,12 +113,11 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     runner = LayerRunner(recompute=config.recompute, offload=config.offload, keep_selection=config.keep_selection,
                          recompute_chunks=config.recompute_chunks)
     optimizer = make_optimizer(model, config, device)
-    order = DataOrder(len(dataset), config.seed)
     start_step, bad_in_row = 0, 0
     if resume_state is not None:
         state = resume_state
         optimizer.load_state_dict(state["optimizer"])
-        order.load(state["data_order"])
+        data.load(state["data_order"])
         checkpoints.set_rng_state(state["rng"])
         start_step, bad_in_row = state["step"], state["bad_in_row"]
 
@@ -167,7 +126,6 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
               f"{model.path_table()}\nmemory: {runner.describe()}", flush=True)
     log = MetricsLog(config, resumed_step=start_step)
     autocast = autocast_for(config.precision, device)
-    tokens_per_step = config.seq_len * config.grad_accum
     summary: dict[str, Any] = {"start_step": start_step, "losses": [], "skipped": 0, "checkpoint": resume_from}
     bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, disable=not progress,
                desc=f"train {config.run}", unit="step")
@@ -177,18 +135,21 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, windows, load = 0.0, [], ExpertLoad()
-        for _ in range(config.grad_accum):
-            index = order.next()
-            windows.append(index)
-            row = dataset[index]
-            input_ids = row["input_ids"][None].to(device)
-            labels = row["labels"][None].to(device)
+        loss_sum, plain_sum, windows, load = 0.0, 0.0, [], ExpertLoad()
+        for micro in range(config.grad_accum):
+            window = data.next(step, micro)
+            windows.append(window)
+            labels = window.labels[None].to(device)
+            weights = window.weights[None].to(device)
             with autocast:
-                loss = model(input_ids, labels, layer_runner=runner)
+                nll = model(window.input_ids[None].to(device), labels, reduction="none", layer_runner=runner)
             load.add(model.router_stats())  # read before the backward's recompute routes the tokens again
+            loss = (nll * weights).sum() / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
+            if model.last_indexer_loss:
+                loss = loss + sum(model.last_indexer_loss.values())
             (loss / config.grad_accum).backward()
             loss_sum += float(loss.detach())
+            plain_sum += float(nll.detach().sum() / (labels != IGNORE_INDEX).sum().clamp_min(1))
         loss_value = loss_sum / config.grad_accum
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
@@ -204,10 +165,14 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         rss, peak_rss = host_memory_gb()
         record = {
             "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_step / elapsed, "step_s": elapsed, "skipped": not finite,
+            "tokens_per_s": sum(len(w.input_ids) for w in windows) / elapsed, "step_s": elapsed, "skipped": not finite,
             "peak_device_mem_gb": device_peak_gb(), "host_rss_gb": rss, "host_peak_rss_gb": peak_rss,
-            "windows": windows,
+            "windows": [w.index for w in windows], "sources": [w.source for w in windows],
+            "reverse": [w.reverse for w in windows], "tokens": [len(w.input_ids) for w in windows],
+            "loss_weighted": config.softmask_weight != 1.0,
         }
+        if config.softmask_weight != 1.0:
+            record["loss_unweighted"] = plain_sum / config.grad_accum
         if model.last_indexer_loss:
             record["indexer_kl"] = float(sum(model.last_indexer_loss.values()))
         unused = load.unused()
@@ -230,7 +195,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         if (step + 1) % config.save_every == 0 or done:
             state = {
                 "step": step + 1, "bad_in_row": bad_in_row, "optimizer": optimizer.state_dict(),
-                "schedule": {"step": step + 1, "lr": lr}, "data_order": order.state(), "rng": checkpoints.rng_state(),
+                "schedule": {"step": step + 1, "lr": lr}, "data_order": data.state(), "rng": checkpoints.rng_state(),
                 "config": config.to_dict(), "identity": identity,
             }
             summary["checkpoint"] = checkpoints.save_checkpoint(run_dir, step + 1, model, state,
