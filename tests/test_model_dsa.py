@@ -266,3 +266,29 @@ def test_selection_token_indices_layout() -> None:
 def test_refuses_tail_off() -> None:
     with pytest.raises(ValueError, match="always_select_tail"):
         DSAAttention(tiny_config(index_kpool_always_select_tail=False), 0, RunOptions())
+
+
+def test_selection_of_some_queries_equals_whole_window_rows() -> None:
+    """`select` for queries at given global positions (spans, as a context-parallel rank holds them) against
+    the whole window's pooled keys selects exactly the whole-window selection's rows, ties included: with two
+    indexer heads many index scores are exactly 0 (both ReLUs 0), and blocks then score rows of other lengths.
+    Both sides of TOPK_SORT_RATIO: 128 pools < 64 * K=4 (rows scored in full), 192 pools >= 64 * K=2."""
+    for seq_len, topk in ((512, 16), (768, 8)):
+        config = tiny_config(index_n_heads=2, index_topk=topk)
+        module = ours_from(reference_attention(config, 0, seed=6), config, 0, indexer_query_block=24)
+        x = torch.randn(2, seq_len, config.hidden_size, generator=torch.Generator().manual_seed(seq_len))
+        with torch.no_grad():
+            q_resid = module.q_a_layernorm(module.q_a_proj(x))
+            whole = module.indexer.select(x, q_resid)
+            pool_keys = module.indexer.pool_keys(x)
+            segment = seq_len // 8
+            spans = ((segment, segment), (6 * segment, segment))  # zigzag rank 1 of 4
+            rows = torch.cat([torch.arange(start, start + length) for start, length in spans])
+            part = module.indexer.select(x[:, rows], q_resid[:, rows], pool_keys, spans)
+            scores = module.indexer._block_scores(x, q_resid, pool_keys, 0)
+        k = topk // config.index_kpool
+        best = scores[:, 4 * (k + 1) :].topk(k + 1, dim=-1).values
+        assert (best[..., k - 1] == best[..., k]).sum() >= 10  # ties at the selection boundary
+        assert torch.equal(part.pools, whole.pools[:, rows])
+        assert torch.equal(part.token_indices(), whole.token_indices()[:, rows])
+        assert torch.equal(part.positions, rows)

@@ -9,13 +9,19 @@ written-out backward regathers each block, recomputes its probabilities and scat
 gradient into one [B, S, kv_lora_rank] buffer, so the core's forward + backward working set is bounded by the
 block ([B, block, W, kv_lora_rank]), not by S.
 
+The forward is two seams, so that context parallelism (`genomelm.parallel`) can run between them without
+the model knowing about processes: `project` (the local projections: queries, normalised latent, the
+indexer's pooled keys) and `attend` (given the whole window's latent and pooled keys and the queries' global
+positions: select, attend, project out). The plain forward composes them with nothing in between.
+
 Precision: the core takes the absorbed queries and the latent in one dtype (the compute dtype: bf16 under bf16
 autocast), runs its matmuls in it in forward and backward alike, takes the softmax in fp32 and accumulates the
-latent's gradient in fp32 across query blocks.
+latent's gradient in fp32 across query blocks (both in fp64 when the inputs are fp64).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,8 +29,9 @@ from torch import Tensor, nn
 
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.dsa_naive import check_dense_allowed, dense_dsa_attention
-from genomelm.model.indexer import Indexer, Selection
+from genomelm.model.indexer import Indexer, Selection, Spans, whole_window
 from genomelm.model.norms import RMSNorm
+from genomelm.model.precision import compute_dtype
 
 
 class DSAAttention(nn.Module):
@@ -49,6 +56,7 @@ class DSAAttention(nn.Module):
         self.nope_dim = config.qk_nope_head_dim
         self.v_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
+        self.kpool = config.index_kpool
         self.scaling = config.qk_head_dim**-0.5
         bias = config.attention_bias
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
@@ -86,15 +94,66 @@ class DSAAttention(nn.Module):
         stores its selection there on the first call and reuses it on the recompute instead of re-running the
         indexer (the selection takes no gradient, so the numbers are the same).
         """
-        batch, seq_len, _ = x.shape
-        if self.options.dsa_backend == "dense":
-            check_dense_allowed(seq_len, self.options.forbid_dense_above)
+        q_resid, latent, pool_keys = self.project(x, self.needs_pool_keys(selection_cache))
+        spans = whole_window(x.shape[1])
+        return self.attend(x, q_resid, latent, pool_keys, spans, shared_selection, selection_cache)
+
+    def needs_pool_keys(self, selection_cache: dict | None) -> bool:
+        """Whether `attend` needs the pooled keys: to run the indexer (a full layer without a cached
+        selection) or for its KL term (`train_indexer`)."""
+        cached = selection_cache is not None and selection_cache.get("selection") is not None
+        return self.indexer is not None and (self.options.train_indexer or not cached)
+
+    def project(self, x: Tensor, with_pool_keys: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The per-token projections of x [B, n, hidden_size]: (q_resid [B, n, q_lora_rank], latent
+        [B, n, kv_lora_rank] after kv_a_layernorm, and when `with_pool_keys` the indexer's keys of the
+        complete pools in x [B, n // kpool, index_head_dim], else None).
+
+        The latent comes in the compute dtype, which every reader of it casts to anyway (bf16 under bf16
+        autocast: what a context-parallel gather moves). The pooled keys come from the detached x and keep a
+        graph (to the indexer's parameters) only for the KL term of `train_indexer`.
+        """
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)).to(compute_dtype(x))
+        pool_keys = None
+        if with_pool_keys:
+            if self.indexer is None:
+                raise ValueError(f"layer {self.layer_idx} shares its indexer: it has no pooled keys")
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.options.train_indexer):
+                pool_keys = self.indexer.pool_keys(x.detach())
+        return q_resid, latent, pool_keys
+
+    def attend(
+        self,
+        x: Tensor,
+        q_resid: Tensor,
+        latent: Tensor,
+        pool_keys: Tensor | None,
+        spans: Spans,
+        shared_selection: Selection | None = None,
+        selection_cache: dict | None = None,
+        window_sum: Callable[[Tensor], Tensor] | None = None,
+    ) -> tuple[Tensor, Selection]:
+        """Select and attend for some of a window's queries, against the whole window's keys.
+
+        x [B, n, hidden_size] and q_resid [B, n, q_lora_rank]: the queries' rows, at the global positions
+        `spans` names; latent [B, S, kv_lora_rank] and pool_keys [B, S // kpool, index_head_dim]: the whole
+        window's, in global order (pool_keys when `needs_pool_keys`, else None). Returns (output [B, n,
+        hidden_size], the queries' selection). The plain forward passes every query (spans: the whole window).
+        With `train_indexer`, `indexer_loss` is this process's share of the window's KL term: the KL summed
+        over these queries, divided by `window_sum` of their count (the count over the whole window; None:
+        these queries are the whole window).
+        """
+        batch, queries, _ = x.shape
+        if self.options.dsa_backend == "dense":
+            check_dense_allowed(latent.shape[1], self.options.forbid_dense_above)
+        train_indexer = self.options.train_indexer and self.indexer is not None
         if self.indexer is not None:
             selection = selection_cache.get("selection") if selection_cache is not None else None
+            if pool_keys is None and (selection is None or train_indexer):
+                raise ValueError(f"layer {self.layer_idx} runs its indexer: pass the window's pooled keys")
             if selection is None:
-                selection = self.indexer.select(x, q_resid)
+                selection = self.indexer.select(x, q_resid, pool_keys, spans)
             if selection_cache is not None:
                 selection_cache["selection"] = selection
         elif shared_selection is None:
@@ -103,12 +162,11 @@ class DSAAttention(nn.Module):
             )
         else:
             selection = shared_selection
-            if selection.pools.shape[:2] != (batch, seq_len):
+            if selection.pools.shape[:2] != (batch, queries):
                 raise ValueError(
-                    f"shared selection is for {tuple(selection.pools.shape[:2])}, input is {(batch, seq_len)}"
+                    f"shared selection is for {tuple(selection.pools.shape[:2])}, input is {(batch, queries)}"
                 )
 
-        train_indexer = self.options.train_indexer and self.indexer is not None
         if self.options.dsa_backend == "dense":
             out = dense_dsa_attention(
                 q_resid,
@@ -130,7 +188,11 @@ class DSAAttention(nn.Module):
                 self, selection, train_indexer, q_lat, latent.to(q_lat.dtype)
             )
             out = self.project_out(out_lat)
-        self.indexer_loss = self.indexer.kl_loss(x, q_resid, selection, pool_mass) if train_indexer else None
+        self.indexer_loss = None
+        if train_indexer:
+            total, counted = self.indexer.kl_sum(x, q_resid, selection, pool_mass, pool_keys)
+            counted = counted if window_sum is None else window_sum(counted)
+            self.indexer_loss = total / counted.clamp(min=1)
         return out, selection
 
     # ------------------------------------------------------------ absorbed-latent pieces
@@ -155,7 +217,7 @@ class DSAAttention(nn.Module):
         """
         scores = torch.bmm(q_lat, gathered.transpose(1, 2)).mul_(self.scaling)
         scores.masked_fill_(~valid[:, None, :], torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=_at_least_fp32(q_lat.dtype)).to(q_lat.dtype)
         return torch.bmm(probs, gathered), probs
 
     def pool_mass_of(self, probs: Tensor, pools_per_query: int, kpool: int) -> Tensor:
@@ -177,6 +239,12 @@ class DSAAttention(nn.Module):
             return mass.view(batch, seq_len, -1)
 
 
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16 / fp16 / fp32, fp64 for fp64: the dtype of the softmax and of the latent gradient's
+    accumulation."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def gather_indices(selection: Selection, start: int, end: int) -> tuple[Tensor, Tensor]:
     """Slots of queries start..end-1: (token positions clamped to >= 0 [B, b, W] int64, valid [B, b, W] bool)."""
     tokens = selection.token_indices(start, end)
@@ -193,10 +261,12 @@ def gather_latents(latent: Tensor, index: Tensor) -> Tensor:
 class _BlockedSparseMLA(torch.autograd.Function):
     """Sparse attention core in latent space, in query blocks, with a written-out backward.
 
-    (q_lat [B, S, H, L], latent [B, S, L]) -> (out_lat [B, S, H, L], pool mass [B, S, K] fp32 or None). Forward
+    (q_lat [B, n, H, L] of n queries, latent [B, S, L] of the whole window) -> (out_lat [B, n, H, L], pool
+    mass [B, n, K] fp32 or None). Forward
     runs `attend_block` block by block; backward regathers and recomputes each block's probabilities, then
     with g = d out_lat: d probs = g G^T, d scores = softmax backward, d q_lat = scale * d scores G, and
-    d G = probs^T g + scale * d scores^T q_lat (one matmul), scatter-added (index_add_) into one [B*S, L] buffer.
+    d G = probs^T g + scale * d scores^T q_lat (one matmul), scatter-added (index_add_) into one
+    [B*S, L] buffer.
     Empty slots have probability 0 and so add nothing.
     """
 
@@ -239,10 +309,12 @@ class _BlockedSparseMLA(torch.autograd.Function):
         q_lat, latent = ctx.saved_tensors
         attn, selection, block = ctx.attn, ctx.selection, ctx.block
         batch, seq_len, heads, width = q_lat.shape
+        keys = latent.shape[1]
         grad_out = grad_out.contiguous()
         grad_q_lat = torch.empty_like(q_lat)
-        grad_latent = torch.zeros(batch * seq_len, width, dtype=torch.float32, device=latent.device)
-        row_offset = (torch.arange(batch, device=latent.device) * seq_len)[:, None, None]
+        wide = _at_least_fp32(latent.dtype)
+        grad_latent = torch.zeros(batch * keys, width, dtype=wide, device=latent.device)
+        row_offset = (torch.arange(batch, device=latent.device) * keys)[:, None, None]
         for start in range(0, seq_len, block):
             end = min(start + block, seq_len)
             index, valid = gather_indices(selection, start, end)
@@ -251,13 +323,13 @@ class _BlockedSparseMLA(torch.autograd.Function):
             q_block = q_lat[:, start:end].flatten(0, 1)  # [n, H, L]
             _, probs = attn.attend_block(q_block, gathered, valid.flatten(0, 1))
             g = grad_out[:, start:end].flatten(0, 1)  # [n, H, L]
-            grad_probs = torch.bmm(g, gathered.transpose(1, 2)).float()
-            probs32 = probs.float()
-            grad_scores = probs32 * (grad_probs - (grad_probs * probs32).sum(-1, keepdim=True))
+            grad_probs = torch.bmm(g, gathered.transpose(1, 2)).to(wide)
+            probs_wide = probs.to(wide)
+            grad_scores = probs_wide * (grad_probs - (grad_probs * probs_wide).sum(-1, keepdim=True))
             grad_scores = grad_scores.mul_(attn.scaling).to(q_block.dtype)
             grad_q_lat[:, start:end] = torch.bmm(grad_scores, gathered).view(batch, end - start, heads, width)
             grad_gathered = torch.bmm(
                 torch.cat([probs, grad_scores], dim=1).transpose(1, 2), torch.cat([g, q_block], dim=1)
             )  # [n, W, L]
-            grad_latent.index_add_(0, (index + row_offset).flatten(), grad_gathered.flatten(0, 1).float())
-        return None, None, None, grad_q_lat, grad_latent.to(latent.dtype).view(batch, seq_len, width)
+            grad_latent.index_add_(0, (index + row_offset).flatten(), grad_gathered.flatten(0, 1).to(wide))
+        return None, None, None, grad_q_lat, grad_latent.to(latent.dtype).view(batch, keys, width)

@@ -24,7 +24,7 @@ def check_dense_allowed(seq_len: int, forbid_dense_above: int | None) -> None:
 
 
 def selection_mask(token_indices: Tensor, seq_len: int) -> Tensor:
-    """[B, S, W] token positions (-1 = empty) -> [B, S, S] bool, True where query s reads key t."""
+    """[B, n, W] token positions (-1 = empty) -> [B, n, seq_len] bool, True where query s reads key t."""
     valid = token_indices >= 0
     counts = torch.zeros(*token_indices.shape[:2], seq_len, dtype=torch.int32, device=token_indices.device)
     counts.scatter_add_(-1, token_indices.clamp(min=0).long(), valid.to(torch.int32))
@@ -46,17 +46,18 @@ def dense_dsa_attention(
 ) -> Tensor:
     """MLA attention restricted to the selected tokens, through a dense mask and an eager softmax.
 
-    q_resid [B, S, q_lora_rank], latent [B, S, kv_lora_rank] (after kv_a_layernorm), token_indices
-    [B, S, W] (-1 = empty slot) -> [B, S, hidden_size].
+    q_resid [B, n, q_lora_rank] of n queries, latent [B, S, kv_lora_rank] (after kv_a_layernorm) of the whole
+    window, token_indices [B, n, W] (-1 = empty slot) -> [B, n, hidden_size].
     """
-    batch, seq_len, _ = q_resid.shape
+    batch, queries, _ = q_resid.shape
+    seq_len = latent.shape[1]
     check_dense_allowed(seq_len, forbid_dense_above)
-    q = q_b_proj(q_resid).view(batch, seq_len, num_heads, nope_dim).transpose(1, 2)
+    q = q_b_proj(q_resid).view(batch, queries, num_heads, nope_dim).transpose(1, 2)
     kv = kv_b_proj(latent).view(batch, seq_len, num_heads, nope_dim + v_dim).transpose(1, 2)
     k, v = kv.split([nope_dim, v_dim], dim=-1)
-    allowed = selection_mask(token_indices, seq_len)[:, None]  # [B, 1, S, S]
+    allowed = selection_mask(token_indices, seq_len)[:, None]  # [B, 1, n, S]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v).transpose(1, 2).reshape(batch, seq_len, num_heads * v_dim)
+    out = torch.matmul(probs, v).transpose(1, 2).reshape(batch, queries, num_heads * v_dim)
     return o_proj(out)

@@ -10,8 +10,16 @@ Only the causal, unpadded case is supported (one window per row): the first vali
 Scoring runs over blocks of `RunOptions.indexer_query_block` queries, so working memory is
 [B, block, index_n_heads, S / kpool], never S x S.
 
+Queries and keys need not be the same tokens: `select` scores the queries it is given (at the global
+positions `spans` names) against the pooled keys of the whole window, so under context parallelism each rank
+scores only its own queries against gathered keys (`genomelm.parallel`). Ties in the top-k (index scores of
+exactly 0 are common: every head's ReLU can be 0) are broken as torch.topk breaks them on a row of every
+pool, as transformers does; `select` keeps that whatever the blocking (see `TOPK_SORT_RATIO`), so every split
+of the queries, by block or by rank, selects the same pools.
+
 Precision: the projections (wq_b, wk, weights_proj, the pool gate) follow the caller's autocast; the scores, their
-ReLU and head-weighted sum, the causal mask, the top-k and the KL term run in fp32 with autocast off.
+ReLU and head-weighted sum, the causal mask, the top-k and the KL term run in fp32 with autocast off (the KL
+term in fp64 when its inputs are fp64).
 """
 
 from __future__ import annotations
@@ -26,9 +34,24 @@ from genomelm.model.chunking import ChunkRunner, run_directly
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.precision import fp32_region
 
-# torch.topk on the CPU partially sorts a row (value ties kept in scan order) when k * 64 <= its length, else
-# it uses nth_element, which orders ties differently: rows are never cut below this many times k pools
+# torch.topk on the CPU partially sorts a row (heap selection: a later value enters only if strictly larger,
+# so trailing invisible pools never change the result) when k * 64 <= its length, else it uses nth_element,
+# whose tie order depends on the whole row: rows are scored in full below this many times k pools, never cut
+# below it
 TOPK_SORT_RATIO = 64
+
+# (first global position, length) of each run of consecutive query positions, in local order
+Spans = tuple[tuple[int, int], ...]
+
+
+def whole_window(seq_len: int) -> Spans:
+    """The spans of a window's queries held in one piece: ((0, seq_len),)."""
+    return ((0, seq_len),)
+
+
+def span_positions(spans: Spans, device: torch.device | None = None) -> Tensor:
+    """Global positions of the queries the spans describe, in local order: [sum of lengths] long."""
+    return torch.cat([torch.arange(start, start + length, device=device) for start, length in spans])
 
 
 @dataclass
@@ -36,14 +59,16 @@ class Selection:
     """Which tokens each query attends to, kept compactly as selected pools.
 
     `pools` [B, S, K] int32: start-pool numbers p (tokens p*kpool .. p*kpool+kpool-1) selected for each
-    query, in descending indexer score; -1 marks an empty slot (fewer than K visible pools).
-    K = index_topk // kpool. The tail (tokens after the query's last complete pool, up to the query) is
-    implied by the query position and added when `select_tail`.
+    query, by descending indexer score (ties as torch.topk orders them); -1 marks an empty slot (fewer than
+    K visible pools). K = index_topk // kpool. The tail (tokens after the query's last complete pool, up to
+    the query) is implied by the query position and added when `select_tail`. `positions` [S] long: the
+    queries' global positions (None: 0..S-1, the whole window); token numbers are global either way.
     """
 
     pools: Tensor
     kpool: int
     select_tail: bool
+    positions: Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -59,7 +84,10 @@ class Selection:
         tokens = (pools[..., None] * self.kpool + offsets).masked_fill(pools[..., None] < 0, -1).flatten(-2)
         if not self.select_tail or self.kpool == 1:
             return tokens
-        position = torch.arange(start, end, device=pools.device)
+        if self.positions is None:
+            position = torch.arange(start, end, device=pools.device)
+        else:
+            position = self.positions[start:end].to(pools.device)
         tail_count = (position + 1) % self.kpool
         tail_offsets = torch.arange(self.kpool - 1, device=pools.device)
         tail = (position + 1 - tail_count)[:, None] + tail_offsets
@@ -88,17 +116,19 @@ class Indexer(nn.Module):
         self.chunk_runner: ChunkRunner = run_directly  # runs each query block of the KL term
 
     def pool_keys(self, x: Tensor) -> Tensor:
-        """Keys of the complete pools: x [B, S, D] -> [B, S // kpool, head_dim] (in x's dtype)."""
+        """Keys of the complete pools: x [B, S, D] -> [B, S // kpool, head_dim] (in x's dtype); the pool
+        softmax in fp32 (fp64 for fp64 inputs)."""
         batch, seq_len, _ = x.shape
         n_pools = seq_len // self.kpool
         keys = self.k_norm(self.wk(x))[:, : n_pools * self.kpool].view(batch, n_pools, self.kpool, -1)
         gate = F.linear(x, self.index_kpool_compress_gate)[:, : n_pools * self.kpool]
-        logits = gate.view(batch, n_pools, self.kpool, -1).float() + self.index_kpool_compress_ape.float()
+        wide = torch.promote_types(gate.dtype, torch.float32)
+        logits = gate.view(batch, n_pools, self.kpool, -1).to(wide) + self.index_kpool_compress_ape.to(wide)
         return (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2)
 
     def _block_scores(self, x: Tensor, q_resid: Tensor, pool_keys: Tensor, start: int) -> Tensor:
-        """Index scores of queries start..start+b-1 against the given pools: [B, b, P] fp32, invisible pools
-        -inf-like.
+        """Index scores of the queries at global positions start..start+b-1 against the given pools: [B, b, P]
+        fp32, invisible pools -inf-like.
 
         x [B, b, D] and q_resid [B, b, q_lora_rank] are the block's rows; pool_keys [B, P, head_dim] (the first P
         pools; pass only those the block can see to save work). Three passes over the [B, b, H, P] scores: the
@@ -127,43 +157,65 @@ class Indexer(nn.Module):
         return pool_end[None, :] <= position[:, None]
 
     @torch.no_grad()
-    def select(self, x: Tensor, q_resid: Tensor) -> Selection:
-        """Top pools per query. x [B, S, D], q_resid [B, S, q_lora_rank] (= q_a_layernorm(q_a_proj(x))).
+    def select(
+        self, x: Tensor, q_resid: Tensor, pool_keys: Tensor | None = None, spans: Spans | None = None
+    ) -> Selection:
+        """Top pools per query. x [B, S, D], q_resid [B, S, q_lora_rank] (= q_a_layernorm(q_a_proj(x))) of the
+        queries; pool_keys [B, P, head_dim]: the window's pooled keys (None: `pool_keys(x)`, x being the whole
+        window); spans: the queries' global positions (None: the whole window, 0..S-1).
 
-        A block of queries is scored only against the pools its last query can see (causality halves the work),
-        but never against fewer than `TOPK_SORT_RATIO * K` pools when more exist: torch.topk then ranks every
-        row with the same algorithm whatever its length (partial sort), and trailing invisible pools never
-        displace a visible one, so the selection, ties included, equals scoring every pool.
+        A block of queries (within one span) is scored only against the pools its last query can see
+        (causality halves the work), but never against fewer than `TOPK_SORT_RATIO * K` pools when more exist:
+        torch.topk then ranks every row with the same algorithm whatever its length (partial sort), and
+        trailing invisible pools never displace a visible one, so the selection, ties included, equals scoring
+        every pool, for any blocking and any split of the queries over ranks.
         """
         x, q_resid = x.detach(), q_resid.detach()  # (views of grad-requiring inputs confuse module hooks)
         batch, seq_len, _ = x.shape
-        pool_keys = self.pool_keys(x)
+        spans = whole_window(seq_len) if spans is None else spans
+        if sum(length for _, length in spans) != seq_len:
+            raise ValueError(f"spans {spans} do not describe the {seq_len} queries given")
+        pool_keys = self.pool_keys(x) if pool_keys is None else pool_keys.detach()
         n_pools = pool_keys.shape[1]
         take = min(self.pools_per_query, n_pools)
         pools = torch.full((batch, seq_len, self.pools_per_query), -1, dtype=torch.int32, device=x.device)
         block = max(1, self.options.indexer_query_block)
         least = min(n_pools, TOPK_SORT_RATIO * take)
-        for start in range(0, seq_len if take else 0, block):
-            end = min(start + block, seq_len)
-            scored = max(least, min(end // self.kpool, n_pools))
-            scores = self._block_scores(x[:, start:end], q_resid[:, start:end], pool_keys[:, :scored], start)
-            chosen = scores.topk(take, dim=-1).indices
-            position = torch.arange(start, end, device=x.device)[:, None]
-            visible = chosen * self.kpool + (self.kpool - 1) <= position
-            pools[:, start:end, :take] = chosen.masked_fill_(~visible, -1).to(torch.int32)
-        return Selection(pools=pools, kpool=self.kpool, select_tail=self.select_tail)
+        local = 0
+        for first_position, length in spans:
+            for offset in range(0, length if take else 0, block):
+                size = min(block, length - offset)
+                start, rows = first_position + offset, slice(local + offset, local + offset + size)
+                visible = min((start + size) // self.kpool, n_pools)  # pools the block's last query sees
+                if visible == 0:
+                    continue
+                scored = max(least, visible)
+                scores = self._block_scores(x[:, rows], q_resid[:, rows], pool_keys[:, :scored], start)
+                chosen = scores.topk(take, dim=-1).indices
+                position = torch.arange(start, start + size, device=x.device)[:, None]
+                selectable = chosen * self.kpool + (self.kpool - 1) <= position
+                pools[:, rows, :take] = chosen.masked_fill_(~selectable, -1).to(torch.int32)
+            local += length
+        positions = None if spans == whole_window(seq_len) else span_positions(spans, x.device)
+        return Selection(pools=pools, kpool=self.kpool, select_tail=self.select_tail, positions=positions)
 
-    def kl_loss(self, x: Tensor, q_resid: Tensor, selection: Selection, pool_mass: Tensor) -> Tensor:
-        """DeepSeek-V3.2 indexer training signal: mean over queries of KL(attention || indexer) on selected pools.
+    def kl_sum(
+        self, x: Tensor, q_resid: Tensor, selection: Selection, pool_mass: Tensor, pool_keys: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """DeepSeek-V3.2 indexer training signal, summed: (sum over the queries of KL(attention || indexer) on
+        their selected pools, the number of queries with a selected pool); the loss is their ratio over the
+        window.
 
-        pool_mass [B, S, K] fp32: main-attention probability summed over heads on each selected pool (the
-        tail excluded), treated as a constant; it is renormalised over the query's selected pools. The
-        indexer distribution is the softmax of its index scores over the same pools. Inputs x and q_resid
-        are detached here, so gradients reach only the indexer's parameters. Token-level KL with every
-        token of a pool carrying the pool's score differs from this by a constant only.
+        x [B, n, D], q_resid [B, n, q_lora_rank] and `selection` of the queries (any n of the window);
+        pool_keys [B, P, head_dim]: the window's pooled keys with their graph (`pool_keys` of the detached
+        window), the only way gradients leave this term: x and q_resid are detached here, so gradients reach
+        only the indexer's parameters. pool_mass [B, n, K] fp32: main-attention probability summed over heads
+        on each selected pool (the tail excluded), treated as a constant; it is renormalised over the query's
+        selected pools. The indexer distribution is the softmax of its index scores over the same pools.
+        Token-level KL with every token of a pool carrying the pool's score differs from this by a constant
+        only.
         """
         x, q_resid, pool_mass = x.detach(), q_resid.detach(), pool_mass.detach()
-        pool_keys = self.pool_keys(x)
         seq_len = x.shape[1]
         block = max(1, self.options.indexer_query_block)
         total = pool_keys.sum() * 0.0
@@ -178,28 +230,31 @@ class Indexer(nn.Module):
                 pools,
                 pool_mass[:, start:end],
             )
-        queries = (selection.pools >= 0).any(-1).sum()
-        return total / queries.clamp(min=1)
+        return total, (selection.pools >= 0).any(-1).sum()
 
     def _block_kl(
         self, x: Tensor, q_resid: Tensor, pool_keys: Tensor, pools: Tensor, pool_mass: Tensor
     ) -> Tensor:
-        """Sum over the block's queries of KL(normalised pool_mass || softmax of selected pools' index scores)."""
+        """Sum over the block's queries of KL(normalised pool_mass || softmax of selected pools' index
+        scores), in fp32 (fp64 for fp64 inputs)."""
         batch, block, _ = x.shape
         valid = pools >= 0
         safe = pools.clamp(min=0)
         keys = pool_keys[torch.arange(batch, device=x.device)[:, None, None], safe]  # [B, b, K, head_dim]
         q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype))
+        wide = torch.promote_types(q.dtype, torch.float32)
         with fp32_region(q):
-            scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.softmax_scale)
-            index_scores = torch.matmul(weights.float().unsqueeze(-2) * (self.n_heads**-0.5), scores).squeeze(-2)
+            scores = F.relu(torch.matmul(q.to(wide), keys.to(wide).transpose(-1, -2)) * self.softmax_scale)
+            weighted = weights.to(wide).unsqueeze(-2) * (self.n_heads**-0.5)
+            index_scores = torch.matmul(weighted, scores).squeeze(-2)
         index_scores = index_scores.masked_fill(~valid, float("-inf"))
         index_scores = index_scores.masked_fill(
             ~valid.any(-1, keepdim=True), 0.0
         )  # rows with no pool: finite
         log_q = torch.log_softmax(index_scores, dim=-1)
-        target = pool_mass.float().masked_fill(~valid, 0.0)
-        target = target / target.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-        terms = target * (torch.log(target.clamp(min=torch.finfo(torch.float32).tiny)) - log_q)
+        tiny = torch.finfo(wide).tiny
+        target = pool_mass.to(wide).masked_fill(~valid, 0.0)
+        target = target / target.sum(-1, keepdim=True).clamp(min=tiny)
+        terms = target * (torch.log(target.clamp(min=tiny)) - log_q)
         return terms.masked_fill(~valid, 0.0).sum()

@@ -1,18 +1,22 @@
 """Running one model over many processes (between `genomelm.model` and `genomelm.train`).
 
-Phase 1, context parallelism for the KDA layers:
+Context parallelism for the KDA layers (phase 1) and the DSA layers (phase 2a):
 - `layout`: how a window is split over the ranks (`ContextLayout`: zigzag or contiguous, shard / restore,
   labels made over the whole window before sharding, global positions);
-- `exchange`: the autograd-aware collectives of a KDA layer (conv halo, segment-summary hand-over);
-- `context`: `apply_context_parallel(model, group, kind)`, the CP forward of each KDA attention module;
+- `exchange`: the autograd-aware collectives (KDA: conv halo, segment-summary hand-over; DSA: the keys of the
+  whole window, `gather_window`);
+- `context`: `apply_context_parallel(model, group, kind)`, the CP forward of each KDA and DSA attention
+  module;
 - `launch`: `launch(fn, world_size, ...)`, N local ranks (gloo on CPU, NCCL on CUDA) with failures and hangs
   turned into errors in the parent.
-The model's math (a KDA segment's summary) lives in `genomelm.model.kda`; only this package communicates.
+The model's math (a KDA segment's summary, DSA's `project` / `attend` seams) lives in `genomelm.model`; only
+this package communicates.
 """
 
 from .context import (
     ContextParallel,
     apply_context_parallel,
+    dsa_context_parallel_forward,
     kda_context_parallel_forward,
     remove_context_parallel,
 )
@@ -29,6 +33,7 @@ __all__ = [
     "LayoutError",
     "LocalWindow",
     "apply_context_parallel",
+    "dsa_context_parallel_forward",
     "is_output_rank",
     "kda_context_parallel_forward",
     "launch",

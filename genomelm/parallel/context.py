@@ -1,17 +1,19 @@
-"""Context parallelism applied to a built model from outside: KDA layers (phase 1).
+"""Context parallelism applied to a built model from outside: KDA layers (phase 1) and DSA layers (phase 2a).
 
-`apply_context_parallel(model, group, kind)` sets an instance attribute `forward` on every `KDAttention`
-module (it shadows the class's method, so `module(x, state)` runs `kda_context_parallel_forward` instead).
-Nothing else changes: parameters, their names, state dicts, hooks and the class stay as they were, and
-`remove_context_parallel` deletes the attribute again. A forward seam inside the model would have to know
-about process groups; this keeps genomelm/model free of communication and lets the parallel code call the
-layer's own steps (`KDAttention.project`, `convolve`, `gates`, `summarise`, `core`, `output`) around its
-exchanges.
+`apply_context_parallel(model, group, kind)` sets an instance attribute `forward` on every `KDAttention` and
+`DSAAttention` module (it shadows the class's method, so `module(x, ...)` runs `kda_context_parallel_forward`
+or `dsa_context_parallel_forward` instead). Nothing else changes: parameters, their names, state dicts, hooks
+and the class stay as they were, and `remove_context_parallel` deletes the attribute again. A forward seam
+inside the model would have to know about process groups; this keeps genomelm/model free of communication
+and lets the parallel code call the layer's own steps around its exchanges (KDA: `project`, `convolve`,
+`gates`, `summarise`, `core`, `output`; DSA: `project`, `attend`).
 
 Under CP each rank passes only its tokens: x [B, S/cp, D], its segments concatenated in layout order
-(`ContextLayout.shard`). Per layer and direction there are two collectives, both over the whole group and both
-symmetric (no rank waits for its predecessor): the conv halo (`exchange_conv_halos`) and the segment summaries
-(`hand_over_states`). A module with the override holds the process group, so it cannot be deep-copied.
+(`ContextLayout.shard`). Per KDA layer and direction there are two collectives, both over the whole group and
+both symmetric (no rank waits for its predecessor): the conv halo (`exchange_conv_halos`) and the segment
+summaries (`hand_over_states`). Per DSA layer there is one: the keys (`gather_window`), and with
+`train_indexer` an all-reduce of the number of queries the KL term averages over. A module with the
+override holds the process group, so it cannot be deep-copied.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from genomelm.model.dsa import DSAAttention
+from genomelm.model.indexer import Selection
 from genomelm.model.kda import KDAState, KDAttention
 
-from .exchange import exchange_conv_halos, hand_over_states
+from .exchange import exchange_conv_halos, gather_window, hand_over_states, sum_over_group
 from .layout import ZIGZAG, ContextLayout, segments_per_rank
 
-PATH_NOTE = " + context parallel"  # appended to a KDA module's `path` while the override is on
+PATH_NOTE = " + context parallel"  # appended to a KDA or DSA module's `path` while the override is on
 
 
 @dataclass(frozen=True)
@@ -94,31 +98,82 @@ def kda_context_parallel_forward(
     return y, KDAState(final, last_rows.transpose(1, 2))
 
 
+def dsa_context_parallel_forward(
+    layer: DSAAttention,
+    context: ContextParallel,
+    x: Tensor,
+    shared_selection: Selection | None = None,
+    selection_cache: dict | None = None,
+) -> tuple[Tensor, Selection]:
+    """`DSAAttention.forward` for this rank's part of a window: queries stay local, keys are gathered.
+
+    x: [B, S/cp, D], this rank's segments in layout order (segments of whole k-pools). The rank projects its
+    tokens (`DSAAttention.project`: queries, the normalised latent, and the indexer's pooled keys when the
+    indexer runs), gathers the latent [B, S, kv_lora_rank] and the pooled keys [B, S/kpool, index_head_dim]
+    of the whole window in global order (one all-gather; backward: one reduce-scatter), then selects and
+    attends for its own queries only, at their global positions (`DSAAttention.attend`). Returns (y [B, S/cp,
+    D], the selection of this rank's queries, whose `positions` are global; shared layers reuse it).
+    With `train_indexer` the pooled keys keep their graph (their gradient goes back in the same
+    reduce-scatter) and `layer.indexer_loss` is this rank's share: its queries' KL sum over the window's query
+    count (one all-reduce), so the shares sum over the group to the window's KL term.
+    """
+    layout = ContextLayout(
+        x.shape[1] * context.cp, context.cp, context.rank, context.kind, kda_chunk=1, kpool=layer.kpool
+    )
+    if not layer.path.endswith(context.path_note):
+        layer.path += context.path_note
+    q_resid, latent, pool_keys = layer.project(x, layer.needs_pool_keys(selection_cache))
+    if pool_keys is None:
+        (latent_all,) = gather_window([latent], [layout], context.group)
+        pool_keys_all = None
+    else:
+        latent_all, pool_keys_all = gather_window(
+            [latent, pool_keys], [layout, layout.pooled(layer.kpool)], context.group
+        )
+    return layer.attend(
+        x,
+        q_resid,
+        latent_all,
+        pool_keys_all,
+        layout.spans(),
+        shared_selection,
+        selection_cache,
+        functools.partial(sum_over_group, group=context.group),
+    )
+
+
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, kind: str = ZIGZAG) -> list[str]:
-    """Run every KDA attention module in `model` (the model itself included) context-parallel over `group`.
+    """Run every KDA and DSA attention module in `model` (the model itself included) context-parallel over
+    `group`.
 
     Returns the names of the modules changed. Applying again replaces the previous settings.
     """
     context = ContextParallel.for_group(group, kind)
     changed = []
     for name, module in model.named_modules():
-        if isinstance(module, KDAttention):
+        if isinstance(module, KDAttention | DSAAttention):
             _drop_override(module)
-            module.forward = functools.partial(kda_context_parallel_forward, module, context)
+            parallel_forward = (
+                kda_context_parallel_forward
+                if isinstance(module, KDAttention)
+                else dsa_context_parallel_forward
+            )
+            module.forward = functools.partial(parallel_forward, module, context)
             changed.append(name)
     return changed
 
 
 def remove_context_parallel(model: nn.Module) -> list[str]:
-    """Undo `apply_context_parallel`: the KDA modules run their class's forward again. Returns their names."""
+    """Undo `apply_context_parallel`: the KDA and DSA modules run their class's forward again. Returns their
+    names."""
     changed = []
     for name, module in model.named_modules():
-        if isinstance(module, KDAttention) and _drop_override(module):
+        if isinstance(module, KDAttention | DSAAttention) and _drop_override(module):
             changed.append(name)
     return changed
 
 
-def _drop_override(module: KDAttention) -> bool:
+def _drop_override(module: KDAttention | DSAAttention) -> bool:
     """Remove a context-parallel forward (and its note in `module.path`) if present; say whether there was
     one."""
     if module.__dict__.pop("forward", None) is None:

@@ -1,10 +1,16 @@
-"""What a KDA layer's ranks exchange under context parallelism: one all-gather each for the conv halo and for
-the segment summaries in forward, the matching reduce-scatter each in backward.
+"""What a layer's ranks exchange under context parallelism, one packed collective per exchange and direction.
 
-Both exchanges are autograd Functions whose output every rank consumes (the halos and incoming states of its
-own segments, including the first segment's, which comes from the caller's state rather than from a
-predecessor), so every rank's backward reaches them and runs its reduce-scatter: a rank that skipped one would
-deadlock the group. All ranks exchange at once; no rank waits for the one before it.
+KDA: one all-gather each for the conv halo and for the segment summaries in forward, the matching
+reduce-scatter each in backward. DSA (`gather_window`): one all-gather of every rank's keys (the normalised
+latent and the indexer's pooled keys) into the whole window in global order, and in backward one
+reduce-scatter that returns to each rank the gradient of its own keys, summed over the ranks whose queries
+read them; with `train_indexer`, one all-reduce of the count of queries the indexer's KL term averages over.
+
+The exchanges are autograd Functions whose output every rank consumes (KDA: the halos and incoming states of
+its own segments, including the first segment's, which comes from the caller's state rather than from a
+predecessor; DSA: every rank's queries read the whole gathered window), so every rank's backward reaches them
+and runs its reduce-scatter: a rank that skipped one would deadlock the group. All ranks exchange at once; no
+rank waits for the one before it.
 
 Gradients of the caller's initial tail/state (replicated on every rank) are this rank's share: their sum over
 the group is the full gradient, as for the model's parameters.
@@ -12,6 +18,8 @@ the group is the full gradient, as for the model's parameters.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +44,13 @@ def reduce_scatter_slots(gathered: Tensor, group: dist.ProcessGroup) -> Tensor:
     out = gathered.new_empty(gathered.shape[0] // dist.get_world_size(group), *gathered.shape[1:])
     dist.reduce_scatter_single(out, gathered.contiguous(), group=group)
     return out
+
+
+def sum_over_group(value: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """value summed over the group's ranks (a new tensor, no graph): the same shape, on every rank."""
+    total = value.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total
 
 
 class _ConvHaloExchange(torch.autograd.Function):
@@ -127,3 +142,59 @@ def hand_over_states(
     [n, B, H, Dk, Dv] and the window's final state [B, H, Dk, Dv] (the same on every rank), in the summaries'
     dtype. One all-gather of n*B*H*Dk*(Dk+Dv) elements per rank."""
     return _StateHandOver.apply(summaries, initial.to(summaries.dtype), layout, group)
+
+
+class _WindowGather(torch.autograd.Function):
+    """Forward: each rank's parts [B, n_i, W_i] packed as bytes into one all-gather (each part keeps its dtype:
+    a bf16 latent and fp32 pooled keys move 2 and 4 bytes per value), each part then restored to global order
+    [B, cp*n_i, W_i] by its layout. Backward: each whole-window gradient put back in rank order, packed in
+    fp32 or wider, one reduce-scatter: this rank's rows' gradients summed over the group."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, layouts: tuple[ContextLayout, ...], group: dist.ProcessGroup, *parts: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.layouts, ctx.group = layouts, group
+        ctx.shapes, ctx.dtypes = [p.shape for p in parts], [p.dtype for p in parts]
+        packed = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+        gathered = all_gather_slots(packed, group).view(dist.get_world_size(group), -1)
+        sizes = [p.numel() * p.element_size() for p in parts]
+        wholes = []
+        for part, layout, rows in zip(parts, layouts, gathered.split(sizes, dim=1)):
+            rows = rows.contiguous().view(part.dtype).view(-1, *part.shape)  # [cp, B, n, W]
+            wholes.append(layout.restore(rows.transpose(0, 1).flatten(1, 2), dim=1))  # [B, cp*n, W]
+        return tuple(wholes)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        wanted = [i for i in range(len(grads)) if ctx.needs_input_grad[2 + i]]
+        dtype = functools.reduce(torch.promote_types, [ctx.dtypes[i] for i in wanted], torch.float32)
+        cp = dist.get_world_size(ctx.group)
+        per_rank = [
+            ctx.layouts[i].rank_order(grads[i], dim=1).unflatten(1, (cp, -1)).transpose(0, 1).reshape(cp, -1)
+            for i in wanted
+        ]  # [cp, B*n*W] each
+        mine = reduce_scatter_slots(torch.cat(per_rank, dim=1).to(dtype).flatten(), ctx.group)
+        sizes = [ctx.shapes[i].numel() for i in wanted]
+        result: list[Tensor | None] = [None] * len(grads)
+        for i, grad in zip(wanted, mine.split(sizes)):
+            result[i] = grad.view(ctx.shapes[i]).to(ctx.dtypes[i])
+        return (None, None, *result)
+
+
+def gather_window(
+    parts: Sequence[Tensor], layouts: Sequence[ContextLayout], group: dist.ProcessGroup
+) -> tuple[Tensor, ...]:
+    """Every rank's rows of each part, as the whole window in global order.
+
+    parts: this rank's [B, n_i, W_i] (rows in layout order: tokens, or k-pools with `ContextLayout.pooled`);
+    layouts: each part's split (n_i = layout.local_len). Returns [B, cp*n_i, W_i] per part, in the part's
+    dtype, the same on every rank. One all-gather of the parts' bytes per rank in forward and one
+    reduce-scatter (fp32 or wider) of the parts that need a gradient in backward; every rank must consume the
+    result (its backward must run on every rank).
+    """
+    for part, layout in zip(parts, layouts, strict=True):
+        if part.dim() != 3 or part.shape[1] != layout.local_len:
+            raise ValueError(f"a part of shape {tuple(part.shape)} is not [B, {layout.local_len}, W]")
+    return _WindowGather.apply(tuple(layouts), group, *parts)

@@ -135,6 +135,17 @@ class ContextLayout:
             ]
         )
 
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """This rank's tokens as runs of consecutive global positions: ((first position, length), ...) in
+        local order (the indexer's `Spans`)."""
+        return tuple((s * self.segment_len, self.segment_len) for s in self.segments)
+
+    def pooled(self, pool: int) -> ContextLayout:
+        """The same split over the window's pools of `pool` tokens (every segment holds whole pools)."""
+        if self.segment_len % pool:
+            raise LayoutError(f"segments of {self.segment_len} tokens do not hold whole {pool}-token pools")
+        return ContextLayout(self.seq_len // pool, self.cp, self.rank, self.kind, kda_chunk=1, kpool=1)
+
     def shard(self, tensor: Tensor, dim: int = 1) -> Tensor:
         """This rank's part of a whole-window tensor [..., S, ...] (S at `dim`) -> [..., S/cp, ...]."""
         self._check_len(tensor, dim, self.seq_len, "a whole window")
@@ -147,6 +158,13 @@ class ContextLayout:
         self._check_len(gathered, dim, self.seq_len, "all ranks' parts")
         rank_order = torch.cat([self.positions(r) for r in range(self.cp)])
         return gathered.index_select(dim, torch.argsort(rank_order).to(gathered.device))
+
+    def rank_order(self, tensor: Tensor, dim: int = 1) -> Tensor:
+        """Inverse of `restore`: a whole-window tensor in global order -> every rank's part concatenated in
+        rank order at `dim`: [..., S, ...] -> [..., S, ...]."""
+        self._check_len(tensor, dim, self.seq_len, "a whole window")
+        rank_order = torch.cat([self.positions(r) for r in range(self.cp)])
+        return tensor.index_select(dim, rank_order.to(tensor.device))
 
     def shard_window(self, input_ids: Tensor, labels: Tensor | None = None) -> LocalWindow:
         """This rank's tokens, labels and global positions from a whole window input_ids [B, S].
