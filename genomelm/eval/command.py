@@ -214,37 +214,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
     # model and data are imported here: both are slow to import and not needed for --help or bad settings
-    from genomelm.data import DataError, WindowDataset
-    from genomelm.data.augment import check_compatible
-    from genomelm.model import load_model
+    from genomelm.data import DataError
     from genomelm.model.config import ConfigError
-    from genomelm.train.loop import run_options
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    def load(path: str) -> torch.nn.Module:
-        return load_model(path, options=run_options(config), device=device)
 
     try:
-        folders = heldout_folders(config)
-        check_compatible(folders)  # same SEQ and vocabulary, or an error naming both folders
-        sets = []
-        for name, folder in zip(set_names(folders), folders):
-            heldout = WindowDataset(folder, "heldout")
-            if not len(heldout):
-                raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-                                "(genomelm data --heldout ...)")  # fmt: skip
-            check_bucket(config.bucket, heldout.seq_len)
-            indices = pick_windows(len(heldout), config.eval_windows)
-            provenance = {
-                "data_dir": str(heldout.path),
-                "manifest": str(heldout.path / "manifest.json"),
-                "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
-            }
-            sets.append(HeldoutSet(name, Subset(heldout, indices), provenance))  # read one window at a time
-        before, after = resolve_models(config, args.before, args.after)
-        result = evaluate_sets(config, sets, load, before, after)
-    except (EvalError, DataError, ConfigError, FileNotFoundError) as exc:
+        if config.cp > 1:
+            from genomelm.parallel.launch import launch
+            from genomelm.train.command import check_context_parallel
+
+            check_context_parallel(config)
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            result = launch(_evaluate_on_rank, config.cp, config, args.before, args.after, device=device_type)[0]
+        else:
+            result = evaluate_config(config, args.before, args.after)
+    except (EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
     paths = write_outputs(result, config.results_path)
@@ -253,3 +236,61 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {paths['json']} and {paths['csv']}")
     print(f"figure: {paths['figure']}")
     return 0
+
+
+def _evaluate_on_rank(config: TrainConfig, before: str | None, after: str | None) -> dict:
+    """`evaluate_config` on one rank of a context-parallel group; only rank 0 prints its progress."""
+    import contextlib
+    import io
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.cp))
+    quiet = dist.get_rank() != 0
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        return evaluate_config(config, before, after)
+
+
+def evaluate_config(config: TrainConfig, before_path: str | None, after_path: str | None) -> dict:
+    """Score the run's held-out sets before and after training (`genomelm eval`); under context parallelism
+    (inside the processes `cp=N` launches) each model scores whole windows through `ContextParallelScorer`."""
+    from genomelm.data import WindowDataset
+    from genomelm.data.augment import check_compatible
+    from genomelm.model import load_model
+    from genomelm.parallel.training import ContextParallelScorer, ContextRun
+    from genomelm.train.loop import run_options
+
+    context = ContextRun.from_environment(config.cp_layout)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if context is not None and device.type == "cuda":
+        device = torch.device("cuda", context.rank)
+        torch.cuda.set_device(device)
+
+    def load(path: str) -> torch.nn.Module:
+        model = load_model(path, options=run_options(config), device=device)
+        if context is None:
+            return model
+        from genomelm.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, context.group, context.kind)
+        return ContextParallelScorer(model, context)
+
+    folders = heldout_folders(config)
+    check_compatible(folders)  # same SEQ and vocabulary, or an error naming both folders
+    sets = []
+    for name, folder in zip(set_names(folders), folders):
+        heldout = WindowDataset(folder, "heldout")
+        if not len(heldout):
+            raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
+                            "(genomelm data --heldout ...)")  # fmt: skip
+        check_bucket(config.bucket, heldout.seq_len)
+        indices = pick_windows(len(heldout), config.eval_windows)
+        provenance = {
+            "data_dir": str(heldout.path),
+            "manifest": str(heldout.path / "manifest.json"),
+            "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
+        }
+        sets.append(HeldoutSet(name, Subset(heldout, indices), provenance))  # read one window at a time
+    before, after = resolve_models(config, before_path, after_path)
+    return evaluate_sets(config, sets, load, before, after)

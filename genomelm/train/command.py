@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from genomelm.data import DataError
 from genomelm.train.config import TrainConfig
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
     from genomelm.train.loop import NonFiniteLoss, train
 
     try:
-        summary = train(config)
+        summary = train(config) if config.cp == 1 else train_context_parallel(config)
     except DataError as exc:
         print(f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
               f"(or set data=<prepared folder>)", file=sys.stderr)
@@ -46,6 +47,52 @@ def main(argv: list[str]) -> int:
           f"last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "
           f"skipped {summary['skipped']}, checkpoint {summary['checkpoint']}")
     return 0
+
+
+def check_context_parallel(config: TrainConfig) -> None:
+    """Refuse, before any process starts, a cp setting the run's windows (and warm-up crops) cannot split into."""
+    from genomelm.data.augment import crop_length
+    from genomelm.model import ModelConfig, RunOptions
+    from genomelm.parallel.layout import ContextLayout
+    from genomelm.train.checkpoints import is_preset
+
+    if config.cp < 1:
+        raise ValueError(f"cp={config.cp}: give the number of processes to split each window over (>= 1)")
+    kpool = 4
+    if config.model and (is_preset(config.model) or Path(config.model, "config.json").exists()):
+        model = ModelConfig.preset(config.model) if is_preset(config.model) else ModelConfig.from_file(config.model)
+        kpool = model.index_kpool if model.dsa_layers else 1
+    steps = range(max(config.seq_warmup_steps, 0) + 1)
+    lengths = sorted({crop_length(step, config.seq_warmup_steps, config.seq_len, config.seq_warmup_start)
+                      for step in steps})  # fmt: skip
+    for length in lengths:
+        ContextLayout(length, config.cp, 0, config.cp_layout, kda_chunk=RunOptions().kda_chunk_size, kpool=kpool)
+
+
+def _train_on_rank(config: TrainConfig, threads: int) -> dict:
+    import torch
+
+    from genomelm.train.loop import train
+
+    torch.set_num_threads(threads)
+    return train(config)
+
+
+def train_context_parallel(config: TrainConfig) -> dict:
+    """`train(config)` on `config.cp` local processes (gloo on the CPU, NCCL with one GPU each); rank 0's
+    summary. A rank's error is raised here with its traceback; a hang is reported with every rank's stack."""
+    import os
+
+    import torch
+
+    from genomelm.parallel.launch import launch
+
+    check_context_parallel(config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < config.cp:
+        raise ValueError(f"cp={config.cp} needs {config.cp} GPUs on this machine, found {torch.cuda.device_count()}")
+    threads = max(1, (os.cpu_count() or 1) // config.cp)
+    return launch(_train_on_rank, config.cp, config, threads, device=device)[0]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1  # windows per optimizer step
     seed: int = 1234
+    # parallelism
+    cp: int = 1  # context parallel: ranks one window is split over (processes on this machine)
+    cp_layout: str = "zigzag"  # "zigzag" (balanced indexer work) or "contiguous"
     # memory stack (each a switch; none changes the numbers)
     recompute: bool = True  # full activation recompute per layer
     offload: bool = True  # CPU offload of each layer's saved input

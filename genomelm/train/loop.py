@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.model import ModelConfig, RunOptions, load_model, save_model
+from genomelm.parallel.context import apply_context_parallel
+from genomelm.parallel.training import ContextRun
 from genomelm.train import checkpoints
 from genomelm.train.balance import ExpertLoad, update_expert_bias
 from genomelm.train.config import TrainConfig
@@ -60,13 +62,48 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.de
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fast)
 
 
+def window_loss(
+    model: torch.nn.Module, rows: list[torch.Tensor], runner: LayerRunner | None, context: ContextRun | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loss of one window, or this rank's share of it under context parallelism.
+
+    rows: input_ids, labels [1, S] long and loss weights [1, S] fp32 of the whole window. Returns the loss
+    (with graph): the token-weighted mean sum(w * nll) / sum(w) over the whole window, plus the indexer KL terms
+    when trained; under CP each rank holds its shard and divides by the window's total weight, so the ranks'
+    losses add up to the window's. Also [total weight, valid labels, nll sum] over the window (no graph).
+    """
+    if context is not None:
+        layout = context.layout(rows[0].shape[1], model.options.kda_chunk_size, model.config.index_kpool)
+        rows = context.shard(layout, *rows)
+    input_ids, labels, weights = rows
+    nll = model(input_ids, labels, reduction="none", layer_runner=runner)
+    totals = torch.stack([weights.sum(), (labels != IGNORE_INDEX).sum().float(), nll.detach().sum()])
+    if context is not None:
+        totals = context.global_sum(totals)
+    loss = (nll * weights).sum() / totals[0].clamp_min(torch.finfo(torch.float32).tiny)
+    if model.last_indexer_loss:
+        loss = loss + sum(model.last_indexer_loss.values())
+    return loss, totals
+
+
 class NonFiniteLoss(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
-    """Train as configured; returns a summary (steps run, last loss, checkpoint path, skipped steps)."""
+    """Train as configured; returns a summary (steps run, last loss, checkpoint path, skipped steps).
+
+    Inside a context-parallel group (the processes `genomelm train cp=N` launches) every rank runs this with the
+    same config: each keeps its shard of every window, and rank 0 alone writes metrics, checkpoints and the
+    progress bar.
+    """
+    context = ContextRun.from_environment(config.cp_layout)
+    output_rank = context is None or context.is_output_rank
+    progress = progress and output_rank
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if context is not None and device.type == "cuda":
+        device = torch.device("cuda", context.rank)
+        torch.cuda.set_device(device)
     torch.manual_seed(config.seed)
     np.random.seed(config.seed)
     random.seed(config.seed)
@@ -80,8 +117,9 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     config = dataclasses.replace(config, steps=config.total_steps(len(data)))
 
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoints.clean_interrupted_writes(run_dir)
+    if output_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoints.clean_interrupted_writes(run_dir)
     resume_from = None
     if config.resume == "auto":
         resume_from = checkpoints.latest_checkpoint(run_dir)
@@ -106,8 +144,11 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                 layer.self_attn.resolve_backend(device)
             except RuntimeError as exc:
                 raise RunMismatch(str(exc)) from exc
+    if context is not None:
+        apply_context_parallel(model, context.group, context.kind)
     init_dir = run_dir / "init"
-    if resume_from is None and checkpoints.is_preset(config.model) and not (init_dir / "config.json").exists():
+    if (output_rank and resume_from is None and checkpoints.is_preset(config.model)
+            and not (init_dir / "config.json").exists()):  # fmt: skip
         save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
     model.train()
     runner = LayerRunner(recompute=config.recompute, offload=config.offload, keep_selection=config.keep_selection,
@@ -124,7 +165,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     if progress:
         print(f"model {model_source}: {sum(p.numel() for p in model.parameters()):,} parameters on {device}\n"
               f"{model.path_table()}\nmemory: {runner.describe()}", flush=True)
-    log = MetricsLog(config, resumed_step=start_step)
+    log = MetricsLog(config, resumed_step=start_step) if output_rank else None
     autocast = autocast_for(config.precision, device)
     summary: dict[str, Any] = {"start_step": start_step, "losses": [], "skipped": 0, "checkpoint": resume_from}
     bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, disable=not progress,
@@ -139,17 +180,17 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         for micro in range(config.grad_accum):
             window = data.next(step, micro)
             windows.append(window)
-            labels = window.labels[None].to(device)
-            weights = window.weights[None].to(device)
+            rows = [t[None].to(device) for t in (window.input_ids, window.labels, window.weights)]
             with autocast:
-                nll = model(window.input_ids[None].to(device), labels, reduction="none", layer_runner=runner)
+                loss, totals = window_loss(model, rows, runner, context)
             load.add(model.router_stats())  # read before the backward's recompute routes the tokens again
-            loss = (nll * weights).sum() / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
-            if model.last_indexer_loss:
-                loss = loss + sum(model.last_indexer_loss.values())
             (loss / config.grad_accum).backward()
-            loss_sum += float(loss.detach())
-            plain_sum += float(nll.detach().sum() / (labels != IGNORE_INDEX).sum().clamp_min(1))
+            local = loss.detach()
+            loss_sum += float(context.global_sum(local) if context is not None else local)
+            plain_sum += float(totals[2] / totals[1].clamp_min(1))
+        if context is not None:
+            context.sum_gradients(model)
+            load.counts = context.sum_counts(load.counts)
         loss_value = loss_sum / config.grad_accum
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
@@ -179,7 +220,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         for layer, ratio in load.max_over_mean().items():
             record[f"router/{layer}/max_over_mean"] = ratio
             record[f"router/{layer}/unused_experts"] = unused[layer]
-        if (step + 1) % config.log_every == 0 or not finite:
+        if log is not None and ((step + 1) % config.log_every == 0 or not finite):
             log.log(record)
         summary["losses"].append(loss_value)
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
@@ -188,11 +229,12 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             tqdm.write(f"step {step + 1}: non-finite loss/gradient ({loss_value}, {grad_norm}); step skipped "
                        f"({bad_in_row} in a row, limit {config.max_bad_steps})")
             if bad_in_row >= config.max_bad_steps:
-                log.close()
+                if log is not None:
+                    log.close()
                 raise NonFiniteLoss(f"{bad_in_row} non-finite steps in a row at step {step + 1}; "
                                     f"lower lr or check the data (metrics: {log.path})")
         done = step + 1 == config.steps
-        if (step + 1) % config.save_every == 0 or done:
+        if output_rank and ((step + 1) % config.save_every == 0 or done):
             state = {
                 "step": step + 1, "bad_in_row": bad_in_row, "optimizer": optimizer.state_dict(),
                 "schedule": {"step": step + 1, "lr": lr}, "data_order": data.state(), "rng": checkpoints.rng_state(),
@@ -201,6 +243,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             summary["checkpoint"] = checkpoints.save_checkpoint(run_dir, step + 1, model, state,
                                                                 config.keep_checkpoints)
     bar.close()
-    log.close()
+    if log is not None:
+        log.close()
     summary["steps"] = config.steps
     return summary
