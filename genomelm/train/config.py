@@ -39,9 +39,21 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1  # windows per optimizer step
     seed: int = 1234
-    # parallelism
-    cp: int = 1  # context parallel: ranks one window is split over (processes on this machine)
+    # parallelism and launch
+    cp: int = 1  # context parallel: ranks one window is split over
     cp_layout: str = "zigzag"  # "zigzag" (balanced indexer work) or "contiguous"
+    dp: int = 1  # data parallel replicas (planned; training with dp > 1 is not built yet)
+    ep: int = 1  # expert parallel ranks (planned; not built yet)
+    launcher: str = "local"  # "local" (processes on this machine) or "ray" (Ray Train workers)
+    ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://host:10001"); none: a local Ray
+    max_failures: int = 0  # worker failures Ray restarts the group after (from the last checkpoint)
+    fault_at_step: int = 0  # test knob: rank `fault_rank` exits hard after this step, once per run (0 = off)
+    fault_rank: int = 0
+    # planning (`genomelm plan`)
+    gpus: int = 0  # GPUs to plan for (0: dp * cp * ... of the run)
+    gpu: str = "b200"  # "b200" (178 GiB usable) or "h200" (139 GiB)
+    search: bool = False  # plan every layout that fits and rank them by projected tokens/s
+    force: bool = False  # train even when the plan says the run does not fit
     # memory stack (each a switch; none changes the numbers)
     recompute: bool = True  # full activation recompute per layer
     offload: bool = True  # CPU offload of each layer's saved input

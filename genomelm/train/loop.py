@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -60,6 +61,19 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.de
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fast)
+
+
+def inject_fault(config: TrainConfig, step: int, rank: int) -> None:
+    """The `fault_at_step` test knob: rank `fault_rank` exits hard (no cleanup, like a lost node) after optimizer
+    step `fault_at_step`, once per run (a marker in the run folder keeps a restarted run going)."""
+    if not config.fault_at_step or step != config.fault_at_step or rank != config.fault_rank:
+        return
+    marker = config.run_dir / f".fault-injected-step{step}-rank{rank}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    os._exit(17)
 
 
 def window_loss(
@@ -202,6 +216,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             bad_in_row += 1
             summary["skipped"] += 1
+        inject_fault(config, step + 1, context.rank if context is not None else 0)
         elapsed = time.perf_counter() - started
         rss, peak_rss = host_memory_gb()
         record = {
