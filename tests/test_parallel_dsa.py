@@ -1,11 +1,12 @@
-"""DSA layers under context parallelism equal CP = 1: outputs, selections and every gradient.
+"""DSA layers under context parallelism equal CP = 1: outputs, selections, the indexer's KL term and every
+gradient; and the whole tiny model (KDA and DSA layers) under CP equals CP = 1.
 
-Each rank builds the same pair of tiny DSA layers (a full one with its indexer, then a shared one that reuses
-its selection), runs its shard of the window under `apply_context_parallel` (queries local, keys gathered) and
-returns outputs, selections and gradients; the parent compares them with the plain layers on the whole window.
-The window is many times index_topk, so the selection matters, and the tiny preset's two indexer heads give
-index scores of exactly 0 (both ReLUs 0), so top-k ties at the selection boundary are common: the ranks must
-break them as the whole-window indexer does.
+Each rank (`genomelm.parallel.launch`, gloo, 2 and 4 ranks) builds the same pair of tiny DSA layers (a full
+one with its indexer, then a shared one that reuses its selection), runs its shard of the window under
+`apply_context_parallel` (queries local, keys gathered) and returns outputs, selections and gradients; the
+parent compares them with the plain layers on the whole window. The window is many times index_topk, so the
+selection matters, and the tiny preset's two indexer heads give index scores of exactly 0 (both ReLUs 0), so
+top-k ties at the selection boundary are common: the ranks must break them as the whole-window indexer does.
 """
 
 from __future__ import annotations
