@@ -193,11 +193,17 @@ def write_outputs(result: dict, folder: Path) -> dict[str, Path]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    return parse_run_args(
+        argv,
         prog="genomelm eval",
         description="Held-out loss per position bucket, before and after training.",
         epilog="example: genomelm eval configs/train/hg38-512k.yaml bucket=65536 eval_windows=8",
     )
+
+
+def parse_run_args(argv: list[str], prog: str, description: str, epilog: str) -> argparse.Namespace:
+    """`CONFIG [key=value ...] [--before PATH] [--after PATH]`, as `genomelm eval` and `genomelm probe` take."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/...)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="run settings to override")
     parser.add_argument("--before", help="model before training (default: the run's base model)")
@@ -230,12 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
-    paths = write_outputs(result, config.results_path)
+    print_written(format_table(result), write_outputs(result, config.results_path))
+    return 0
+
+
+def print_written(table: str, paths: dict[str, Path]) -> None:
+    """The result table, then where its JSON, CSV and figure were written."""
     print()
-    print(format_table(result))
+    print(table)
     print(f"\nwrote {paths['json']} and {paths['csv']}")
     print(f"figure: {paths['figure']}")
-    return 0
 
 
 def _evaluate_on_rank(config: TrainConfig, before: str | None, after: str | None) -> dict:

@@ -273,22 +273,20 @@ def format_probe_table(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    from genomelm.eval.command import parse_run_args
+
+    return parse_run_args(
+        argv,
         prog="genomelm probe",
         description="Copy probe: loss on a copied segment with its first copy d tokens earlier vs without it, "
         "before and after training.",
         epilog="example: genomelm probe configs/train/demo.yaml probe_distances=1k,4k probe_windows=2",
     )
-    parser.add_argument("config", nargs="?", help="run config YAML (configs/train/...)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="run settings to override")
-    parser.add_argument("--before", help="model before training (default: the run's base model)")
-    parser.add_argument("--after", help="model after training (default: the run's newest checkpoint)")
-    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from genomelm.eval.command import EvalError, pick_windows, resolve_models
+    from genomelm.eval.command import EvalError, pick_windows, print_written, resolve_models
 
     try:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
@@ -328,11 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ProbeError, EvalError, DataError, ConfigError, FileNotFoundError) as exc:
         print(f"genomelm probe: {exc}", file=sys.stderr)
         return 1
-    paths = write_probe_outputs(result, config.results_path)
-    print()
-    print(format_probe_table(result))
-    print(f"\nwrote {paths['json']} and {paths['csv']}")
-    print(f"figure: {paths['figure']}")
+    print_written(format_probe_table(result), write_probe_outputs(result, config.results_path))
     return 0
 
 
