@@ -26,6 +26,7 @@ import pickle
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 STOP_GRACE_S = 5.0  # how long a rank gets to exit after SIGTERM before SIGKILL
 STACK_DUMP_WAIT_S = 5.0  # how long the ranks get to write their stacks after SIGUSR1
@@ -249,6 +251,9 @@ def _run_rank(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    # tqdm's default write lock is a multiprocessing lock whose semaphore a rank leaves to the resource tracker
+    # (a "leaked semaphore" warning at exit); a rank's bars never share a terminal line with another process's
+    tqdm.set_lock(threading.RLock())
     stack_file = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes to it until the process ends
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
