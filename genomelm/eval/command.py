@@ -274,8 +274,7 @@ def evaluate_config(config: TrainConfig, before_path: str | None, after_path: st
     context = ContextRun.from_environment(config.cp_layout)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if context is not None and device.type == "cuda":
-        device = torch.device("cuda", context.rank)
-        torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())  # the launcher picked this rank's GPU
 
     def load(path: str) -> torch.nn.Module:
         model = load_model(path, options=run_options(config), device=device)

@@ -31,11 +31,12 @@ def main(argv: list[str]) -> int:
         return 0
     from genomelm.model.checkpoint import CheckpointError
     from genomelm.model.config import ConfigError
+    from genomelm.parallel.ray_launch import RayLaunchError
     from genomelm.train.guards import RunMismatch
-    from genomelm.train.loop import NonFiniteLoss, train
+    from genomelm.train.loop import NonFiniteLoss
 
     try:
-        summary = train(config) if config.cp == 1 else train_context_parallel(config)
+        summary = launch_training(config)
     except DataError as exc:
         print(f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
               f"(or set data=<prepared folder>)", file=sys.stderr)
@@ -43,10 +44,31 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, ConfigError, CheckpointError, NonFiniteLoss, RunMismatch) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 2
+    except RayLaunchError as exc:
+        print(f"genomelm train: {exc}", file=sys.stderr)
+        return 1
     print(f"trained {config.run}: steps {summary['start_step']}..{summary['steps']}, "
           f"last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "
           f"skipped {summary['skipped']}, checkpoint {summary['checkpoint']}")
     return 0
+
+
+def launch_training(config: TrainConfig) -> dict:
+    """Rank 0's training summary: one process (cp=1, local), `cp` local processes, or `cp` Ray Train workers."""
+    from genomelm.train.loop import train
+
+    if config.launcher == "ray":
+        from genomelm.parallel.ray_launch import check_ray_run, train_with_ray
+
+        check_ray_run(config)
+        check_context_parallel(config)
+        return train_with_ray(config)
+    if config.launcher != "local":
+        raise ValueError(f"launcher={config.launcher!r}: give local (processes on this machine) or ray")
+    if config.dp > 1 or config.ep > 1:
+        raise ValueError(f"dp={config.dp}, ep={config.ep}: data and expert parallelism are not built yet; "
+                         "train with dp=1 ep=1 and cp=N")  # fmt: skip
+    return train(config) if config.cp == 1 else train_context_parallel(config)
 
 
 def check_context_parallel(config: TrainConfig) -> None:

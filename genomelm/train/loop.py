@@ -116,8 +116,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     progress = progress and output_rank
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if context is not None and device.type == "cuda":
-        device = torch.device("cuda", context.rank)
-        torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())  # the launcher picked this rank's GPU
     torch.manual_seed(config.seed)
     np.random.seed(config.seed)
     random.seed(config.seed)

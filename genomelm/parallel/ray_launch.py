@@ -1,0 +1,184 @@
+"""Run `train(config)` as Ray Train workers, one per rank: `genomelm train launcher=ray cp=N`.
+
+Ray Train's `TorchTrainer` starts `cp` workers (one GPU each on a cluster with GPUs, NCCL; else CPU workers
+sharing the cores, gloo), sets up the default process group, and each worker runs the same `train(config)` as a
+rank of the local launcher: every rank reads the same windows and keeps its shard, rank 0 writes metrics and
+atomic checkpoints under `runs/<run>/checkpoints/` (a temporary folder renamed into place).
+
+When a worker dies, Ray stops the group and, up to `max_failures` times, starts it again; the restarted ranks
+run `train(config)` with `resume=auto`, so they continue from the newest complete checkpoint (one a killed rank
+left half-written is a temporary folder that is never read and is removed) with the same data order and RNG
+state, and the losses equal those of an uninterrupted run. At the end rank 0 reports the run's last checkpoint
+and summary to Ray (`Result.checkpoint`, `Result.metrics`).
+
+`ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local Ray
+starts with no dashboard and no authentication, and stops when the run ends. The driver's working directory
+(where `runs/`, `data/` and relative paths live) must exist at the same path on every node: a shared file
+system on a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from genomelm.train.config import TrainConfig
+
+QUIET_ENVIRONMENT = {
+    "RAY_AUTH_MODE": "disabled",  # no token prompt for a cluster this process starts on localhost
+    "RAY_USAGE_STATS_ENABLED": "0",  # no usage-stats banner
+    "RAY_TRAIN_V2_ENABLED": "1",  # the Train API whose failure handling this module relies on
+}
+
+
+QUIET_LOGGERS = {  # Ray modules whose `logger` says what the run does not need to read, and the level kept
+    "ray.train.v2._internal.execution.context": logging.WARNING,
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner": logging.ERROR,
+}
+
+
+class RayLaunchError(RuntimeError):
+    """A Ray run that could not start or that failed other than by a rank's own exception."""
+
+
+def check_ray_run(config: TrainConfig) -> None:
+    """Refuse, before Ray starts, settings a Ray run cannot honour yet."""
+    if config.dp > 1 or config.ep > 1:
+        raise ValueError(
+            f"dp={config.dp}, ep={config.ep}: data and expert parallelism are not built yet (they need FSDP2 and "
+            f"expert-parallel MoE); a Ray run has one worker per context-parallel rank: dp=1 ep=1 cp=N"
+        )
+    if config.max_failures < 0:
+        raise ValueError(f"max_failures={config.max_failures}: give the number of restarts allowed (>= 0)")
+    if config.max_failures > 0 and config.resume != "auto":
+        raise ValueError(
+            f"max_failures={config.max_failures} with resume={config.resume!r}: a restarted group continues from "
+            f"the run's newest checkpoint, which is resume=auto"
+        )
+
+
+def start_ray(address: str | None = None) -> None:
+    """Connect to the cluster at `address`, or start a local Ray (no dashboard, no authentication); Ray's own
+    chatter is kept to warnings in this process and in every worker it starts."""
+    for key, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"worker_process_setup_hook": f"{__name__}.quiet_ray_loggers"})  # fmt: skip
+
+
+def quiet_ray_loggers() -> None:
+    """In each Ray worker process: drop Ray Train's per-report lines and the placement-group cleaner's
+    warning that the state API (served by the dashboard, which a local run does not start) is unavailable."""
+    import importlib
+
+    for module, level in QUIET_LOGGERS.items():
+        importlib.import_module(module).logger.setLevel(level)  # some are named by file, not module
+
+
+def train_with_ray(config: TrainConfig) -> dict[str, Any]:
+    """`train(config)` on `config.cp` Ray Train workers; rank 0's summary (as `genomelm.train.loop.train`
+    returns it). A rank's exception is raised here once the restarts allowed by `max_failures` are spent."""
+    check_ray_run(config)
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        start_ray(config.ray_address)
+    try:
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        trainer = TorchTrainer(
+            _worker,
+            train_loop_config={"config": config, "cwd": os.getcwd()},
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            scaling_config=ScalingConfig(num_workers=config.cp, use_gpu=use_gpu,
+                                         resources_per_worker=_resources_per_worker(config.cp, use_gpu)),
+            run_config=RunConfig(
+                name=config.run,
+                storage_path=str(Path(config.runs_dir).resolve()),
+                failure_config=FailureConfig(max_failures=config.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=None),  # `keep_checkpoints` prunes them
+            ),
+        )
+        try:
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            raise _rank_error(exc) from exc
+    finally:
+        if started_here:
+            ray.shutdown()
+    metrics = result.metrics or {}
+    return {
+        "start_step": metrics.get("start_step", 0),
+        "steps": metrics.get("steps", 0),
+        "losses": metrics.get("losses", []),
+        "skipped": metrics.get("skipped", 0),
+        "checkpoint": Path(result.checkpoint.path) if result.checkpoint else None,
+    }
+
+
+def _resources_per_worker(workers: int, use_gpu: bool) -> dict[str, float]:
+    """One GPU and that GPU's share of its node's CPUs; on CPUs, each worker an equal share of the cluster's."""
+    import ray
+
+    if use_gpu:
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0]
+        cpus = min(int(n.get("CPU", 0) // n["GPU"]) for n in nodes)
+        return {"GPU": 1, "CPU": max(cpus, 1)}
+    return {"CPU": max(int(ray.cluster_resources().get("CPU", 1)) // workers, 1)}
+
+
+def _worker(payload: dict[str, Any]) -> None:
+    """One rank: the driver's working directory, its share of the cores, its GPU, then `train(config)`; rank 0
+    reports the summary and the final checkpoint (it lies under the Ray run folder, so nothing is copied)."""
+    import ray
+    import ray.train
+    import torch
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    from genomelm.train.loop import train
+
+    config: TrainConfig = payload["config"]
+    folder = Path(payload["cwd"])
+    if not folder.is_dir():
+        raise RayLaunchError(f"the driver's working directory {folder} is not on this node: run from a folder "
+                             "every node mounts at the same path (runs/ and data/ live there)")  # fmt: skip
+    os.chdir(folder)  # Ray starts each worker in its own session folder
+    quiet_ray_loggers()  # again: Ray Train sets its worker loggers up after the process setup hook
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    torch.set_num_threads(max(int(cpus), 1))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(ray.train.torch.get_device())
+    context = ray.train.get_context()
+    summary = train(config, progress=context.get_world_rank() == 0)
+    last = summary["checkpoint"]
+    report_checkpoint = context.get_world_rank() == 0 and last is not None
+    ray.train.report(
+        {"start_step": summary["start_step"], "steps": summary["steps"], "losses": summary["losses"],
+         "skipped": summary["skipped"]},
+        checkpoint=Checkpoint.from_directory(str(Path(last).resolve())) if report_checkpoint else None,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+    )  # fmt: skip
+
+
+def _rank_error(exc: Exception) -> BaseException:
+    """A lost worker (its process died: a kill, out of memory, a crash) as a RayLaunchError naming its rank,
+    since the other ranks' errors only follow from it; else the lowest failed rank's own exception (a DataError
+    stays a DataError)."""
+    from ray.train.v2.api.exceptions import RayTrainError
+
+    failures: dict[int, Exception] = getattr(exc, "worker_failures", None) or {}
+    lost = sorted(rank for rank, error in failures.items() if isinstance(error, RayTrainError))
+    if lost:
+        return RayLaunchError(f"Ray Train worker rank {lost[0]} was lost (its process died: killed, out of memory "
+                              f"or crashed) and no restarts were left (max_failures): {failures[lost[0]]}")
+    if failures:
+        rank = min(failures)
+        failures[rank].add_note(f"raised on Ray Train worker rank {rank}")
+        return failures[rank]
+    return RayLaunchError(f"the Ray run failed: {exc}")

@@ -1,0 +1,135 @@
+"""`genomelm train launcher=ray`: Ray Train workers (gloo, 2 CPU workers) train exactly as the local launcher,
+and a worker killed mid-run restarts the group from the last complete checkpoint with the same losses. One local
+Ray serves the whole module (its start-up is the slow part on a small machine)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from genomelm.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 420  # per test; a Ray run of 5 steps takes ~1 min on 2 busy cores
+
+
+@pytest.fixture(autouse=True)
+def time_limit() -> Iterator[None]:
+    """Fail a test that runs past TIMEOUT_S instead of hanging the suite (SIGALRM interrupts `trainer.fit`)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"test ran past {TIMEOUT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TIMEOUT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    from genomelm.parallel.ray_launch import start_ray
+
+    start_ray()
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fly(tmp_path_factory) -> Path:
+    """16 training windows of 256 tokens of the bundled fly chromosome."""
+    from genomelm.data.command import main as data_main
+
+    data = tmp_path_factory.mktemp("ray") / "fly"
+    assert data_main(["--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "fly", "--train",
+                      "NC_004353.4:1-4096", "--heldout", "NC_004353.4:200001-201024", "--seq", "256",
+                      "--out", str(data), "--no-progress"]) == 0  # fmt: skip
+    return data
+
+
+def run_settings(data: Path, runs: Path, run: str, *extra: str) -> list[str]:
+    return [f"data={data}", "seq=256", "model=tiny", f"run={run}", f"runs_dir={runs}", "steps=5", "save_every=2",
+            "warmup_steps=1", "lr=3e-3", "wandb=disabled", "cp=2", "rc_aug=0.5", *extra]  # fmt: skip
+
+
+def step_losses(runs: Path, run: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+@pytest.fixture(scope="module")
+def local_losses(fly: Path, tmp_path_factory) -> dict[int, float]:
+    """Per-step losses of the same run on the local launcher, uninterrupted."""
+    from genomelm.train.command import main as train_main
+
+    runs = tmp_path_factory.mktemp("local-runs")
+    assert train_main(run_settings(fly, runs, "local")) == 0
+    losses = step_losses(runs, "local")
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    return losses
+
+
+@pytest.mark.slow
+def test_ray_run_equals_local_launcher(ray_cluster: None, fly: Path, local_losses: dict[int, float],
+                                       tmp_path: Path) -> None:  # fmt: skip
+    from genomelm.train.command import launch_training
+
+    summary = launch_training(TrainConfig.load(None, run_settings(fly, tmp_path, "ray", "launcher=ray")))
+    assert summary["start_step"] == 0 and summary["steps"] == 5
+    assert summary["checkpoint"] == tmp_path / "ray" / "checkpoints" / "step-0000005"
+    losses = step_losses(tmp_path, "ray")
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    assert [losses[s] for s in range(1, 6)] == pytest.approx([local_losses[s] for s in range(1, 6)], rel=1e-6)
+    assert summary["losses"] == pytest.approx([local_losses[s] for s in range(1, 6)], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_from_last_checkpoint(ray_cluster: None, fly: Path, local_losses: dict[int, float],
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    """Rank 1 exits hard after step 3; checkpoints at steps 2 and 4: the group restarts from step 2, redoes
+    step 3 and ends with the losses of the uninterrupted run."""
+    from genomelm.train.command import launch_training
+
+    settings = run_settings(fly, tmp_path, "killed", "launcher=ray", "fault_at_step=3", "fault_rank=1",
+                            "max_failures=1")  # fmt: skip
+    summary = launch_training(TrainConfig.load(None, settings))
+    assert (tmp_path / "killed" / ".fault-injected-step3-rank1").exists()  # the worker did die
+    assert summary["start_step"] == 2 and summary["steps"] == 5  # the restarted group resumed at step 2
+    losses = step_losses(tmp_path, "killed")
+    assert sorted(losses) == [1, 2, 3, 4, 5]
+    assert [losses[s] for s in range(1, 6)] == pytest.approx([local_losses[s] for s in range(1, 6)], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_killed_worker_without_restarts_fails_with_its_exit(ray_cluster: None, fly: Path, tmp_path: Path) -> None:
+    """max_failures=0: the run stops at the first lost worker, and the error says which rank died."""
+    from genomelm.parallel.ray_launch import RayLaunchError
+    from genomelm.train.command import launch_training
+
+    settings = run_settings(fly, tmp_path, "lost", "launcher=ray", "steps=2", "fault_at_step=1", "fault_rank=1")
+    with pytest.raises(RayLaunchError, match="rank 1"):
+        launch_training(TrainConfig.load(None, settings))
+
+
+def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
+    from genomelm.parallel import ray_launch
+    from genomelm.train import command
+
+    monkeypatch.setattr(ray_launch, "train_with_ray", None)  # nothing may start
+    for setting in ("dp=2", "ep=4"):
+        with pytest.raises(ValueError, match="not built yet"):
+            command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "cp=2", setting]))
+    with pytest.raises(ValueError, match="resume=auto"):
+        command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "max_failures=1",
+                                                        "resume=never"]))  # fmt: skip
+    with pytest.raises(ValueError, match="launcher='slurm'"):
+        command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=slurm"]))
+    with pytest.raises(ValueError, match="multiple of 384 tokens"):  # the cp checks run first too
+        command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "seq=16k", "cp=3"]))
