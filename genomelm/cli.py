@@ -1,4 +1,4 @@
-"""Command-line entry point: ``genomelm {data,train,eval,probe} ...``.
+"""Command-line entry point: ``genomelm {data,train,eval,probe,plan} ...``.
 
 Each stage owns its argument parsing in ``genomelm.<stage>.command.main(argv)``; this module only
 dispatches, and imports a stage lazily so ``genomelm data`` never pays for importing torch models.
@@ -14,6 +14,7 @@ STAGES = {
     "train": ("genomelm.train.command", "fine-tune the model on prepared windows"),
     "eval": ("genomelm.eval.command", "held-out loss per position bucket, before and after training"),
     "probe": ("genomelm.eval.probe", "copy probe: how far back the model retrieves a copied segment"),
+    "plan": ("genomelm.train.plan_command", "will a run fit the GPUs, and how fast: traced from the real code"),
 }
 
 

@@ -34,6 +34,7 @@ def main(argv: list[str]) -> int:
     from genomelm.parallel.ray_launch import RayLaunchError
     from genomelm.train.guards import RunMismatch
     from genomelm.train.loop import NonFiniteLoss
+    from genomelm.train.plan import PlanError
 
     try:
         summary = launch_training(config)
@@ -41,7 +42,8 @@ def main(argv: list[str]) -> int:
         print(f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
               f"(or set data=<prepared folder>)", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, ConfigError, CheckpointError, NonFiniteLoss, RunMismatch) as exc:
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError, NonFiniteLoss, RunMismatch,
+            PlanError) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 2
     except RayLaunchError as exc:
@@ -55,8 +57,15 @@ def main(argv: list[str]) -> int:
 
 def launch_training(config: TrainConfig) -> dict:
     """Rank 0's training summary: one process (cp=1, local), `cp` local processes, or `cp` Ray Train workers."""
+    import torch
+
     from genomelm.train.loop import train
 
+    # a run on GPUs (here, or on the Ray cluster at ray_address) is planned first and refused if it cannot fit
+    if torch.cuda.is_available() or (config.launcher == "ray" and config.ray_address):
+        from genomelm.train.plan import check_fits
+
+        check_fits(config)
     if config.launcher == "ray":
         from genomelm.parallel.ray_launch import check_ray_run, train_with_ray
 

@@ -1,0 +1,359 @@
+"""One rank's share of a real training step, traced with torch's own tools (the measuring half of the planner).
+
+`trace_step` runs the trainer's code (`window_loss` with the `LayerRunner`, context parallelism through
+`apply_context_parallel` and `ContextRun`, the gradient sum, clipping and the AdamW step) and records:
+- device memory by category with `torch.distributed._tools.mem_tracker.MemTracker` (the forward/backward peak
+  and the optimizer-step peak, separately), what each decoder layer leaves live between its forward and its
+  backward, and each module's transient peak;
+- FLOPs per module with `torch.utils.flop_counter.FlopCounterMode` (recompute included: what the GPU runs);
+- the bytes of every collective, counted as it is dispatched.
+With `fake=True` everything runs on `FakeTensorMode` tensors (no data, no compute) and, under context
+parallelism, on torch's fake process group ("fake" backend, `FakeStore`): collectives trace without peers. With
+`fake=False` the same code runs on real tensors (the tests compare the two).
+
+Two substitutions, both exact for the trace: `torch.bincount` of expert ids (whose output length fake tensors
+cannot know) returns its `minlength` (the ids are < n_routed_experts, so that is its length), and the host copies
+of `offload=true` go to the meta device, so MemTracker counts them apart from the device (the host side).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from genomelm.model import GlmForCausalLM, ModelConfig
+from genomelm.parallel.context import apply_context_parallel
+from genomelm.parallel.training import ContextRun
+from genomelm.train.config import TrainConfig
+from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
+
+CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+
+
+@dataclass
+class StepTrace:
+    """What one rank's step held and did (bytes, FLOPs), for the traced layers."""
+
+    tokens_per_rank: int
+    cp: int
+    layers: list[int]  # indices, in the full model, of the traced decoder layers
+    param_numel: dict[str, int]  # "layers.<i>" per traced layer, "rest" (embedding, norm, head)
+    step_peak: dict[str, int]  # forward + backward: bytes per category at the device peak
+    optimizer_peak: dict[str, int]  # gradient sum (cp > 1), clip, AdamW step: bytes per category at the peak
+    kept: dict[int, int]  # traced layer index -> device bytes its forward leaves live until its backward (live
+    # bytes as the next layer, or the final norm, starts minus as it starts: with offload, its input is gone)
+    transients: dict[str, int]  # module -> its peak minus the live bytes when it started (forward or backward)
+    flops: dict[str, int]  # "layers.<i>" per traced layer and "rest"
+    comm: dict[str, dict[str, int]] = field(default_factory=dict)  # "layers.<i>"/"rest" -> collective -> bytes
+    host_bytes: int = 0  # offloaded to host memory during the step (peak)
+
+    @property
+    def step_peak_total(self) -> int:
+        return sum(self.step_peak.values())
+
+    @property
+    def optimizer_peak_total(self) -> int:
+        return sum(self.optimizer_peak.values())
+
+    @property
+    def peak_total(self) -> int:
+        return max(self.step_peak_total, self.optimizer_peak_total)
+
+
+class _ExpertCountShape(TorchDispatchMode):
+    """`aten.bincount(ids, minlength=E)` as a zero tensor of length E: fake tensors cannot know a bincount's
+    length, and expert ids are always < E."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.bincount.default:
+            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.zeros(minlength, dtype=torch.long, device=args[0].device)
+        return func(*args, **kwargs)
+
+
+class _MetaHostCopier(HostCopier):
+    """Offload target for the trace: the host copy lives on the meta device (MemTracker counts it apart)."""
+
+    def to_host(self, tensor: torch.Tensor) -> Packed:
+        self.bytes_offloaded += tensor.numel() * tensor.element_size()
+        return tensor.device, tensor.detach().to("meta")
+
+    def to_device(self, packed: Packed) -> torch.Tensor:
+        device, host = packed
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+
+
+_COLLECTIVES = {
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "alltoall_base_": "all_to_all",
+}
+
+
+class _CommCounter(TorchDispatchMode):
+    """Bytes per collective (the largest tensor argument: what one rank sends or receives), attributed to the
+    decoder layer whose forward or backward runs it (`where()` names it)."""
+
+    def __init__(self, where: Any) -> None:
+        super().__init__()
+        self.where = where
+        self.bytes: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kind = _COLLECTIVES.get(func._opname) if func.namespace == "c10d" else None
+        if kind is not None:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            size = max(t.numel() * t.element_size() for t in tensors)
+            slot = self.bytes.setdefault(self.where(), {})
+            slot[kind] = slot.get(kind, 0) + size
+        return func(*args, **(kwargs or {}))
+
+
+class _Tracker(MemTracker):
+    """MemTracker whose per-operation peak update visits only the active modules (the stock one walks every
+    module it has seen, once per operation): the same numbers, faster."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_name: dict[str, Any] = {}
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        if len(self._by_name) != len(self.memory_tracking):
+            self._by_name = {stats.mod_fqn: stats for stats in self.memory_tracking.values()}
+        by_name = self._by_name
+        current = self._curr_mem_snap
+        for name in self._mod_tracker.parents:
+            stats = by_name.get(name)
+            if stats is None or peak_state not in stats.snapshots:
+                continue
+            for dev, snap in current.items():
+                if stats.local_peak.get(dev, 0) < snap["Total"]:
+                    stats.local_peak[dev] = snap["Total"]
+                    stats.snapshots[peak_state][-1][dev] = dict(snap)
+        for dev, snap in current.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of `torch._grouped_mm` (FlopCounterMode has no formula for it): each row meets one group's matrix,
+    so 2 x output elements x inner size; for the weight gradient ([M, T] x [T, N] -> [G, M, N]) each token's
+    column counts once: 2 x M x N x T."""
+    if len(out_shape) == 3 and len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * out_shape[1] * out_shape[2] * a_shape[-1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def reduced_layers(config: ModelConfig) -> list[int]:
+    """The first layer of each (attention, feed-forward, indexer) kind, in model order."""
+    seen: dict[tuple[str, str, str], int] = {}
+    for i in range(config.num_hidden_layers):
+        seen.setdefault(layer_kind(config, i), i)
+    return sorted(seen.values())
+
+
+def layer_kind(config: ModelConfig, i: int) -> tuple[str, str, str]:
+    """(attention type, feed-forward type, indexer type) of layer i."""
+    return config.layer_types[i], config.mlp_layer_types[i], config.indexer_types[i]
+
+
+def sub_config(config: ModelConfig, layers: list[int]) -> ModelConfig:
+    """The model config with only `layers` (in order), at the real widths."""
+    return dataclasses.replace(
+        config,
+        num_hidden_layers=len(layers),
+        layer_types=[config.layer_types[i] for i in layers],
+        mlp_layer_types=[config.mlp_layer_types[i] for i in layers],
+        indexer_types=[config.indexer_types[i] for i in layers],
+    )
+
+
+def _snapshot_total(tracker: MemTracker, device: torch.device) -> int:
+    return tracker.get_tracker_snapshot().get(device, {}).get("Total", 0)
+
+
+def _categories(snapshot: dict[Any, int]) -> dict[str, int]:
+    return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items() if str(getattr(k, "value", k)) in CATEGORIES}
+
+
+@contextmanager
+def fake_process_group(cp: int, rank: int) -> Iterator[None]:
+    """The default process group on torch's fake backend (collectives return at once, without peers)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_step(
+    run: TrainConfig,
+    model_config: ModelConfig,
+    tokens_per_rank: int,
+    layers: list[int] | None = None,
+    fake: bool = True,
+) -> StepTrace:
+    """Run one training step of one rank (`run`'s switches, bf16 autocast, window = cp x tokens_per_rank) over
+    `layers` of the model (None: all) and measure it. With `fake`, cp > 1 sets up a fake process group of
+    run.cp ranks and traces its last rank; without, cp > 1 must run inside a real group of run.cp ranks."""
+    from genomelm.train.loop import make_optimizer, run_options, window_loss
+
+    layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
+    config = sub_config(model_config, layers)
+    device = torch.device("cpu")
+    with ExitStack() as stack:
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            if run.cp > 1 and not dist.is_initialized():
+                stack.enter_context(fake_process_group(run.cp, run.cp - 1))
+            stack.enter_context(FakeTensorMode())
+            stack.enter_context(_ExpertCountShape())
+        options = dataclasses.replace(run_options(run), kda_backend="torch")
+        model = GlmForCausalLM.from_config(config, options=options, device=device)
+        set_chunk_recompute(model, run.recompute_chunks)
+        context = ContextRun.from_environment(run.cp_layout)
+        if context is not None:
+            apply_context_parallel(model, context.group, context.kind)
+        model.train()
+        runner = LayerRunner(recompute=run.recompute, offload=run.offload, keep_selection=run.keep_selection,
+                             recompute_chunks=run.recompute_chunks)
+        if runner.copier is not None and fake:
+            runner.copier = _MetaHostCopier()
+        optimizer = make_optimizer(model, run, device)
+        window = tokens_per_rank * (context.cp if context is not None else 1)
+        rows = [torch.zeros(1, window, dtype=torch.long), torch.zeros(1, window, dtype=torch.long),
+                torch.ones(1, window)]
+        if not fake:
+            rows[0] = torch.randint(0, min(config.vocab_size, 5), (1, window))
+            rows[1] = torch.roll(rows[0], -1, dims=1)
+        return _measure(model, optimizer, rows, runner, context, run, layers, tokens_per_rank, window_loss, device)
+
+
+def _measure(model: GlmForCausalLM, optimizer: torch.optim.Optimizer, rows: list[torch.Tensor], runner: LayerRunner,
+             context: ContextRun | None, run: TrainConfig, layers: list[int], tokens_per_rank: int, window_loss: Any,
+             device: torch.device) -> StepTrace:
+    names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
+    tracker = _Tracker()
+    tracker.track_external(model, optimizer)
+    marks: list[int] = []  # live device bytes as each layer starts, and as the final norm starts
+    in_forward = [True]
+
+    def mark() -> None:
+        if in_forward[0]:
+            marks.append(_snapshot_total(tracker, device))
+
+    def counting_runner(layer: nn.Module, hidden: torch.Tensor, selection: Any) -> Any:
+        mark()
+        return runner(layer, hidden, selection)
+
+    handle = model.norm.register_forward_pre_hook(lambda _module, _args: mark())
+
+    def where() -> str:
+        for parent in tracker._mod_tracker.parents:
+            for layer, name in names.items():
+                if parent == f"GlmForCausalLM.layers.{layer.layer_idx}":
+                    return name
+        return "rest"
+
+    flop_counter = FlopCounterMode(display=False, depth=3,
+                                   custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})  # a pass of its own: it defeats recompute's frees
+    with flop_counter, torch.autocast(device.type, dtype=torch.bfloat16):
+        loss, _ = window_loss(model, rows, runner, context)
+        loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    comm = _CommCounter(where)
+    with tracker, comm, torch.autocast(device.type, dtype=torch.bfloat16):
+        loss, _ = window_loss(model, rows, counting_runner, context)
+        in_forward[0] = False
+        loss.backward()
+    step_peak = _categories(tracker.get_tracker_snapshot("peak").get(device, {}))
+    handle.remove()
+    kept = {layers[i]: marks[i + 1] - marks[i] for i in range(len(layers))}
+    host = tracker.get_tracker_snapshot("peak").get(torch.device("meta"), {}).get("Total", 0)
+    if runner.copier is not None and not isinstance(runner.copier, _MetaHostCopier):
+        host = runner.copier.bytes_offloaded
+    transients = _transients(tracker, device, names)
+    opt_tracker = _Tracker()
+    opt_tracker.track_external(model, optimizer)
+    with opt_tracker, comm:
+        if context is not None:
+            context.sum_gradients(model)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
+        optimizer.step()
+    optimizer_peak = _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {}))
+    return StepTrace(
+        tokens_per_rank=tokens_per_rank,
+        cp=context.cp if context is not None else 1,
+        layers=layers,
+        param_numel=_numel_by_part(model, names),
+        step_peak=step_peak,
+        optimizer_peak=optimizer_peak,
+        kept=kept,
+        transients=transients,
+        flops=_flops_by_part(flop_counter, names),
+        comm=comm.bytes,
+        host_bytes=host,
+    )
+
+
+def _numel_by_part(model: GlmForCausalLM, names: dict[nn.Module, str]) -> dict[str, int]:
+    out = {name: sum(p.numel() for p in layer.parameters()) for layer, name in names.items()}
+    out["rest"] = sum(p.numel() for p in model.parameters()) - sum(out.values())
+    return out
+
+
+def _flops_by_part(counter: FlopCounterMode, names: dict[nn.Module, str]) -> dict[str, int]:
+    counts = counter.get_flop_counts()
+    total = sum(counts.get("Global", {}).values())
+    out = {}
+    for layer, name in names.items():
+        out[name] = sum(counts.get(f"GlmForCausalLM.layers.{layer.layer_idx}", {}).values())
+    out["rest"] = total - sum(out.values())
+    return out
+
+
+def _transients(tracker: MemTracker, device: torch.device, names: dict[nn.Module, str]) -> dict[str, int]:
+    """Each traced layer's attention and feed-forward module, and the head: peak minus start, forward or
+    backward, whichever is larger."""
+    out = {}
+    by_index = {layer.layer_idx: name for layer, name in names.items()}
+    for stats in tracker.memory_tracking.values():
+        fqn = stats.mod_fqn.removeprefix("GlmForCausalLM.")
+        parts = fqn.split(".")
+        if len(parts) == 3 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
+            fqn = f"{by_index[int(parts[1])]}.{parts[2]}"
+        elif fqn != "lm_head":
+            continue
+        best = 0
+        for start, peak in (("Pre-Forward", "Peak-Forward"), ("Pre-Backward", "Peak-Backward")):
+            starts = [s.get(device, {}).get("Total", 0) for s in _states(stats, start)]
+            peaks = [s.get(device, {}).get("Total", 0) for s in _states(stats, peak)]
+            for a, b in zip(starts, peaks):
+                best = max(best, b - a)
+        out[fqn] = best
+    return out
+
+
+def _states(stats: Any, name: str) -> list[dict]:
+    for state, snaps in stats.snapshots.items():
+        if str(getattr(state, "value", state)) == name:
+            return snaps
+    return []
