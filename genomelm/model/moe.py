@@ -97,18 +97,24 @@ class Experts(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         token_of_pair = order // k
         counts = torch.bincount(flat_ids, minlength=self.num_experts)
-        dtype = compute_dtype(x)
-        x_sorted = x[token_of_pair].to(dtype)
-        if grouped_mm_supported(x.device, dtype):
-            offsets = counts.cumsum(0).to(torch.int32)
-            gate, up = _grouped_linear(x_sorted, self.gate_up_proj.to(dtype), offsets).chunk(2, dim=-1)
-            hidden = clamped_swiglu(gate, up, self.swiglu_limit)
-            y_sorted = _grouped_linear(hidden, self.down_proj.to(dtype), offsets)
-        else:
-            y_sorted = self._sliced(x_sorted, counts)
+        x_sorted = x[token_of_pair].to(compute_dtype(x))
+        y_sorted = self.expert_rows(x_sorted, counts)
         y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(y_sorted.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of_pair, y_sorted.to(x.dtype))
         return out, counts
+
+    def expert_rows(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
+        """The expert MLP of rows sorted by expert: x_sorted [N, D] in the compute dtype, expert e of this
+        module's weights owning the next counts[e] rows (counts [E] long, summing to N, N >= 1) -> [N, D] in the
+        same dtype. One grouped GEMM per projection where supported, else `_sliced`. (Also the per-rank step of
+        expert parallelism, where the module holds a slice of the experts.)"""
+        dtype = x_sorted.dtype
+        if grouped_mm_supported(x_sorted.device, dtype):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = _grouped_linear(x_sorted, self.gate_up_proj.to(dtype), offsets).chunk(2, dim=-1)
+            hidden = clamped_swiglu(gate, up, self.swiglu_limit)
+            return _grouped_linear(hidden, self.down_proj.to(dtype), offsets)
+        return self._sliced(x_sorted, counts)
 
     def _sliced(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
         """Fallback of the grouped GEMM: each expert on its contiguous slice. The weights are split with one

@@ -1,0 +1,252 @@
+"""Expert parallelism (EP) for the routed experts, applied to a built model from outside.
+
+`apply_expert_parallel(model, group)` keeps on each rank r of `group` (size ep) only experts
+[r*E/ep, (r+1)*E/ep) of every `Experts` module: `gate_up_proj` [E/ep, 2I, D] and `down_proj` [E/ep, D, I], under
+the same parameter names, sliced from the full weights every rank built. It sets an instance attribute `forward`
+(as `genomelm.parallel.context` does for attention) that keeps `Experts.forward`'s contract -- x [T, D] of this
+rank's tokens, global expert ids and fp32 weights [T, k] from the router -> (out [T, D], counts [E] long of this
+rank's (token, expert) pairs) -- and moves the rows to the experts' owners:
+
+1. this rank's pairs are sorted by global expert (so also by owning rank), counts [E] per expert;
+2. one all-gather of the counts: every rank knows the whole [ep, E] count matrix, hence every send and receive
+   size and the capacity decision, which is therefore the same on every rank (all raise together, none hangs);
+3. an uneven all-to-all of the rows (in the compute dtype: bf16 under autocast) to the owners; the rows arrive
+   grouped by source rank, then expert, and are reordered expert-major for one grouped GEMM over the local
+   experts (`Experts.expert_rows`, the local path's own GEMM), then put back in arrival order;
+4. the reverse all-to-all, the routing weights, and an index_add into out, as the local path does.
+The module's `backend` is not consulted: EP always runs the grouped path ("loop" is a single-process reference).
+All ranks of the group must call the MoE the same number of times with the same number of chunks (the same local
+token count, as under CP or data parallelism with equal windows), since every chunk is one round of exchanges.
+
+Autograd: each all-to-all is a Function whose backward is the reverse all-to-all of the gradients. Every rank
+enters every collective, with zero rows to send or receive too, and a rank that receives no rows still joins the
+received rows (and its expert weights, whose gradient is then zero) to its output, so its backward reaches both
+reverse all-to-alls. Under activation recompute the EP forward, collectives included, runs again in the backward
+pass, identically on every rank.
+
+Gradients: the owner's expert gradient already sums the contributions of every rank's tokens (their gradients come
+back through the reverse dispatch), so expert parameters must NOT be summed over the EP group with the replicated
+parameters (`expert_parallel_parameters` names them); they are reduced only over ranks holding the same experts.
+A module with the override holds the process group, so it cannot be deep-copied; its state dict holds only the
+local slice.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from genomelm.model.moe import Experts
+from genomelm.model.precision import compute_dtype
+
+from .exchange import all_gather_slots
+
+PATH_NOTE = " + expert parallel"  # appended to the parent MoE module's `path`
+
+
+class ExpertCapacityError(RuntimeError):
+    """A rank would receive more rows in one exchange than `capacity_factor` x the mean; raised on every rank."""
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """An expert-parallel group, this rank's place in it, and what one `Experts` module keeps here."""
+
+    group: dist.ProcessGroup
+    ep: int
+    rank: int
+    num_experts: int  # E, over the whole group
+    capacity_factor: float
+    name: str  # the module's name in the model, for messages
+
+    @property
+    def per_rank(self) -> int:
+        return self.num_experts // self.ep
+
+    @property
+    def local_experts(self) -> range:
+        return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Forward: rows [N, D] split by `send` (rows to each rank, in rank order) -> the rows every rank sent here
+    [sum(recv), D], in source-rank order. Backward: the same exchange reversed on the gradients."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
+    ) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(rows, send, recv, group)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
+    out = rows.new_empty(sum(recv), *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
+    """Uneven all-to-all of rows with autograd: rows [sum(send), ...] -> [sum(recv), ...], same dtype. send[r]:
+    rows this rank sends to rank r (consecutive, in rank order); recv[r]: rows it receives from rank r. Every
+    rank of `group` must call it, with matching sizes."""
+    return _AllToAllRows.apply(rows, send, recv, group)
+
+
+def _check_capacity(settings: ExpertParallel, received: Tensor, total: int) -> None:
+    """received [ep] long: rows each rank would receive; total: all pairs of the exchange. Raises the same
+    `ExpertCapacityError` on every rank (all of them hold the same count matrix)."""
+    if settings.capacity_factor <= 0 or total == 0:
+        return
+    mean = total / settings.ep
+    busiest = int(received.argmax())
+    rows = int(received[busiest])
+    if rows > settings.capacity_factor * mean:
+        raise ExpertCapacityError(
+            f"expert parallel capacity exceeded in {settings.name}: rank {busiest} of {settings.ep} would receive "
+            f"{rows} rows in one exchange, {rows / mean:.2f}x the mean of {mean:.1f} rows per rank (limit "
+            f"{settings.capacity_factor}x). Lower moe_chunk_tokens, raise ep_capacity_factor, or check the "
+            f"routing balance (expert_bias_speed)."
+        )
+
+
+def expert_parallel_forward(
+    module: Experts, settings: ExpertParallel, x: Tensor, expert_ids: Tensor, weights: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`Experts.forward` with the experts spread over the group: x [T, D] (this rank's tokens), expert_ids and
+    weights [T, k] (global ids; fp32 routing) -> (out [T, D] in x's dtype, counts [E] long of this rank's pairs).
+
+    Three collectives per call on every rank: one all-gather of the counts, two uneven all-to-alls of rows (one
+    each way); the backward runs the two all-to-alls reversed. Adds the rows computed here to
+    `module.received_tokens` (not during a recompute in the backward pass).
+    """
+    ep, per_rank = settings.ep, settings.per_rank
+    k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_pair = order // k
+    counts = torch.bincount(flat_ids, minlength=settings.num_experts)
+    # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
+    matrix = all_gather_slots(counts.unsqueeze(0), settings.group).view(ep, ep, per_rank)
+    rows_between = matrix.sum(-1)  # [src, dst]
+    _check_capacity(settings, rows_between.sum(0), int(rows_between.sum()))
+    send = rows_between[settings.rank].tolist()
+    recv = rows_between[:, settings.rank].tolist()
+
+    x_sorted = x[token_of_pair].to(compute_dtype(x))  # by global expert = by owner, then expert
+    received = all_to_all_rows(x_sorted, send, recv, settings.group)  # by source rank, then local expert
+    here = matrix[:, settings.rank]  # [src, local expert]
+    local_ids = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(here.flatten())
+    by_expert = torch.argsort(local_ids, stable=True)
+    if received.shape[0]:
+        y = module.expert_rows(received[by_expert], here.sum(0))
+        y_received = y[torch.argsort(by_expert)]  # back to arrival order
+    else:
+        # Nothing to compute, but the received rows and the expert weights stay in the graph: the backward must
+        # reach the reverse dispatch (the other ranks wait in it) and give the weights a zero gradient.
+        weight_sum = module.gate_up_proj.sum() + module.down_proj.sum()
+        y_received = received + 0 * weight_sum.to(received.dtype)
+    y_sorted = all_to_all_rows(
+        y_received, recv, send, settings.group
+    )  # this rank's pairs, sorted as x_sorted
+
+    if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass, so not a recompute
+        module.received_tokens += int(received.shape[0])
+    y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(y_sorted.dtype)
+    out = torch.zeros_like(x).index_add_(0, token_of_pair, y_sorted.to(x.dtype))
+    return out, counts
+
+
+def apply_expert_parallel(
+    model: nn.Module, group: dist.ProcessGroup, capacity_factor: float = 8.0
+) -> list[str]:
+    """Each rank of `group` (size ep) keeps experts [r*E/ep, (r+1)*E/ep) of every `Experts` module in `model`
+    and runs them for the whole group (see the module docstring).
+
+    Every rank must have built the same full model first (the slices come from the weights in the module).
+    `capacity_factor`: the most rows one rank may receive in one exchange, as a multiple of the mean over the
+    ranks (`ExpertCapacityError` beyond it; <= 0: no limit). Applying again with the same group size only
+    updates the settings. Returns the names of the modules changed.
+    """
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+    for name, module in modules:  # all checked before any is changed
+        num_experts = module.num_experts
+        if num_experts % ep:
+            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise ValueError(
+                f"{name or 'the model'} has E={num_experts} routed experts, which do not split over ep={ep} "
+                f"ranks; ep must divide {num_experts}: one of {divisors}"
+            )
+    changed = []
+    for name, module in modules:
+        num_experts = module.num_experts
+        settings = ExpertParallel(
+            group, ep, rank, num_experts, capacity_factor, name or type(module).__name__
+        )
+        previous = module.__dict__.get("expert_parallel")
+        if previous is None:
+            stop, start = settings.local_experts.stop, settings.local_experts.start
+            with torch.no_grad():  # new leaves: the full weights' storage is freed once the old ones go
+                module.gate_up_proj = nn.Parameter(module.gate_up_proj[start:stop].clone())
+                module.down_proj = nn.Parameter(module.down_proj[start:stop].clone())
+            module.received_tokens = 0
+        elif (previous.ep, previous.rank) != (ep, rank):
+            raise ValueError(
+                f"{name} already runs expert parallel as rank {previous.rank} of {previous.ep}; it holds only "
+                f"those experts, so it cannot be re-split as rank {rank} of {ep}"
+            )
+        module.expert_parallel = settings
+        module.local_experts = settings.local_experts
+        module.ep_size = ep
+        module.forward = functools.partial(expert_parallel_forward, module, settings)
+        _note_path(model, name, ep)
+        changed.append(name)
+    return changed
+
+
+def _note_path(model: nn.Module, name: str, ep: int) -> None:
+    """Append the EP note to the parent MoE module's `path` (the model's description of each block)."""
+    if not name:
+        return
+    parent = model.get_submodule(name.rpartition(".")[0])
+    path = getattr(parent, "path", None)
+    if isinstance(path, str) and PATH_NOTE not in path:
+        parent.path = f"{path}{PATH_NOTE} (ep {ep})"
+
+
+def received_tokens(model: nn.Module, reset: bool = True) -> dict[str, int]:
+    """Rows (token, expert pairs) each expert-parallel `Experts` module computed on this rank since the last
+    reset, over all its forward calls (every chunk, every micro-batch), not counting recomputes in the backward
+    pass; module name -> count. With `reset`, the counters restart at 0. The busiest rank is the max over the
+    group of each module's count."""
+    counts = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Experts) and "expert_parallel" in module.__dict__:
+            counts[name] = module.received_tokens
+            if reset:
+                module.received_tokens = 0
+    return counts
+
+
+def expert_parallel_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters that hold only this rank's experts (name -> parameter): their gradients are complete on
+    the owner and must not be summed with the replicated parameters' over the EP group."""
+    params = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Experts) and "expert_parallel" in module.__dict__:
+            prefix = f"{name}." if name else ""
+            params[f"{prefix}gate_up_proj"] = module.gate_up_proj
+            params[f"{prefix}down_proj"] = module.down_proj
+    return params
