@@ -15,6 +15,7 @@ STAGES = {
     "eval": ("genomelm.eval.command", "held-out loss per position bucket, before and after training"),
     "probe": ("genomelm.eval.probe", "copy probe: how far back the model retrieves a copied segment"),
     "plan": ("genomelm.train.plan_command", "will a run fit the GPUs, and how fast: traced from the real code"),
+    "export": ("genomelm.parallel.export", "sharded training checkpoint -> Hugging Face folder, layer by layer"),
 }
 
 

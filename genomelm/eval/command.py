@@ -59,6 +59,9 @@ def resolve_models(config: TrainConfig, before: str | None, after: str | None) -
                 raise EvalError(f"no trained checkpoint in {config.run_dir}; run `make train` first "
                                 "(or pass --after PATH)")  # fmt: skip
             after = str(checkpoint / "model")
+            if not Path(after, "config.json").exists():
+                raise EvalError(f"{checkpoint} is a sharded checkpoint without its Hugging Face copy; run "
+                                f"`genomelm export {checkpoint} {after}` (or pass --after PATH)")  # fmt: skip
         if before is None:
             before = base_model_path(config)
     return before, after

@@ -80,7 +80,7 @@ def quiet_ray_loggers() -> None:
 
 
 def train_with_ray(config: TrainConfig) -> dict[str, Any]:
-    """`train(config)` on `config.cp` Ray Train workers; rank 0's summary (as `genomelm.train.loop.train`
+    """`train(config)` on dp * cp Ray Train workers; rank 0's summary (as `genomelm.train.loop.train`
     returns it). A rank's exception is raised here once the restarts allowed by `max_failures` are spent."""
     check_ray_run(config)
     import ray
@@ -96,8 +96,8 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
             _worker,
             train_loop_config={"config": config, "cwd": os.getcwd()},
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            scaling_config=ScalingConfig(num_workers=config.cp, use_gpu=use_gpu,
-                                         resources_per_worker=_resources_per_worker(config.cp, use_gpu)),
+            scaling_config=ScalingConfig(num_workers=config.dp * config.cp, use_gpu=use_gpu,
+                                         resources_per_worker=_resources_per_worker(config.dp * config.cp, use_gpu)),
             run_config=RunConfig(
                 name=config.run,
                 storage_path=str(Path(config.runs_dir).resolve()),

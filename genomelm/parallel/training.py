@@ -1,4 +1,6 @@
-"""What a context-parallel training step moves between ranks, beside the layers' own exchanges.
+"""What a parallel training step moves between ranks, beside the layers' own exchanges.
+
+Context parallel (`ContextRun`):
 
 Every rank of a context-parallel group reads the same window (the same data order), keeps its shard of the
 tokens, labels and loss weights (`ContextRun.shard`), and runs the model on them. The loss is the global
@@ -7,10 +9,18 @@ token-weighted mean: each rank divides its weighted sum by the weight summed ove
 group size. After the backward pass the parameter gradients (each rank's share) are summed over the group in
 one packed all-reduce (`ContextRun.sum_gradients`), so every rank applies the same update and the replicas stay
 equal; expert token counts are summed the same way before the expert-bias update.
+
+The whole mesh (`ParallelRun`: dp x cp ranks, ep borrowing them): every dp rank reads its own windows of each
+optimizer step (micro-batch g of the step goes to dp rank g % dp), each rank's loss is divided by the step's
+window count (grad_accum * dp), so the gradients summed over all ranks equal one process's with grad_accum * dp
+windows. With `fsdp` (FSDP2 `fully_shard`: every decoder layer and the root over all ranks, the routed experts of
+an expert-parallel run over the ranks holding the same experts) the sum is FSDP's reduce-scatter with a divide
+factor of 1; without it, one packed all-reduce per group (`reduce_gradients`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .layout import ZIGZAG, ContextLayout
+from .mesh import Mesh, ParallelDims
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,7 @@ class ContextRun:
     cp: int
     rank: int
     kind: str = ZIGZAG
+    process_group: dist.ProcessGroup | None = None  # None: the default group (every process)
 
     @classmethod
     def from_environment(cls, kind: str = ZIGZAG) -> ContextRun | None:
@@ -37,7 +49,7 @@ class ContextRun:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
+        return self.process_group if self.process_group is not None else dist.group.WORLD
 
     @property
     def is_output_rank(self) -> bool:
@@ -58,17 +70,7 @@ class ContextRun:
 
     def sum_gradients(self, model: nn.Module) -> None:
         """Sum every parameter's gradient over the group, in one packed all-reduce per dtype."""
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for param in model.parameters():
-            if param.grad is not None:
-                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+        sum_packed([p.grad for p in model.parameters() if p.grad is not None], self.group)
 
     def sum_counts(self, counts: dict[int, Tensor]) -> dict[int, Tensor]:
         """Per-layer expert token counts summed over the group (one packed all-reduce)."""
@@ -78,6 +80,180 @@ class ContextRun:
         flat = torch.cat([counts[layer].reshape(-1) for layer in layers]).to(torch.float64)
         dist.all_reduce(flat, group=self.group)
         return dict(zip(layers, flat.split([counts[layer].numel() for layer in layers]), strict=True))
+
+
+def sum_packed(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
+    """Sum tensors over `group` in place, one packed all-reduce per dtype."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def expert_parallel_params(model: nn.Module) -> set[nn.Parameter]:
+    """The routed-expert parameters that `apply_expert_parallel` made rank-local (each rank its own experts)."""
+    from genomelm.model.moe import Experts
+
+    return {p for m in model.modules() if isinstance(m, Experts) and hasattr(m, "local_experts")
+            for p in m.parameters(recurse=False)}  # fmt: skip
+
+
+@dataclass
+class ParallelRun:
+    """This rank's place in a dp x cp (x ep) run and what a training step moves across the mesh.
+
+    `context` is the context-parallel part (None at cp=1); `fsdp` says whether `prepare` sharded the model.
+    """
+
+    mesh: Mesh
+    context: ContextRun | None
+    fsdp: bool
+
+    @classmethod
+    def from_environment(cls, dims: ParallelDims, kind: str, fsdp: bool, device_type: str) -> ParallelRun | None:
+        """The mesh of the processes a launcher started (None in a single process)."""
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        mesh = Mesh.build(dims, device_type)
+        context = None
+        if dims.cp > 1:
+            context = ContextRun(dims.cp, mesh.coordinates["cp"], kind, mesh.cp_group)
+        return cls(mesh, context, fsdp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.mesh.dims
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.mesh.rank == 0
+
+    def prepare(self, model: nn.Module, param_dtype: torch.dtype | None, capacity_factor: float,
+                optimizer_offload: bool = False) -> None:  # fmt: skip
+        """Split `model` over the mesh in place: context parallel over the cp group, expert parallel over the ep
+        group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs), with
+        fp32 gradient reduction; None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU offload
+        (sharded fp32 parameters, gradients and AdamW state in pinned host memory; the step runs on the CPU)."""
+        from .context import apply_context_parallel
+        from .expert import apply_expert_parallel
+
+        if self.context is not None:
+            apply_context_parallel(model, self.context.group, self.context.kind)
+        if self.dims.ep > 1:
+            apply_expert_parallel(model, self.mesh.ep_group, capacity_factor)
+        if optimizer_offload and not self.fsdp:
+            raise ValueError("optimizer_offload=true needs fsdp=true (FSDP2 keeps the host copy)")
+        if self.fsdp:
+            shard_model(model, self.mesh, param_dtype, optimizer_offload)
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Without FSDP: sum the gradients over every rank holding the same parameter (one packed all-reduce
+        per group). With FSDP the backward's reduce-scatter already did."""
+        if self.fsdp:
+            return
+        experts = expert_parallel_params(model)
+        shared = [p.grad for p in model.parameters() if p.grad is not None and p not in experts]
+        sum_packed(shared, dist.group.WORLD)
+        local = [p.grad for p in experts if p.grad is not None]
+        if self.dims.edp > 1:
+            sum_packed(local, self.mesh.edp_mesh.get_group())
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
+        """Clip the gradients to a global L2 norm of `max_norm`; returns the norm before clipping.
+
+        Written here because torch's `clip_grad_norm_` cannot mix DTensors of two meshes (the experts live on
+        their own): each rank sums the squares of what it alone holds of each gradient, summed over ranks.
+        """
+        experts = expert_parallel_params(model)
+        squares = torch.zeros(2, dtype=torch.float64)
+        grads = []
+        for param in model.parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            grads.append(local)
+            squares[1 if param in experts else 0] += float(local.double().pow(2).sum())
+        if self.fsdp:  # every element lives on exactly one rank
+            dist.all_reduce(squares)
+            total = float(squares.sum().sqrt())
+        else:  # shared gradients are equal on every rank; an expert's on its EP group's ranks alike
+            expert_sq = squares[1:].clone()
+            dist.all_reduce(expert_sq, group=self.mesh.ep_group)
+            total = float((squares[0] + expert_sq[0]).sqrt())
+        scale = max_norm / (total + 1e-6)
+        if scale < 1.0:
+            for local in grads:
+                local.mul_(scale)
+        return total
+
+    def mean_over_data(self, value: float) -> float:
+        """The mean of a per-rank number over the dp groups (equal within a cp group)."""
+        if self.dims.dp == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.mesh.dp_group)
+        return float(total) / self.dims.dp
+
+    def gather_over_data(self, items: list) -> list:
+        """Each dp rank's list, concatenated in dp-rank order (for the metrics' window lists)."""
+        if self.dims.dp == 1:
+            return items
+        parts: list = [None] * self.dims.dp
+        dist.all_gather_object(parts, items, group=self.mesh.dp_group)
+        return [item for part in parts for item in part]
+
+    def sum_counts(self, counts: dict[int, Tensor]) -> dict[int, Tensor]:
+        """Per-layer expert token counts (each rank's own tokens) summed over every rank."""
+        if not counts:
+            return counts
+        layers = sorted(counts)
+        flat = torch.cat([counts[layer].reshape(-1) for layer in layers]).to(torch.float64)
+        dist.all_reduce(flat)
+        return dict(zip(layers, flat.split([counts[layer].numel() for layer in layers]), strict=True))
+
+
+def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None, offload: bool = False) -> None:
+    """FSDP2: the routed experts of an expert-parallel run over their EDP group first, then every decoder layer
+    and the root over all ranks; gradients are summed (divide factor 1: the loss is already normalised by the
+    step's global token weight and window count)."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    from genomelm.model.moe import Experts
+
+    if offload and mesh.world_mesh.device_type != "cuda":
+        raise ValueError("optimizer_offload=true runs on GPUs only (FSDP2's CPU offload moves state off a GPU)")
+    # the loss the root returns is a view; nothing modifies it in place (`window_loss` multiplies out of place)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    settings = {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    for layer in model.layers:
+        for module in layer.modules():
+            if isinstance(module, Experts) and hasattr(module, "local_experts"):
+                fully_shard(module, mesh=mesh.edp_mesh, **settings)
+        fully_shard(layer, mesh=mesh.world_mesh, **settings)
+    fully_shard(model, mesh=mesh.world_mesh, **settings)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if mesh.world_mesh.device_type != "cuda":  # gloo has no pre-multiplied sum; a factor of 1 needs none
+                module.set_force_sum_reduction_for_comms(True)
 
 
 class ContextParallelScorer(nn.Module):

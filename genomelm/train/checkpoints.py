@@ -4,6 +4,8 @@ leaves the last complete checkpoint readable.
 Layout of `runs/<run>/checkpoints/step-0000100/`:
 - `model/`: the model in Hugging Face layout (`genomelm.model.load_model` and transformers read it);
 - `trainer.pt`: optimizer, scheduler, RNG and data-order state, the step, the run config.
+A run of more than one process writes sharded checkpoints instead (`genomelm.parallel.sharded_checkpoint`:
+`state/` holds each rank's shard); both kinds count here once complete.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     found = [
         p for p in root.iterdir()
         if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / "trainer.pt").exists()
-        and (p / "model" / "config.json").exists()
+        and ((p / "model" / "config.json").exists() or (p / "state" / ".metadata").exists())
     ]
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
 

@@ -74,25 +74,27 @@ def launch_training(config: TrainConfig) -> dict:
         return train_with_ray(config)
     if config.launcher != "local":
         raise ValueError(f"launcher={config.launcher!r}: give local (processes on this machine) or ray")
-    if config.dp > 1 or config.ep > 1:
-        raise ValueError(f"dp={config.dp}, ep={config.ep}: data and expert parallelism are not built yet; "
-                         "train with dp=1 ep=1 and cp=N")  # fmt: skip
-    return train(config) if config.cp == 1 else train_context_parallel(config)
+    return train(config) if config.dp * config.cp == 1 else train_context_parallel(config)
 
 
 def check_context_parallel(config: TrainConfig) -> None:
-    """Refuse, before any process starts, a cp setting the run's windows (and warm-up crops) cannot split into."""
+    """Refuse, before any process starts, a dp x cp x ep layout that cannot run: ep not dividing dp*cp or the
+    expert count, or a cp the run's windows (and warm-up crops) cannot split into."""
     from genomelm.data.augment import crop_length
     from genomelm.model import ModelConfig, RunOptions
+    from genomelm.model.config import MOE
     from genomelm.parallel.layout import ContextLayout
+    from genomelm.parallel.mesh import ParallelDims
     from genomelm.train.checkpoints import is_preset
 
     if config.cp < 1:
         raise ValueError(f"cp={config.cp}: give the number of processes to split each window over (>= 1)")
-    kpool = 4
+    kpool, experts = 4, None
     if config.model and (is_preset(config.model) or Path(config.model, "config.json").exists()):
         model = ModelConfig.preset(config.model) if is_preset(config.model) else ModelConfig.from_file(config.model)
         kpool = model.index_kpool if model.dsa_layers else 1
+        experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
+    ParallelDims(config.dp, config.cp, config.ep).check(experts)
     steps = range(max(config.seq_warmup_steps, 0) + 1)
     lengths = sorted({crop_length(step, config.seq_warmup_steps, config.seq_len, config.seq_warmup_start)
                       for step in steps})  # fmt: skip
@@ -110,7 +112,7 @@ def _train_on_rank(config: TrainConfig, threads: int) -> dict:
 
 
 def train_context_parallel(config: TrainConfig) -> dict:
-    """`train(config)` on `config.cp` local processes (gloo on the CPU, NCCL with one GPU each); rank 0's
+    """`train(config)` on dp * cp local processes (gloo on the CPU, NCCL with one GPU each); rank 0's
     summary. A rank's error is raised here with its traceback; a hang is reported with every rank's stack."""
     import os
 
@@ -120,10 +122,12 @@ def train_context_parallel(config: TrainConfig) -> dict:
 
     check_context_parallel(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and torch.cuda.device_count() < config.cp:
-        raise ValueError(f"cp={config.cp} needs {config.cp} GPUs on this machine, found {torch.cuda.device_count()}")
-    threads = max(1, (os.cpu_count() or 1) // config.cp)
-    return launch(_train_on_rank, config.cp, config, threads, device=device)[0]
+    world = config.dp * config.cp
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"dp={config.dp} x cp={config.cp} needs {world} GPUs on this machine, found "
+                         f"{torch.cuda.device_count()}")  # fmt: skip
+    threads = max(1, (os.cpu_count() or 1) // world)
+    return launch(_train_on_rank, world, config, threads, device=device)[0]
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ class TrainConfig:
     # parallelism and launch
     cp: int = 1  # context parallel: ranks one window is split over
     cp_layout: str = "zigzag"  # "zigzag" (balanced indexer work) or "contiguous"
-    dp: int = 1  # data parallel replicas (planned; training with dp > 1 is not built yet)
-    ep: int = 1  # expert parallel ranks (planned; not built yet)
+    dp: int = 1  # data parallel: each of dp replicas reads its own windows (processes: dp * cp)
+    ep: int = 1  # expert parallel: the routed experts split over ep of the dp * cp ranks (ep divides dp * cp)
+    fsdp: bool = True  # with more than one process: FSDP2 shards parameters, gradients and optimizer state
+    optimizer_offload: bool = False  # AdamW state and fp32 master weights in host memory (FSDP2, GPUs only)
+    ep_capacity_factor: float = 8.0  # refuse an MoE exchange giving a rank more than this x the mean tokens
     launcher: str = "local"  # "local" (processes on this machine) or "ray" (Ray Train workers)
     ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://host:10001"); none: a local Ray
     max_failures: int = 0  # worker failures Ray restarts the group after (from the last checkpoint)

@@ -1,8 +1,9 @@
 """The training loop: one window per micro-batch, AdamW with warmup + cosine, gradient accumulation and
 clipping, the memory stack around every layer, atomic checkpoints, exact resume, NaN/inf guard.
 
-Parallelism (context/expert/data) wraps this loop from outside in a later stage; nothing here assumes
-a single process beyond reading the whole window on one device.
+Under a launcher (dp x cp processes, ep borrowing them) every rank runs this loop: `genomelm.parallel` splits
+the model over the mesh before the optimizer is made, each dp rank reads its own windows, and checkpoints are
+sharded (`genomelm.parallel.sharded_checkpoint`); rank 0 alone logs and prints.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import torch
 from tqdm import tqdm
 
 from genomelm.data.vocab import IGNORE_INDEX
-from genomelm.model import ModelConfig, RunOptions, load_model, save_model
-from genomelm.parallel.context import apply_context_parallel
-from genomelm.parallel.training import ContextRun
+from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions, load_model, save_model
+from genomelm.model.config import MOE
+from genomelm.parallel.mesh import ParallelDims
+from genomelm.parallel.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from genomelm.parallel.training import ContextRun, ParallelRun
 from genomelm.train import checkpoints
 from genomelm.train.balance import ExpertLoad, update_expert_bias
 from genomelm.train.config import TrainConfig
@@ -30,7 +33,7 @@ from genomelm.train.feed import TrainingData
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
-from genomelm.train.precision import autocast_for
+from genomelm.train.precision import autocast_for, resolve_precision
 
 
 def run_options(config: TrainConfig) -> RunOptions:
@@ -52,14 +55,16 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over fp32 master weights; no weight decay on vectors (norms, biases, gates, decays)."""
+def make_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device,
+                   sharded: bool = False) -> torch.optim.AdamW:  # fmt: skip
+    """AdamW over fp32 master weights; no weight decay on vectors (norms, biases, gates, decays). `sharded`: the
+    parameters are DTensors on two meshes (FSDP2 with expert parallel), which one foreach kernel cannot mix."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    fast = {"foreach": False} if sharded else {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fast)
 
 
@@ -107,15 +112,16 @@ class NonFiniteLoss(RuntimeError):
 def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train as configured; returns a summary (steps run, last loss, checkpoint path, skipped steps).
 
-    Inside a context-parallel group (the processes `genomelm train cp=N` launches) every rank runs this with the
-    same config: each keeps its shard of every window, and rank 0 alone writes metrics, checkpoints and the
-    progress bar.
+    Inside a launched group (dp x cp processes) every rank runs this with the same config: each dp rank reads
+    its own windows, each cp rank keeps its shard of them, and rank 0 alone writes metrics and the progress bar.
     """
-    context = ContextRun.from_environment(config.cp_layout)
-    output_rank = context is None or context.is_output_rank
-    progress = progress and output_rank
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if context is not None and device.type == "cuda":
+    dims = ParallelDims(config.dp, config.cp, config.ep)
+    parallel = ParallelRun.from_environment(dims, config.cp_layout, config.fsdp, device.type)
+    context = parallel.context if parallel is not None else None
+    output_rank = parallel is None or parallel.is_output_rank
+    progress = progress and output_rank
+    if parallel is not None and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # the launcher picked this rank's GPU
     torch.manual_seed(config.seed)
     np.random.seed(config.seed)
@@ -145,11 +151,20 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     check_vocabulary(data.vocab, config.data_dir, config.model, model_config)  # before loading any weights
     identity = run_identity(config, data.manifest)
     resume_state = None
+    sharded_resume = resume_from is not None and is_sharded(resume_from)
     if resume_from is not None:
         resume_state = torch.load(resume_from / "trainer.pt", weights_only=False)
         check_resume(resume_state.get("identity"), identity, resume_from)
-    model_source = str(resume_from / "model") if resume_from else config.model
-    model = load_model(model_source, options=run_options(config), device=device)
+        if parallel is not None and not sharded_resume:
+            raise RunMismatch(f"{resume_from} is a one-process checkpoint; resume it with one process (dp=1 cp=1 "
+                              "ep=1), or start this run afresh with resume=never")  # fmt: skip
+    dims.check(model_config.n_routed_experts if MOE in model_config.mlp_layer_types else None)
+    model_source = str(resume_from / "model") if resume_from and not sharded_resume else config.model
+    shard_read = parallel is not None and parallel.fsdp and not checkpoints.is_preset(model_source)
+    if shard_read:  # each rank builds an empty model and reads only its own shard of the weights
+        model = GlmForCausalLM.from_config(model_config, run_options(config), torch.float32, "meta")
+    else:
+        model = load_model(model_source, options=run_options(config), device=device)
     set_chunk_recompute(model, config.recompute_chunks)
     for layer in model.layers:  # KDA resolves its kernel on the device now, not at the first step
         if hasattr(layer.self_attn, "resolve_backend"):
@@ -157,22 +172,32 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                 layer.self_attn.resolve_backend(device)
             except RuntimeError as exc:
                 raise RunMismatch(str(exc)) from exc
-    if context is not None:
-        apply_context_parallel(model, context.group, context.kind)
     init_dir = run_dir / "init"
     if (output_rank and resume_from is None and checkpoints.is_preset(config.model)
             and not (init_dir / "config.json").exists()):  # fmt: skip
         save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
+    if parallel is not None:
+        param_dtype = torch.bfloat16 if resolve_precision(config.precision, device) == "bf16" else None
+        parallel.prepare(model, param_dtype, config.ep_capacity_factor, config.optimizer_offload)
+        if shard_read:
+            model.to_empty(device=device)
+            if not sharded_resume:
+                from genomelm.parallel.rank_loading import load_rank_shard
+
+                load_rank_shard(model, model_source)
     model.train()
     runner = LayerRunner(recompute=config.recompute, offload=config.offload, keep_selection=config.keep_selection,
                          recompute_chunks=config.recompute_chunks)
-    optimizer = make_optimizer(model, config, device)
+    optimizer = make_optimizer(model, config, device, sharded=parallel is not None and parallel.fsdp)
     start_step, bad_in_row = 0, 0
     if resume_state is not None:
         state = resume_state
-        optimizer.load_state_dict(state["optimizer"])
+        if sharded_resume:
+            load_sharded(resume_from, model, optimizer, parallel.mesh if parallel is not None else None)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+            checkpoints.set_rng_state(state["rng"])
         data.load(state["data_order"])
-        checkpoints.set_rng_state(state["rng"])
         start_step, bad_in_row = state["step"], state["bad_in_row"]
 
     if progress:
@@ -181,6 +206,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     log = MetricsLog(config, resumed_step=start_step) if output_rank else None
     autocast = autocast_for(config.precision, device)
     summary: dict[str, Any] = {"start_step": start_step, "losses": [], "skipped": 0, "checkpoint": resume_from}
+    data_rank = parallel.mesh.coordinates["dp"] if parallel is not None else 0
+    mine = range(config.grad_accum * dims.dp)  # the step's micro-batches; g goes to dp rank g % dp
     bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, disable=not progress,
                desc=f"train {config.run}", unit="step")
     for step in bar:
@@ -189,23 +216,31 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, plain_sum, windows, load = 0.0, 0.0, [], ExpertLoad()
-        for micro in range(config.grad_accum):
+        loss_sum, plain_sum, windows, seen, load = 0.0, 0.0, [], [], ExpertLoad()
+        for micro in mine:
             window = data.next(step, micro)
+            if micro % dims.dp != data_rank:
+                continue  # another dp rank's window (read to keep the one data order of every rank)
             windows.append(window)
+            seen.append({"index": window.index, "source": window.source, "reverse": window.reverse,
+                         "tokens": len(window.input_ids)})
             rows = [t[None].to(device) for t in (window.input_ids, window.labels, window.weights)]
             with autocast:
                 loss, totals = window_loss(model, rows, runner, context)
             load.add(model.router_stats())  # read before the backward's recompute routes the tokens again
-            (loss / config.grad_accum).backward()
+            (loss / len(mine)).backward()
             local = loss.detach()
             loss_sum += float(context.global_sum(local) if context is not None else local)
             plain_sum += float(totals[2] / totals[1].clamp_min(1))
-        if context is not None:
-            context.sum_gradients(model)
-            load.counts = context.sum_counts(load.counts)
-        loss_value = loss_sum / config.grad_accum
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
+        loss_value, plain_value = loss_sum / config.grad_accum, plain_sum / config.grad_accum
+        if parallel is not None:
+            parallel.reduce_gradients(model)
+            load.counts = parallel.sum_counts(load.counts)
+            loss_value, plain_value = parallel.mean_over_data(loss_value), parallel.mean_over_data(plain_value)
+            seen = parallel.gather_over_data(seen)
+            grad_norm = parallel.clip_grad_norm_(model, config.grad_clip)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         if finite:
             optimizer.step()
@@ -215,19 +250,19 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
             bad_in_row += 1
             summary["skipped"] += 1
-        inject_fault(config, step + 1, context.rank if context is not None else 0)
+        inject_fault(config, step + 1, parallel.rank if parallel is not None else 0)
         elapsed = time.perf_counter() - started
         rss, peak_rss = host_memory_gb()
         record = {
             "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": sum(len(w.input_ids) for w in windows) / elapsed, "step_s": elapsed, "skipped": not finite,
+            "tokens_per_s": sum(w["tokens"] for w in seen) / elapsed, "step_s": elapsed, "skipped": not finite,
             "peak_device_mem_gb": device_peak_gb(), "host_rss_gb": rss, "host_peak_rss_gb": peak_rss,
-            "windows": [w.index for w in windows], "sources": [w.source for w in windows],
-            "reverse": [w.reverse for w in windows], "tokens": [len(w.input_ids) for w in windows],
+            "windows": [w["index"] for w in seen], "sources": [w["source"] for w in seen],
+            "reverse": [w["reverse"] for w in seen], "tokens": [w["tokens"] for w in seen],
             "loss_weighted": config.softmask_weight != 1.0,
         }
         if config.softmask_weight != 1.0:
-            record["loss_unweighted"] = plain_sum / config.grad_accum
+            record["loss_unweighted"] = plain_value
         if model.last_indexer_loss:
             record["indexer_kl"] = float(sum(model.last_indexer_loss.values()))
         unused = load.unused()
@@ -248,14 +283,24 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                 raise NonFiniteLoss(f"{bad_in_row} non-finite steps in a row at step {step + 1}; "
                                     f"lower lr or check the data (metrics: {log.path})")
         done = step + 1 == config.steps
-        if output_rank and ((step + 1) % config.save_every == 0 or done):
+        if (step + 1) % config.save_every == 0 or done:
             state = {
-                "step": step + 1, "bad_in_row": bad_in_row, "optimizer": optimizer.state_dict(),
-                "schedule": {"step": step + 1, "lr": lr}, "data_order": data.state(), "rng": checkpoints.rng_state(),
-                "config": config.to_dict(), "identity": identity,
+                "step": step + 1, "bad_in_row": bad_in_row, "schedule": {"step": step + 1, "lr": lr},
+                "data_order": data.state(), "config": config.to_dict(), "identity": identity,
             }
-            summary["checkpoint"] = checkpoints.save_checkpoint(run_dir, step + 1, model, state,
-                                                                config.keep_checkpoints)
+            if parallel is not None:
+                path = save_sharded(run_dir, step + 1, model, optimizer, state, parallel.mesh, config.keep_checkpoints)
+                if done:
+                    if output_rank:  # the Hugging Face copy `genomelm eval` reads, one layer at a time
+                        from genomelm.parallel.export import export_checkpoint
+
+                        export_checkpoint(path, path / "model", dtype=torch.float32)
+                    torch.distributed.barrier()
+                summary["checkpoint"] = path
+            elif output_rank:
+                state |= {"optimizer": optimizer.state_dict(), "rng": checkpoints.rng_state()}
+                summary["checkpoint"] = checkpoints.save_checkpoint(run_dir, step + 1, model, state,
+                                                                    config.keep_checkpoints)
     bar.close()
     if log is not None:
         log.close()

@@ -1,0 +1,82 @@
+"""The dp x cp (x ep) mesh: layouts refused before launch, data parallel and FSDP2 equal to one process, sharded
+checkpoints resumed at other world sizes (gloo, 2 and 4 local processes, tiny model, real fly DNA)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from genomelm.parallel.mesh import ParallelDims
+from genomelm.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_layouts_refused_with_the_reason() -> None:
+    from genomelm.train.command import check_context_parallel
+
+    assert ParallelDims(2, 4, 8).coordinates(5) == {"dp": 1, "cp": 1, "ep": 5, "edp": 0}
+    assert ParallelDims(2, 4, 4).coordinates(5) == {"dp": 1, "cp": 1, "ep": 1, "edp": 1}
+    with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4.*\[1, 2, 4\]"):
+        ParallelDims(2, 2, 3).check()
+    with pytest.raises(ValueError, match="ep=4 does not divide the model's 6 routed experts.*one of \\[1, 2\\]"):
+        ParallelDims(4, 1, 4).check(num_experts=6)
+    with pytest.raises(ValueError, match="dp=0"):
+        ParallelDims(0, 1, 1).check()
+    with pytest.raises(ValueError, match="does not divide the model's 8 routed experts"):  # the tiny preset
+        check_context_parallel(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=3", "cp=2", "ep=6"]))
+
+
+@pytest.fixture(scope="module")
+def fly_data(tmp_path_factory) -> Path:
+    from genomelm.data.command import main as data_main
+
+    data = tmp_path_factory.mktemp("mesh") / "fly"
+    assert data_main(["--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "fly", "--train",
+                      "NC_004353.4:1-8192", "--heldout", "NC_004353.4:200001-201024", "--seq", "512",
+                      "--out", str(data), "--no-progress"]) == 0  # fmt: skip
+    return data
+
+
+def train_losses(data: Path, runs: Path, name: str, *settings: str) -> list[float]:
+    """`genomelm train` on the tiny preset (3 steps unless set); the losses of metrics.jsonl in step order."""
+    from genomelm.train.command import main as train_main
+
+    args = [f"data={data}", "seq=512", "model=tiny", f"run={name}", f"runs_dir={runs}", "steps=3",
+            "warmup_steps=1", "lr=3e-3", "wandb=disabled", "rc_aug=0.5", *settings]  # fmt: skip
+    assert train_main(args) == 0
+    rows = [json.loads(row) for row in (runs / name / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in sorted({row["step"]: row for row in rows}.values(), key=lambda r: r["step"])]
+
+
+@pytest.mark.slow
+def test_data_parallel_and_fsdp_equal_one_process(fly_data, tmp_path) -> None:
+    """dp=2 (FSDP2, and plain all-reduce) and dp=2 x cp=2 on 4 ranks read the windows one process reads with
+    grad_accum=2, and give its losses."""
+    one = train_losses(fly_data, tmp_path, "one", "grad_accum=2")
+    assert train_losses(fly_data, tmp_path, "dp2", "dp=2") == pytest.approx(one, rel=1e-5)
+    assert train_losses(fly_data, tmp_path, "dp2-plain", "dp=2", "fsdp=false") == pytest.approx(one, rel=1e-5)
+    assert train_losses(fly_data, tmp_path, "dp2cp2", "dp=2", "cp=2") == pytest.approx(one, rel=1e-5)
+    windows = [json.loads(r)["windows"] for r in (tmp_path / "dp2cp2" / "metrics.jsonl").read_text().splitlines()]
+    assert windows == [json.loads(r)["windows"] for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> None:
+    """Saved by 2 ranks (dp=2, FSDP2), killed at step 3; resumed by 4 ranks (dp=2 x cp=2) and by one process
+    (grad_accum=2): steps 3 and 4 equal the uninterrupted run's."""
+    full = train_losses(fly_data, tmp_path, "full", "dp=2", "steps=4", "save_every=2")
+    from genomelm.parallel.launch import LaunchError
+
+    for name, resumed in (("at4", ["dp=2", "cp=2"]), ("at1", ["grad_accum=2"])):
+        with pytest.raises((LaunchError, RuntimeError)):
+            train_losses(fly_data, tmp_path, name, "dp=2", "steps=4", "save_every=2", "fault_at_step=3",
+                         "fault_rank=1")  # fmt: skip
+        step_dir = tmp_path / name / "checkpoints" / "step-0000002"
+        assert (step_dir / "state" / ".metadata").exists() and not (step_dir / "model").exists()
+        losses = train_losses(fly_data, tmp_path, name, *resumed, "steps=4", "save_every=2")
+        assert losses[:2] == pytest.approx(full[:2], rel=1e-6)  # rows the killed run logged
+        assert losses[2:] == pytest.approx(full[2:], rel=1e-5), name
+    assert (tmp_path / "at4" / "checkpoints" / "step-0000004" / "model" / "config.json").exists()
