@@ -4,7 +4,7 @@
 #   make test                         the test suite
 #   make data GENOME=hg38 SEQ=512k    hg38 chr1+chr2 (train) and chr22 (held out) as 512k-token windows
 #   make data FASTA=my.fa.gz TRAIN=chrA,chrB HELDOUT=chrC SEQ=1M OUT=dir
-#   make train SEQ=512k [STEPS=...] [MODEL=...] [CP=N] [LAUNCHER=local|ray] [ARGS="key=value ..."]
+#   make train SEQ=512k [STEPS=...] [MODEL=...] [DP=N] [CP=N] [EP=N] [LAUNCHER=local|ray] [ARGS="key=value ..."]
 #   make eval-buckets SEQ=512k [BUCKET=32768] [HELDOUT=dirA,dirB]
 #   make probe SEQ=512k [ARGS="probe_distances=1k,4k,16k probe_windows=4"]
 
@@ -26,6 +26,7 @@ OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
              $(if $(filter command line environment,$(origin GENOME)),genome=$(GENOME)) \
              $(if $(STEPS),steps=$(STEPS)) $(if $(MODEL),model=$(MODEL)) $(if $(RUN),run=$(RUN)) \
              $(if $(DATA),data=$(DATA)) $(if $(BUCKET),bucket=$(BUCKET)) $(if $(CP),cp=$(CP)) \
+             $(if $(DP),dp=$(DP)) $(if $(EP),ep=$(EP)) \
              $(if $(LAUNCHER),launcher=$(LAUNCHER)) $(ARGS)
 
 .PHONY: install data train eval-buckets probe demo test lint clean

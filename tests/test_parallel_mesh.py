@@ -59,20 +59,32 @@ def test_data_parallel_and_fsdp_equal_one_process(fly_data, tmp_path) -> None:
     assert train_losses(fly_data, tmp_path, "dp2", "dp=2") == pytest.approx(one, rel=1e-5)
     assert train_losses(fly_data, tmp_path, "dp2-plain", "dp=2", "fsdp=false") == pytest.approx(one, rel=1e-5)
     assert train_losses(fly_data, tmp_path, "dp2cp2", "dp=2", "cp=2") == pytest.approx(one, rel=1e-5)
+    assert train_losses(fly_data, tmp_path, "dp2ep2", "dp=2", "ep=2") == pytest.approx(one, rel=1e-5)
     windows = [json.loads(r)["windows"] for r in (tmp_path / "dp2cp2" / "metrics.jsonl").read_text().splitlines()]
     assert windows == [json.loads(r)["windows"] for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
+def test_context_and_expert_parallel_on_two_ranks_equal_one_process(fly_data, tmp_path) -> None:
+    """cp=2 x ep=2 on 2 ranks: each window split over both, the experts too; bf16 FSDP (bf16 parameters,
+    fp32 reduction) under CPU autocast stays within bf16 rounding of one bf16 process."""
+    one = train_losses(fly_data, tmp_path, "one", "steps=2")
+    assert train_losses(fly_data, tmp_path, "cp2ep2", "cp=2", "ep=2", "steps=2") == pytest.approx(one, rel=1e-5)
+    one_bf16 = train_losses(fly_data, tmp_path, "one-bf16", "steps=2", "precision=bf16", "grad_accum=2")
+    dp2_bf16 = train_losses(fly_data, tmp_path, "dp2-bf16", "steps=2", "precision=bf16", "dp=2", "ep=2")
+    assert dp2_bf16 == pytest.approx(one_bf16, rel=4 * 2**-8)
+
+
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> None:
-    """Saved by 2 ranks (dp=2, FSDP2), killed at step 3; resumed by 4 ranks (dp=2 x cp=2) and by one process
-    (grad_accum=2): steps 3 and 4 equal the uninterrupted run's."""
-    full = train_losses(fly_data, tmp_path, "full", "dp=2", "steps=4", "save_every=2")
+    """Saved by 2 ranks (dp=2 x ep=2, FSDP2), killed at step 3; resumed by 4 ranks (dp=2 x cp=2, ep=4: the experts
+    resharded) and by one process (grad_accum=2): steps 3 and 4 equal the uninterrupted run's."""
+    full = train_losses(fly_data, tmp_path, "full", "dp=2", "ep=2", "steps=4", "save_every=2")
     from genomelm.parallel.launch import LaunchError
 
-    for name, resumed in (("at4", ["dp=2", "cp=2"]), ("at1", ["grad_accum=2"])):
+    for name, resumed in (("at4", ["dp=2", "cp=2", "ep=4"]), ("at1", ["grad_accum=2"])):
         with pytest.raises((LaunchError, RuntimeError)):
-            train_losses(fly_data, tmp_path, name, "dp=2", "steps=4", "save_every=2", "fault_at_step=3",
+            train_losses(fly_data, tmp_path, name, "dp=2", "ep=2", "steps=4", "save_every=2", "fault_at_step=3",
                          "fault_rank=1")  # fmt: skip
         step_dir = tmp_path / name / "checkpoints" / "step-0000002"
         assert (step_dir / "state" / ".metadata").exists() and not (step_dir / "model").exists()

@@ -213,6 +213,18 @@ class ParallelRun:
         dist.all_gather_object(parts, items, group=self.mesh.dp_group)
         return [item for part in parts for item in part]
 
+    def expert_rows_by_rank(self, model: nn.Module) -> list[int] | None:
+        """(token, expert) rows each rank's experts computed since the last call, all MoE layers, in rank order
+        (None without expert parallelism). Real DNA routes unevenly: the busiest rank is the one to watch."""
+        if self.dims.ep == 1:
+            return None
+        from .expert import received_tokens
+
+        mine = torch.tensor([float(sum(received_tokens(model).values()))], dtype=torch.float64)
+        parts = [torch.zeros_like(mine) for _ in range(self.dims.world)]
+        dist.all_gather(parts, mine)
+        return [int(part) for part in parts]
+
     def sum_counts(self, counts: dict[int, Tensor]) -> dict[int, Tensor]:
         """Per-layer expert token counts (each rank's own tokens) summed over every rank."""
         if not counts:

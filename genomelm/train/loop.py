@@ -263,6 +263,10 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         }
         if config.softmask_weight != 1.0:
             record["loss_unweighted"] = plain_value
+        rows_by_rank = parallel.expert_rows_by_rank(model) if parallel is not None else None
+        if rows_by_rank:
+            record["ep/rows_by_rank"] = rows_by_rank
+            record["ep/busiest_over_mean"] = max(rows_by_rank) * len(rows_by_rank) / max(sum(rows_by_rank), 1)
         if model.last_indexer_loss:
             record["indexer_kl"] = float(sum(model.last_indexer_loss.values()))
         unused = load.unused()
