@@ -123,9 +123,8 @@ def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
     from genomelm.train import command
 
     monkeypatch.setattr(ray_launch, "train_with_ray", None)  # nothing may start
-    for setting in ("dp=2", "ep=4"):
-        with pytest.raises(ValueError, match="not built yet"):
-            command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "cp=2", setting]))
+    with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4"):  # the mesh checks run first
+        command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "dp=2", "cp=2", "ep=3"]))
     with pytest.raises(ValueError, match="resume=auto"):
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "max_failures=1",
                                                         "resume=never"]))  # fmt: skip

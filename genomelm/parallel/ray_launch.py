@@ -44,12 +44,7 @@ class RayLaunchError(RuntimeError):
 
 
 def check_ray_run(config: TrainConfig) -> None:
-    """Refuse, before Ray starts, settings a Ray run cannot honour yet."""
-    if config.dp > 1 or config.ep > 1:
-        raise ValueError(
-            f"dp={config.dp}, ep={config.ep}: data and expert parallelism are not built yet (they need FSDP2 and "
-            f"expert-parallel MoE); a Ray run has one worker per context-parallel rank: dp=1 ep=1 cp=N"
-        )
+    """Refuse, before Ray starts, settings a Ray run cannot honour."""
     if config.max_failures < 0:
         raise ValueError(f"max_failures={config.max_failures}: give the number of restarts allowed (>= 0)")
     if config.max_failures > 0 and config.resume != "auto":
