@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.train.config import TrainConfig
@@ -91,4 +92,18 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> 
         losses = train_losses(fly_data, tmp_path, name, *resumed, "steps=4", "save_every=2")
         assert losses[:2] == pytest.approx(full[:2], rel=1e-6)  # rows the killed run logged
         assert losses[2:] == pytest.approx(full[2:], rel=1e-5), name
-    assert (tmp_path / "at4" / "checkpoints" / "step-0000004" / "model" / "config.json").exists()
+    from genomelm.model import load_model
+
+    final = {name: load_model(tmp_path / name / "checkpoints" / "step-0000004" / "model").state_dict()
+             for name in ("full", "at4")}  # the Hugging Face copies of the last checkpoints  # fmt: skip
+    for key, value in final["full"].items():
+        torch.testing.assert_close(final["at4"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_each_rank_reads_its_shard_of_a_model_folder(fly_data, tmp_path) -> None:
+    """model=<Hugging Face folder> at dp=2 x ep=2: each rank builds the model empty and reads only its rows and
+    experts; the losses equal those of the same weights built whole (the preset's saved init)."""
+    whole = train_losses(fly_data, tmp_path, "whole", "dp=2", "ep=2", "steps=2")
+    folder = tmp_path / "whole" / "init"  # the preset's random weights, saved before training
+    assert train_losses(fly_data, tmp_path, "read", f"model={folder}", "dp=2", "ep=2", "steps=2") == whole
