@@ -8,7 +8,14 @@ Context parallelism for the KDA layers (phase 1) and the DSA layers (phase 2a):
 - `context`: `apply_context_parallel(model, group, kind)`, the CP forward of each KDA and DSA attention
   module;
 - `launch`: `launch(fn, world_size, ...)`, N local ranks (gloo on CPU, NCCL on CUDA) with failures and hangs
-  turned into errors in the parent.
+  turned into errors in the parent; `ray_launch`: the same ranks as Ray Train workers, restarted after a loss.
+The mesh and the rest of the split:
+- `mesh`: `ParallelDims(dp, cp, ep)` and the process groups / device meshes of a run (`Mesh`);
+- `expert`: `apply_expert_parallel(model, group)`, each rank's share of the routed experts and the all-to-all
+  token dispatch;
+- `training`: what a step moves (`ContextRun`, `ParallelRun`: FSDP2 sharding, gradient sums, clipping);
+- `sharded_checkpoint`: DCP checkpoints of a sharded run; `export`: `genomelm export` to the Hugging Face
+  layout; `rank_loading`: each rank's share of a Hugging Face checkpoint.
 The model's math (a KDA segment's summary, DSA's `project` / `attend` seams) lives in `genomelm.model`; only
 this package communicates.
 """
