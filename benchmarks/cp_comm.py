@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from genomelm.model import ModelConfig  # noqa: E402
+from genomelm.model import ModelConfig
 
 TOKENS = 2048
 WRAPPED = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather")

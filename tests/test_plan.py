@@ -13,17 +13,23 @@ import pytest
 import torch
 
 from genomelm.model import ModelConfig
+from genomelm.train import plan as planner
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan import (
     GIB,
+    Assumptions,
     PlanError,
     _extrapolate,
     _quadratic,
+    _Traces,
     check_fits,
     load_assumptions,
     make_plan,
+    model_numel,
+    plan_layout,
+    refusal,
 )
-from genomelm.train.plan_trace import _grouped_mm_flops, reduced_layers, sub_config, trace_step
+from genomelm.train.plan_trace import StepTrace, _grouped_mm_flops, reduced_layers, sub_config, trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_CHUNKS = ["offload=false", "moe_chunk_tokens=64", "loss_chunk_tokens=64", "indexer_query_block=32",
@@ -56,13 +62,13 @@ def test_grouped_mm_flops_match_the_sliced_matmuls():
 
 
 def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
-    config = TrainConfig(run="r", runs_dir=str(tmp_path), extra={"mfu": "0.5", "optimizer_offload": "true"})
+    config = TrainConfig(run="r", runs_dir=str(tmp_path), extra={"mfu": "0.5", "imbalance": "2"})
     assumptions = load_assumptions(config)
-    assert assumptions.mfu == 0.5 and assumptions.optimizer_offload and assumptions.imbalance == 4.0
+    assert assumptions.mfu == 0.5 and assumptions.imbalance == 2.0 and assumptions.imbalance_source == "set"
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "router/3/max_over_mean": 2.5, "router/4/max_over_mean": 3.25}) + "\n")
-    measured = load_assumptions(dataclasses.replace(config, extra={}))
+    measured = load_assumptions(dataclasses.replace(config, extra={"mfu": "0.5"}))
     assert measured.imbalance == 3.25 and "measured" in measured.imbalance_source
 
 
@@ -91,18 +97,20 @@ def test_planned_peak_equals_measured_peak(preset, seq, cp):
     real step, measured with the same tracker on every rank."""
     from genomelm.parallel.launch import launch
 
-    config = TrainConfig.from_args([f"model={preset}", f"seq={seq}", f"cp={cp}", *SMALL_CHUNKS])
+    config = TrainConfig.from_args([f"model={preset}", f"seq={seq}", f"cp={cp}", "fsdp=false", *SMALL_CHUNKS])
     plan = make_plan(config)
-    assert plan.fits and plan.built and plan.cp == cp
+    assert plan.fits and not plan.fsdp and plan.cp == cp
     if cp == 1:
         measured = [_real_step(config, preset, seq)]
     else:
         measured = launch(_real_step, cp, config, preset, seq // cp, timeout_s=600)
-    peak = max(m.peak_total for m in measured)
+    # steady state: from the second step on, AdamW's state is live through the forward and backward too
+    peak = max(max(m.step_peak_total + m.optimizer_peak.get("Optstate", 0), m.optimizer_peak_total) for m in measured)
     assert abs(plan.peak_gib_per_rank * GIB - peak) <= 0.10 * peak, (plan.peak_gib_per_rank * GIB, peak)
     if cp > 1:
         traced = sum(sum(c.values()) for c in measured[-1].comm.values())
         assert traced > 0 and plan.comm_bytes_per_step["cp all_gather"] > 0
+        assert plan.comm_bytes_per_step["gradient all_reduce (fp32)"] > 0
 
 
 @pytest.mark.slow
@@ -110,7 +118,7 @@ def test_check_fits_refuses_with_the_layouts_it_tried_unless_forced():
     config = TrainConfig.from_args(["model=glm-5.3-flash", "seq=4096", "gpus=1",
                                     "moe_chunk_tokens=256", "loss_chunk_tokens=256"])
     config = dataclasses.replace(config, extra={"trace_tokens": "256"})
-    with pytest.raises(PlanError, match="does not fit.*no layout of 1 GPUs fits.*force=true"):
+    with pytest.raises(PlanError, match="does not fit.*no layout of 1 x B200 fits.*force=true"):
         check_fits(config)
     plan = check_fits(dataclasses.replace(config, force=True))
     assert not plan.fits and plan.peak_gib_per_rank > 178
@@ -124,9 +132,124 @@ def test_plan_command_full_model_on_the_cpu(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
     assert out.returncode == 0, out.stderr
-    assert "not built yet" in out.stdout and "traced 3 of 45 layers" in out.stdout
+    assert "traced 3 of 45 layers" in out.stdout and "optimizer_offload True" in out.stdout
     plan = json.loads((tmp_path / "hg38-1m" / "plan.json").read_text())
     for key in ("fits", "peak_gib_per_rank", "host_gib_per_node", "flops_per_token", "comm_bytes_per_step",
                 "tokens_per_s_projected", "assumptions"):
         assert key in plan
     assert plan["gpus"] == 64 and plan["peak_gib_per_rank"] > 0 and plan["tokens_per_s_projected"] > 0
+
+
+class _StubTraces(_Traces):
+    """One synthetic trace (no tracing): 1 MiB per traced layer kept, 1 MiB host per layer, 100 FLOPs per token."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        layers = reduced_layers(model_config)
+        numel = model_numel(model_config)
+        self.layers = layers
+        self.trace = StepTrace(
+            tokens_per_rank=0, cp=1, layers=layers,
+            param_numel={**{f"layers.{i}": numel[f"layers.{i}"] for i in layers}, "rest": numel["rest"]},
+            step_peak={"Activation": 8 << 20}, optimizer_peak={"Optstate": 1}, kept={i: 1 << 20 for i in layers},
+            transients={"lm_head": 0}, flops={**{f"layers.{i}": 0 for i in layers}, "rest": 0},
+            host_bytes=len(layers) << 20)
+
+    def prefetch(self, *args, **kwargs) -> None:
+        pass
+
+    def get(self, run, model_config, tokens, layers, optimizer=False) -> StepTrace:
+        return dataclasses.replace(self.trace, tokens_per_rank=tokens, cp=run.cp)
+
+
+def _stub_plan(*args: str, dp: int = 2, cp: int = 2, ep: int = 2):
+    config = TrainConfig.from_args(["model=tiny", "seq=1024", *args])
+    model_config = ModelConfig.preset("tiny")
+    numel = model_numel(model_config)
+    plan = plan_layout(config, dp, cp, ep, Assumptions(), _StubTraces(model_config), model_config, numel)
+    return plan, model_config, numel
+
+
+def test_fsdp_and_expert_sharding_arithmetic():
+    """FSDP2 over dp*cp: every parameter / (dp*cp) x (4 + 4 + 8) B; experts over ep, then FSDP over dp*cp/ep;
+    without FSDP the experts alone are split (over ep)."""
+    plan, model_config, numel = _stub_plan()
+    total = sum(v for k, v in numel.items() if k != "experts")
+    experts = numel["experts"]
+    assert experts > 0 and plan.fsdp
+    dev = {k: v * GIB for k, v in plan.device_gib.items()}
+    assert dev["parameters (fp32)"] == pytest.approx(4 * total / 4)
+    assert dev["gradients (fp32)"] == pytest.approx(4 * total / 4)
+    assert dev["optimizer state (AdamW, 2 x fp32)"] == pytest.approx(8 * total / 4)
+    sparse = [i for i, t in enumerate(model_config.mlp_layer_types) if t == "sparse"]
+    per_layer = experts / len(sparse)
+    largest = max(numel[f"layers.{i}"] - per_layer / 2 * (i in sparse) for i in range(model_config.num_hidden_layers))
+    assert dev["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] == pytest.approx(10 * largest)
+    replicated, _, _ = _stub_plan("fsdp=false")
+    assert replicated.device_gib["parameters (fp32)"] * GIB == pytest.approx(4 * (total - experts / 2))
+    assert replicated.device_gib["optimizer step peak (separate phase)"] > 0
+    # expert parallel all-to-all: tokens x top-k x hidden x 2 B each way, forward + recompute + backward, x imbalance
+    a2a = next(v for k, v in plan.comm_bytes_per_step.items() if k.startswith("ep all_to_all"))
+    tokens = 1024 // 2
+    assert a2a == pytest.approx(tokens * model_config.num_experts_per_tok * model_config.hidden_size * 2 / 2 * 2 * 3
+                                * len(sparse) * 4.0)
+    assert plan.assumptions["sharding"].startswith("bytes per rank") and plan.assumptions["imbalance"] == 4.0
+
+
+def test_optimizer_offload_and_layer_input_offload_move_bytes_to_the_host():
+    plan, _, numel = _stub_plan("optimizer_offload=true")
+    total = sum(v for k, v in numel.items() if k != "experts")
+    assert plan.optimizer_offload and plan.device_gib["optimizer state (AdamW, 2 x fp32)"] == 0
+    assert plan.device_gib["parameters (fp32)"] == 0 and plan.device_gib["gradients (fp32)"] == 0
+    host = plan.host_gib_per_node["optimizer offload: fp32 parameters, gradients, AdamW (pinned)"] * GIB
+    assert host == pytest.approx(16 * total / 4 * 4)  # 4 ranks on the node
+    on, _, _ = _stub_plan("offload=true")
+    off, _, _ = _stub_plan("offload=false")
+    inputs = on.host_gib_per_node["offloaded layer inputs (pinned)"] / 4  # per rank
+    assert "offloaded layer inputs (pinned)" not in off.host_gib_per_node
+    assert off.device_gib["saved activations (all layers)"] == pytest.approx(
+        on.device_gib["saved activations (all layers)"] + inputs)
+    single, _, _ = _stub_plan("optimizer_offload=true", dp=1, cp=1, ep=1)
+    assert not single.optimizer_offload and not single.fsdp and "ignored" in single.notes[0]
+
+
+def test_refusal_names_the_best_fitting_layout(monkeypatch):
+    """What `make train` prints when the run does not fit: check_fits raises exactly `refusal`'s message."""
+    plan, _, _ = _stub_plan()
+    too_big = dataclasses.replace(plan, fits=False, peak_gib_per_rank=250.0)
+    slow = dataclasses.replace(plan, dp=4, cp=1, ep=4, tokens_per_s_projected=10.0, peak_gib_per_rank=90.0)
+    fast = dataclasses.replace(plan, dp=1, cp=4, ep=2, offload=False, tokens_per_s_projected=20.0,
+                               peak_gib_per_rank=120.0)
+    config = TrainConfig.from_args(["model=tiny", "seq=1024", "dp=2", "cp=2", "ep=2"])
+    message = refusal(config, too_big, planner.rank([too_big, slow, fast]))
+    assert message.startswith("run ") and "250.0 GiB per rank > 178 GiB usable on B200" in message
+    assert "best layout that fits 4 x B200: dp=1 cp=4 ep=2 offload=false optimizer_offload=false" in message
+    assert message.endswith("force=true trains anyway")
+    monkeypatch.setattr(planner, "make_plan", lambda config, traces=None: too_big)
+    monkeypatch.setattr(planner, "search", lambda config, traces=None: [too_big, slow, fast])
+    with pytest.raises(PlanError) as raised:
+        check_fits(config)
+    assert str(raised.value) == refusal(config, too_big, [too_big, slow, fast])
+    assert check_fits(dataclasses.replace(config, force=True)) is too_big
+    assert planner.describe_run(config).endswith("\n\n" + refusal(config, too_big, [too_big, slow, fast]))
+    assert "no layout of 4 x B200 fits (best: 250.0 GiB" in refusal(config, too_big, [too_big])
+
+
+@pytest.mark.slow
+def test_trainer_logs_tracked_peak_next_to_the_plan(tmp_path):
+    """`track_memory=true`: the trainer logs `peak_tracked_gb` (MemTracker on the real step) and the host peak RSS;
+    at the second step (AdamW state live) the tracked peak is within 10% of the plan for the same run."""
+    from genomelm.data.command import main as data_main
+    from genomelm.train.command import main as train_main
+
+    data = tmp_path / "fly"
+    assert data_main(["--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "fly", "--train",
+                      "NC_004353.4:1-2048", "--heldout", "NC_004353.4:200001-200512", "--seq", "512",
+                      "--out", str(data), "--no-progress"]) == 0  # fmt: skip
+    settings = [f"data={data}", "seq=512", "model=tiny", "run=tracked", f"runs_dir={tmp_path / 'runs'}", "steps=2",
+                "warmup_steps=1", "wandb=disabled", "track_memory=true", *SMALL_CHUNKS]  # fmt: skip
+    assert train_main(settings) == 0
+    rows = [json.loads(row) for row in (tmp_path / "runs" / "tracked" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["peak_tracked_gb"] > 0 and row["host_peak_rss_gb"] > 0 for row in rows)
+    planned = make_plan(TrainConfig.from_args(settings)).peak_gib_per_rank
+    assert abs(rows[-1]["peak_tracked_gb"] - planned) <= 0.10 * rows[-1]["peak_tracked_gb"], (rows, planned)

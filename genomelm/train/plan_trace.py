@@ -3,10 +3,13 @@
 `trace_step` runs the trainer's code (`window_loss` with the `LayerRunner`, context parallelism through
 `apply_context_parallel` and `ContextRun`, the gradient sum, clipping and the AdamW step) and records:
 - device memory by category with `torch.distributed._tools.mem_tracker.MemTracker` (the forward/backward peak
-  and the optimizer-step peak, separately), what each decoder layer leaves live between its forward and its
-  backward, and each module's transient peak;
-- FLOPs per module with `torch.utils.flop_counter.FlopCounterMode` (recompute included: what the GPU runs);
-- the bytes of every collective, counted as it is dispatched.
+  and, unless `optimizer=False`, the optimizer-step peak, separately), what each decoder layer leaves live
+  between its forward and its backward, and each module's transient peak;
+- FLOPs per decoder layer with `torch.utils.flop_counter`'s formulas (those of `FlopCounterMode`; recompute
+  included: what the GPU runs), the routed experts' grouped GEMMs also apart, and the bytes of every collective,
+  both counted as dispatched in the same pass (one forward + backward per trace).
+The KDA core runs its torch path (`kda_backend="torch"`): fla's Triton kernels cannot run on fake tensors, and the
+torch path holds more (per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper bound.
 With `fake=True` everything runs on `FakeTensorMode` tensors (no data, no compute) and, under context
 parallelism, on torch's fake process group ("fake" backend, `FakeStore`): collectives trace without peers. With
 `fake=False` the same code runs on real tensors (the tests compare the two).
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.parallel.context import apply_context_parallel
@@ -57,6 +60,7 @@ class StepTrace:
     flops: dict[str, int]  # "layers.<i>" per traced layer and "rest"
     comm: dict[str, dict[str, int]] = field(default_factory=dict)  # "layers.<i>"/"rest" -> collective -> bytes
     host_bytes: int = 0  # offloaded to host memory during the step (peak)
+    expert_flops: dict[str, int] = field(default_factory=dict)  # of `flops`, the routed experts' grouped GEMMs
 
     @property
     def step_peak_total(self) -> int:
@@ -104,23 +108,35 @@ _COLLECTIVES = {
 }
 
 
-class _CommCounter(TorchDispatchMode):
-    """Bytes per collective (the largest tensor argument: what one rank sends or receives), attributed to the
-    decoder layer whose forward or backward runs it (`where()` names it)."""
+class _Counter(TorchDispatchMode):
+    """FLOPs (torch's `FlopCounterMode` formulas, `flop_registry`) and bytes per collective (the largest tensor
+    argument: what one rank sends or receives), attributed to the decoder layer whose forward, recompute or
+    backward runs them (`where()` names it). Counted in the memory-tracked pass itself: one pass, not two."""
 
     def __init__(self, where: Any) -> None:
         super().__init__()
         self.where = where
         self.bytes: dict[str, dict[str, int]] = {}
+        self.flops: dict[str, int] = {}
+        self.expert_flops: dict[str, int] = {}  # of them, the routed experts' grouped GEMMs
+        self.formulas = {**flop_registry, torch.ops.aten._grouped_mm: shape_wrapper(_grouped_mm_flops)}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            part, flops = self.where(), formula(*args, **kwargs, out_val=out)
+            self.flops[part] = self.flops.get(part, 0) + flops
+            if func._overloadpacket is torch.ops.aten._grouped_mm:
+                self.expert_flops[part] = self.expert_flops.get(part, 0) + flops
         kind = _COLLECTIVES.get(func._opname) if func.namespace == "c10d" else None
         if kind is not None:
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             size = max(t.numel() * t.element_size() for t in tensors)
             slot = self.bytes.setdefault(self.where(), {})
             slot[kind] = slot.get(kind, 0) + size
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 class _Tracker(MemTracker):
@@ -209,10 +225,12 @@ def trace_step(
     tokens_per_rank: int,
     layers: list[int] | None = None,
     fake: bool = True,
+    optimizer: bool = True,
 ) -> StepTrace:
     """Run one training step of one rank (`run`'s switches, bf16 autocast, window = cp x tokens_per_rank) over
     `layers` of the model (None: all) and measure it. With `fake`, cp > 1 sets up a fake process group of
-    run.cp ranks and traces its last rank; without, cp > 1 must run inside a real group of run.cp ranks."""
+    run.cp ranks and traces its last rank; without, cp > 1 must run inside a real group of run.cp ranks.
+    `optimizer=False` leaves out the optimizer phase (its bytes do not depend on the tokens)."""
     from genomelm.train.loop import make_optimizer, run_options, window_loss
 
     layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
@@ -237,22 +255,23 @@ def trace_step(
                              recompute_chunks=run.recompute_chunks)
         if runner.copier is not None and fake:
             runner.copier = _MetaHostCopier()
-        optimizer = make_optimizer(model, run, device)
+        opt = make_optimizer(model, run, device)
         window = tokens_per_rank * (context.cp if context is not None else 1)
         rows = [torch.zeros(1, window, dtype=torch.long), torch.zeros(1, window, dtype=torch.long),
                 torch.ones(1, window)]
         if not fake:
             rows[0] = torch.randint(0, min(config.vocab_size, 5), (1, window))
             rows[1] = torch.roll(rows[0], -1, dims=1)
-        return _measure(model, optimizer, rows, runner, context, run, layers, tokens_per_rank, window_loss, device)
+        return _measure(model, opt, rows, runner, context, run, layers, tokens_per_rank, window_loss, device,
+                        optimizer)
 
 
-def _measure(model: GlmForCausalLM, optimizer: torch.optim.Optimizer, rows: list[torch.Tensor], runner: LayerRunner,
+def _measure(model: GlmForCausalLM, opt: torch.optim.Optimizer, rows: list[torch.Tensor], runner: LayerRunner,
              context: ContextRun | None, run: TrainConfig, layers: list[int], tokens_per_rank: int, window_loss: Any,
-             device: torch.device) -> StepTrace:
+             device: torch.device, optimizer: bool) -> StepTrace:
     names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
     tracker = _Tracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, opt)
     marks: list[int] = []  # live device bytes as each layer starts, and as the final norm starts
     in_forward = [True]
 
@@ -273,14 +292,8 @@ def _measure(model: GlmForCausalLM, optimizer: torch.optim.Optimizer, rows: list
                     return name
         return "rest"
 
-    flop_counter = FlopCounterMode(display=False, depth=3,
-                                   custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})  # a pass of its own: it defeats recompute's frees
-    with flop_counter, torch.autocast(device.type, dtype=torch.bfloat16):
-        loss, _ = window_loss(model, rows, runner, context)
-        loss.backward()
-    optimizer.zero_grad(set_to_none=True)
-    comm = _CommCounter(where)
-    with tracker, comm, torch.autocast(device.type, dtype=torch.bfloat16):
+    counter = _Counter(where)
+    with tracker, counter, torch.autocast(device.type, dtype=torch.bfloat16):
         loss, _ = window_loss(model, rows, counting_runner, context)
         in_forward[0] = False
         loss.backward()
@@ -291,14 +304,16 @@ def _measure(model: GlmForCausalLM, optimizer: torch.optim.Optimizer, rows: list
     if runner.copier is not None and not isinstance(runner.copier, _MetaHostCopier):
         host = runner.copier.bytes_offloaded
     transients = _transients(tracker, device, names)
-    opt_tracker = _Tracker()
-    opt_tracker.track_external(model, optimizer)
-    with opt_tracker, comm:
-        if context is not None:
-            context.sum_gradients(model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
-        optimizer.step()
-    optimizer_peak = _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {}))
+    optimizer_peak: dict[str, int] = {}
+    if optimizer:  # the gradient sum (cp > 1), clipping and the AdamW step, tracked on their own
+        opt_tracker = _Tracker()
+        opt_tracker.track_external(model, opt)
+        with opt_tracker, counter:
+            if context is not None:
+                context.sum_gradients(model)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
+            opt.step()
+        optimizer_peak = _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {}))
     return StepTrace(
         tokens_per_rank=tokens_per_rank,
         cp=context.cp if context is not None else 1,
@@ -308,8 +323,9 @@ def _measure(model: GlmForCausalLM, optimizer: torch.optim.Optimizer, rows: list
         optimizer_peak=optimizer_peak,
         kept=kept,
         transients=transients,
-        flops=_flops_by_part(flop_counter, names),
-        comm=comm.bytes,
+        flops=_flops_by_part(counter, names),
+        comm=counter.bytes,
+        expert_flops=counter.expert_flops,
         host_bytes=host,
     )
 
@@ -320,13 +336,9 @@ def _numel_by_part(model: GlmForCausalLM, names: dict[nn.Module, str]) -> dict[s
     return out
 
 
-def _flops_by_part(counter: FlopCounterMode, names: dict[nn.Module, str]) -> dict[str, int]:
-    counts = counter.get_flop_counts()
-    total = sum(counts.get("Global", {}).values())
-    out = {}
-    for layer, name in names.items():
-        out[name] = sum(counts.get(f"GlmForCausalLM.layers.{layer.layer_idx}", {}).values())
-    out["rest"] = total - sum(out.values())
+def _flops_by_part(counter: _Counter, names: dict[nn.Module, str]) -> dict[str, int]:
+    out = {name: counter.flops.get(name, 0) for name in names.values()}
+    out["rest"] = sum(counter.flops.values()) - sum(out.values())
     return out
 
 
