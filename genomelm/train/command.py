@@ -61,8 +61,9 @@ def launch_training(config: TrainConfig) -> dict:
 
     from genomelm.train.loop import train
 
-    # a run on GPUs (here, or on the Ray cluster at ray_address) is planned first and refused if it cannot fit
-    if torch.cuda.is_available() or (config.launcher == "ray" and config.ray_address):
+    # a run on GPUs (here, or on the Ray cluster at ray_address), or one planned for GPUs (gpus=N), is planned
+    # first and refused if it cannot fit
+    if torch.cuda.is_available() or (config.launcher == "ray" and config.ray_address) or config.gpus:
         from genomelm.train.plan import check_fits
 
         check_fits(config)

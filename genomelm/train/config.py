@@ -57,6 +57,7 @@ class TrainConfig:
     gpu: str = "b200"  # "b200" (178 GiB usable) or "h200" (139 GiB)
     search: bool = False  # plan every layout that fits and rank them by projected tokens/s
     force: bool = False  # train even when the plan says the run does not fit
+    track_memory: bool = False  # log `peak_tracked_gb`: torch's MemTracker on each real step (the planner's tool)
     # memory stack (each a switch; none changes the numbers)
     recompute: bool = True  # full activation recompute per layer
     offload: bool = True  # CPU offload of each layer's saved input

@@ -105,6 +105,24 @@ def window_loss(
     return loss, totals
 
 
+def memory_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torch's MemTracker (what `genomelm plan` measures fake tensors with), entered on this step's real tensors:
+    parameters, gradients, optimizer state, activations and transients by module."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    tracker.__enter__()
+    return tracker
+
+
+def tracked_peak_gb(tracker: Any, device: torch.device) -> float:
+    """The step's peak of tracked bytes on `device`, in GB (2^30 bytes, as the plan's GiB)."""
+    peaks = tracker.get_tracker_snapshot("peak")
+    return max((by_kind.get("Total", 0) for dev, by_kind in peaks.items() if dev.type == device.type),
+               default=0) / 2**30  # fmt: skip
+
+
 class NonFiniteLoss(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
@@ -212,6 +230,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                desc=f"train {config.run}", unit="step")
     for step in bar:
         started = time.perf_counter()
+        tracker = memory_tracker(model, optimizer) if config.track_memory else None
         lr = config.lr * lr_factor(step, config)  # the schedule is a function of the step alone
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -252,6 +271,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             summary["skipped"] += 1
         inject_fault(config, step + 1, parallel.rank if parallel is not None else 0)
         elapsed = time.perf_counter() - started
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
         rss, peak_rss = host_memory_gb()
         record = {
             "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
@@ -263,6 +284,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         }
         if config.softmask_weight != 1.0:
             record["loss_unweighted"] = plain_value
+        if tracker is not None:
+            record["peak_tracked_gb"] = tracked_peak_gb(tracker, device)
         rows_by_rank = parallel.expert_rows_by_rank(model) if parallel is not None else None
         if rows_by_rank:
             record["ep/rows_by_rank"] = rows_by_rank
