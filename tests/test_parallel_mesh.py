@@ -28,6 +28,10 @@ def test_layouts_refused_with_the_reason() -> None:
         ParallelDims(0, 1, 1).check()
     with pytest.raises(ValueError, match="does not divide the model's 8 routed experts"):  # the tiny preset
         check_context_parallel(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=3", "cp=2", "ep=6"]))
+    with pytest.raises(ValueError, match="optimizer_offload=true runs on GPUs only"):
+        check_context_parallel(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=2", "optimizer_offload=true"]))
+    with pytest.raises(ValueError, match="needs fsdp=true"):
+        check_context_parallel(TrainConfig.load(None, ["model=tiny", "dp=2", "fsdp=false", "optimizer_offload=true"]))
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +93,13 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> 
                          "fault_rank=1")  # fmt: skip
         step_dir = tmp_path / name / "checkpoints" / "step-0000002"
         assert (step_dir / "state" / ".metadata").exists() and not (step_dir / "model").exists()
+        half_written = tmp_path / name / "checkpoints" / ".tmp-step-0000004" / "state"  # as a kill -9 mid-save
+        half_written.mkdir(parents=True)
+        (half_written / "__0_0.distcp").write_bytes(b"\0" * 100)
         losses = train_losses(fly_data, tmp_path, name, *resumed, "steps=4", "save_every=2")
         assert losses[:2] == pytest.approx(full[:2], rel=1e-6)  # rows the killed run logged
         assert losses[2:] == pytest.approx(full[2:], rel=1e-5), name
+        assert not half_written.parent.exists()  # removed by the resumed run, never read
     from genomelm.model import load_model
 
     final = {name: load_model(tmp_path / name / "checkpoints" / "step-0000004" / "model").state_dict()

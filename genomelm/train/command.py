@@ -96,6 +96,14 @@ def check_context_parallel(config: TrainConfig) -> None:
         kpool = model.index_kpool if model.dsa_layers else 1
         experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
     ParallelDims(config.dp, config.cp, config.ep).check(experts)
+    if config.optimizer_offload:
+        import torch
+
+        if not config.fsdp or config.dp * config.cp == 1:
+            raise ValueError("optimizer_offload=true is FSDP2's CPU offload: it needs fsdp=true and dp*cp > 1")
+        if not torch.cuda.is_available() and not (config.launcher == "ray" and config.ray_address):
+            raise ValueError("optimizer_offload=true runs on GPUs only (FSDP2's CPUOffloadPolicy moves state off a "
+                             "GPU); on this machine leave it false")  # fmt: skip
     steps = range(max(config.seq_warmup_steps, 0) + 1)
     lengths = sorted({crop_length(step, config.seq_warmup_steps, config.seq_len, config.seq_warmup_start)
                       for step in steps})  # fmt: skip
