@@ -34,7 +34,6 @@ SOURCES = {  # qualified name of the calling frame -> what the bytes are
     "_WindowGather": "DSA keys (latent + pooled index keys)",
     "ContextRun.sum_gradients": "gradient sum (replicated parameters)",
     "ContextRun.global_sum": "loss totals",
-    "ContextRun.sum_counts": "router totals",
 }
 
 

@@ -39,3 +39,14 @@ def build(tmp_path: Path, fasta: Path | list[Path], name: str = "out", **setting
     cfg = DataConfig(genome=name, fasta=files, out=str(tmp_path / name), **settings)
     out = prepare(cfg, command="test", progress=False, log=logs.append)
     return out, logs
+
+
+def fly_windows(out: Path, train: str, seq: int, heldout: str = "200001-201024") -> Path:
+    """`genomelm data` on the bundled fly chromosome: training windows of `seq` tokens from region `train`
+    ("start-end", 1-based inclusive) and held-out ones from `heldout`, written to `out`."""
+    from genomelm.data.command import main as data_main
+
+    assert data_main(["--fasta", str(DMEL), "--genome", "fly", "--train", f"{DMEL_RECORD}:{train}",
+                      "--heldout", f"{DMEL_RECORD}:{heldout}", "--seq", str(seq), "--out", str(out),
+                      "--no-progress"]) == 0  # fmt: skip
+    return out

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_fixtures import fly_windows
 
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.train.config import TrainConfig
@@ -36,13 +37,7 @@ def test_layouts_refused_with_the_reason() -> None:
 
 @pytest.fixture(scope="module")
 def fly_data(tmp_path_factory) -> Path:
-    from genomelm.data.command import main as data_main
-
-    data = tmp_path_factory.mktemp("mesh") / "fly"
-    assert data_main(["--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "fly", "--train",
-                      "NC_004353.4:1-8192", "--heldout", "NC_004353.4:200001-201024", "--seq", "512",
-                      "--out", str(data), "--no-progress"]) == 0  # fmt: skip
-    return data
+    return fly_windows(tmp_path_factory.mktemp("mesh") / "fly", "1-8192", 512)
 
 
 def train_losses(data: Path, runs: Path, name: str, *settings: str) -> list[float]:

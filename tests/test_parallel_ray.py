@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from data_fixtures import fly_windows
 
 from genomelm.train.config import TrainConfig
 
@@ -45,13 +46,7 @@ def ray_cluster() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def fly(tmp_path_factory) -> Path:
     """16 training windows of 256 tokens of the bundled fly chromosome."""
-    from genomelm.data.command import main as data_main
-
-    data = tmp_path_factory.mktemp("ray") / "fly"
-    assert data_main(["--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "fly", "--train",
-                      "NC_004353.4:1-4096", "--heldout", "NC_004353.4:200001-201024", "--seq", "256",
-                      "--out", str(data), "--no-progress"]) == 0  # fmt: skip
-    return data
+    return fly_windows(tmp_path_factory.mktemp("ray") / "fly", "1-4096", 256)
 
 
 def run_settings(data: Path, runs: Path, run: str, *extra: str) -> list[str]:

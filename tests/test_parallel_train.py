@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_fixtures import fly_windows
 
 from genomelm.parallel import launch
 from genomelm.parallel.layout import LayoutError
@@ -71,13 +72,9 @@ def test_train_step_under_cp_equals_one_process(cp: int, kind: str) -> None:
 
 @pytest.mark.slow
 def test_genomelm_train_cp2_equals_cp1(tmp_path) -> None:
-    from genomelm.data.command import main as data_main
     from genomelm.train.command import main as train_main
 
-    data = tmp_path / "fly"
-    assert data_main(["--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "fly", "--train",
-                      "NC_004353.4:1-4096", "--heldout", "NC_004353.4:200001-201024", "--seq", "512",
-                      "--out", str(data), "--no-progress"]) == 0  # fmt: skip
+    data = fly_windows(tmp_path / "fly", "1-4096", 512)
     losses = {}
     for cp in (1, 2):
         run = [f"data={data}", "seq=512", "model=tiny", f"run=cp{cp}", f"runs_dir={tmp_path / 'runs'}",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_fixtures import fly_windows
 
 from genomelm.model import ModelConfig
 from genomelm.train import plan as planner
@@ -239,13 +240,9 @@ def test_refusal_names_the_best_fitting_layout(monkeypatch):
 def test_trainer_logs_tracked_peak_next_to_the_plan(tmp_path):
     """`track_memory=true`: the trainer logs `peak_tracked_gb` (MemTracker on the real step) and the host peak RSS;
     at the second step (AdamW state live) the tracked peak is within 10% of the plan for the same run."""
-    from genomelm.data.command import main as data_main
     from genomelm.train.command import main as train_main
 
-    data = tmp_path / "fly"
-    assert data_main(["--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "fly", "--train",
-                      "NC_004353.4:1-2048", "--heldout", "NC_004353.4:200001-200512", "--seq", "512",
-                      "--out", str(data), "--no-progress"]) == 0  # fmt: skip
+    data = fly_windows(tmp_path / "fly", "1-2048", 512, heldout="200001-200512")
     settings = [f"data={data}", "seq=512", "model=tiny", "run=tracked", f"runs_dir={tmp_path / 'runs'}", "steps=2",
                 "warmup_steps=1", "wandb=disabled", "track_memory=true", *SMALL_CHUNKS]  # fmt: skip
     assert train_main(settings) == 0

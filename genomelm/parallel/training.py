@@ -8,7 +8,7 @@ token-weighted mean: each rank divides its weighted sum by the weight summed ove
 (`ContextRun.global_sum`), so the ranks' losses add up to the window's loss and no term is scaled by the
 group size. After the backward pass the parameter gradients (each rank's share) are summed over the group in
 one packed all-reduce (`ContextRun.sum_gradients`), so every rank applies the same update and the replicas stay
-equal; expert token counts are summed the same way before the expert-bias update.
+equal.
 
 The whole mesh (`ParallelRun`: dp x cp ranks, ep borrowing them): every dp rank reads its own windows of each
 optimizer step (micro-batch g of the step goes to dp rank g % dp), each rank's loss is divided by the step's
@@ -72,14 +72,6 @@ class ContextRun:
         """Sum every parameter's gradient over the group, in one packed all-reduce per dtype."""
         sum_packed([p.grad for p in model.parameters() if p.grad is not None], self.group)
 
-    def sum_counts(self, counts: dict[int, Tensor]) -> dict[int, Tensor]:
-        """Per-layer expert token counts summed over the group (one packed all-reduce)."""
-        if not counts:
-            return counts
-        layers = sorted(counts)
-        flat = torch.cat([counts[layer].reshape(-1) for layer in layers]).to(torch.float64)
-        dist.all_reduce(flat, group=self.group)
-        return dict(zip(layers, flat.split([counts[layer].numel() for layer in layers]), strict=True))
 
 
 def sum_packed(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
@@ -98,10 +90,9 @@ def sum_packed(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
 
 def expert_parallel_params(model: nn.Module) -> set[nn.Parameter]:
     """The routed-expert parameters that `apply_expert_parallel` made rank-local (each rank its own experts)."""
-    from genomelm.model.moe import Experts
+    from .expert import expert_parallel_parameters
 
-    return {p for m in model.modules() if isinstance(m, Experts) and hasattr(m, "local_experts")
-            for p in m.parameters(recurse=False)}  # fmt: skip
+    return set(expert_parallel_parameters(model).values())
 
 
 @dataclass

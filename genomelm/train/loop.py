@@ -235,12 +235,11 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, plain_sum, windows, seen, load = 0.0, 0.0, [], [], ExpertLoad()
+        loss_sum, plain_sum, seen, load = 0.0, 0.0, [], ExpertLoad()
         for micro in mine:
             window = data.next(step, micro)
             if micro % dims.dp != data_rank:
                 continue  # another dp rank's window (read to keep the one data order of every rank)
-            windows.append(window)
             seen.append({"index": window.index, "source": window.source, "reverse": window.reverse,
                          "tokens": len(window.input_ids)})
             rows = [t[None].to(device) for t in (window.input_ids, window.labels, window.weights)]
@@ -317,12 +316,10 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
             }
             if parallel is not None:
                 path = save_sharded(run_dir, step + 1, model, optimizer, state, parallel.mesh, config.keep_checkpoints)
-                if done:
-                    if output_rank:  # the Hugging Face copy `genomelm eval` reads, one layer at a time
-                        from genomelm.parallel.export import export_checkpoint
+                if done and output_rank:  # the Hugging Face copy `genomelm eval` reads, one layer at a time
+                    from genomelm.parallel.export import export_checkpoint
 
-                        export_checkpoint(path, path / "model", dtype=torch.float32)
-                    torch.distributed.barrier()
+                    export_checkpoint(path, path / "model", dtype=torch.float32)
                 summary["checkpoint"] = path
             elif output_rank:
                 state |= {"optimizer": optimizer.state_dict(), "rng": checkpoints.rng_state()}
