@@ -47,7 +47,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_fla_kda(device: torch.device, smoke: bool) -> list[Row]:
-    from genomelm.model.kda import chunk_kda_torch, fla_chunk_kda
+    from genomelm.model.kda_chunk import chunk_kda_torch, fla_chunk_kda
 
     chunk_kda = fla_chunk_kda()
     if device.type != "cuda" or chunk_kda is None:
@@ -184,10 +184,10 @@ def measure_slice(device: torch.device, smoke: bool, lengths: list[int], peak_tf
         rows.append(Row(f"slice at {length:,} tokens (fwd+bwd, recompute, bf16)",
                         f"peak {peak}, {length / seconds:,.0f} tokens/s, {flops / length / 1e6:,.1f} MFLOP/token, "
                         f"MFU {mfu}", None))
-    dense = [layer.layer_idx for layer in model.layers if "dense S x S" in layer.path]
-    rows.append(Row("slice path table: no dense S x S layer", "dense layers: " + (str(dense) if dense else "none"),
+    dense = [layer.layer_idx for layer in model.layers if "dense S x S" in layer.route]
+    rows.append(Row("slice route table: no dense S x S layer", "dense layers: " + (str(dense) if dense else "none"),
                     not dense))
-    print(model.path_table())
+    print(model.route_table())
     return rows
 
 

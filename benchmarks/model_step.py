@@ -63,7 +63,7 @@ def run_ours(tokens: int) -> dict:
         "tokens": tokens,
         "seconds": seconds,
         "peak_rss_mb": _peak_rss_mb(),
-        "path_table": model.path_table(),
+        "route_table": model.route_table(),
     }
 
 
@@ -151,7 +151,7 @@ def main() -> None:
         )
     print("genomelm*: the same with glibc malloc tuned to keep freed memory (" +
           " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")")
-    print(f"\npaths at {OUR_LENGTHS[-1]} tokens:\n{ours[OUR_LENGTHS[-1]]['path_table']}")
+    print(f"\nroutes at {OUR_LENGTHS[-1]} tokens:\n{ours[OUR_LENGTHS[-1]]['route_table']}")
 
 
 if __name__ == "__main__":

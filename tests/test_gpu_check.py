@@ -17,4 +17,4 @@ def test_gpu_check_cpu_smoke(capsys) -> None:
     table = capsys.readouterr().out
     assert "| fla chunk_kda vs torch KDA | not run (no CUDA) | not run |" in table
     assert "offload vs no offload (bf16)" in table and "MISMATCH" not in table
-    assert "| slice path table: no dense S x S layer | dense layers: none | ok |" in table
+    assert "| slice route table: no dense S x S layer | dense layers: none | ok |" in table

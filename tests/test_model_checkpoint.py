@@ -1,4 +1,4 @@
-"""Checkpoint reading/writing (genomelm.model.checkpoint, genomelm.model.fp8) against transformers' glm5_next.
+"""Checkpoint reading/writing (genomelm.model.checkpoint, .hf_names, .fp8) against transformers' glm5_next.
 
 Checkpoints are written here from tiny random transformers models: by transformers' own `save_pretrained`
 (the official on-disk names), re-sharded with FP8 weights, or with internal names.

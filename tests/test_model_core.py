@@ -67,16 +67,16 @@ def test_dense_and_sparse_dsa_agree() -> None:
     torch.testing.assert_close(sparse.token_logprobs(ids), dense.token_logprobs(ids), atol=1e-5, rtol=1e-5)
 
 
-def test_path_table_logged_once_and_router_stats(caplog: pytest.LogCaptureFixture) -> None:
+def test_route_table_logged_once_and_router_stats(caplog: pytest.LogCaptureFixture) -> None:
     config = tiny_config()
     model = GlmForCausalLM(config, RunOptions(moe_chunk_tokens=32))
     ids = random_tokens(2, 30, 8, seed=2)
     with caplog.at_level(logging.INFO, logger="genomelm.model.model"):
         model.token_logprobs(ids)
         model.token_logprobs(ids)
-    logged = [r for r in caplog.records if "paths" in r.getMessage()]
+    logged = [r for r in caplog.records if "routes" in r.getMessage()]
     assert len(logged) == 1
-    table = model.path_table()
+    table = model.route_table()
     assert table in logged[0].getMessage()
     assert table.count("kda: torch chunked (chunk 64)") == 3 and table.count("dsa: sparse") == 1
     assert "moe: grouped" in table and "chunks of 32 tokens" in table

@@ -114,7 +114,7 @@ def test_matches_transformers_outputs_grads_and_selection(batch: int, seq_len: i
     assert token_sets(selection.token_indices()) == token_sets(ref_indices)
     assert selection.token_indices().shape[-1] == config.index_topk + config.index_kpool - 1
     assert ours.indexer_loss is None
-    assert "sparse gather (19 slots)" in ours.path
+    assert "sparse gather (19 slots)" in ours.route
 
 
 def test_blocked_indexer_equals_unblocked() -> None:
@@ -169,7 +169,7 @@ def test_dense_backend_equals_sparse_and_is_guarded() -> None:
     x = torch.randn(1, 40, config.hidden_size)
     dense = ours_from(ref, config, 0, dsa_backend="dense", forbid_dense_above=64)
     sparse = ours_from(ref, config, 0)
-    assert dense.path.startswith("dsa: dense S x S reference")
+    assert dense.route.startswith("dsa: dense S x S reference")
     with torch.no_grad():
         assert (dense(x)[0] - sparse(x)[0]).abs().max() <= 1e-5
     with pytest.raises(DenseTooLongError, match="forbid_dense_above=64"):

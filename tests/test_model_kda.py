@@ -9,9 +9,10 @@ import pytest
 import torch
 from model_helpers import randomise_, tiny_config
 
-from genomelm.model import RunOptions
+from genomelm.model import RunOptions, kda_chunk
 from genomelm.model import kda as kda_module
-from genomelm.model.kda import KDAttention, chunk_kda_torch, select_kda_backend
+from genomelm.model.kda import KDAttention
+from genomelm.model.kda_chunk import chunk_kda_torch, select_kda_backend
 from genomelm.model.kda_naive import recurrent_kda
 
 
@@ -145,7 +146,7 @@ def test_layer_resolves_backend_once_and_reports_it(monkeypatch: pytest.MonkeyPa
     with torch.no_grad():
         layer(x)
         layer(x)
-    assert layer.backend == "torch" and layer.path == "kda: torch chunked (chunk 16)"
+    assert layer.backend == "torch" and layer.route == "kda: torch chunked (chunk 16)"
     assert len(calls) == 1
 
 
@@ -154,11 +155,11 @@ def test_fla_import_is_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "fla", None)  # makes `import fla...` raise ImportError
     monkeypatch.setitem(sys.modules, "fla.ops", None)
     monkeypatch.setitem(sys.modules, "fla.ops.kda", None)
-    kda_module.fla_chunk_kda.cache_clear()
+    kda_chunk.fla_chunk_kda.cache_clear()
     try:
-        assert kda_module.fla_chunk_kda() is None
+        assert kda_chunk.fla_chunk_kda() is None
     finally:
-        kda_module.fla_chunk_kda.cache_clear()
+        kda_chunk.fla_chunk_kda.cache_clear()
 
 
 def test_unbounded_gate_layer_matches_recurrent() -> None:

@@ -90,7 +90,7 @@ def test_dense_mlp_chunked_equals_unchunked() -> None:
     whole, chunked = MLP(config), MLP(config, chunk_tokens=7)
     randomise_(whole, seed=3)
     chunked.load_state_dict(whole.state_dict())
-    assert "chunks of 7 tokens" in chunked.path
+    assert "chunks of 7 tokens" in chunked.route
     x = torch.randn(2, 37, config.hidden_size)
     got = [_run(m, x) for m in (whole, chunked)]
     torch.testing.assert_close(got[1][0], got[0][0], atol=1e-6, rtol=1e-6)

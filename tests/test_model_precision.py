@@ -173,6 +173,8 @@ def test_loss_backward_uses_the_forward_precision() -> None:
 
 
 def test_eval_buckets_in_bf16_match_fp32(tmp_path) -> None:
+    from genomelm.data.vocab import BUILTIN
+    from genomelm.data.windows import Window
     from genomelm.eval.buckets import bucketed_loss
     from genomelm.eval.score import score_windows
 
@@ -180,7 +182,8 @@ def test_eval_buckets_in_bf16_match_fp32(tmp_path) -> None:
     windows = []
     for start in (300_000, 310_000):
         ids = fly_tokens(512, start=start)[0]
-        windows.append({"input_ids": ids, "labels": next_base_labels(ids[None])[0], "softmask": torch.zeros(512, dtype=torch.bool)})
+        windows.append(Window("fly", len(windows), "chr4", start, start + 512, ids,
+                              torch.zeros(512, dtype=torch.bool), BUILTIN))  # fmt: skip
     rows = {}
     for precision in ("fp32", "bf16"):
         scores = score_windows(model, windows, bucket=128, context_cut=True, precision=precision)

@@ -1,19 +1,9 @@
 """Load and save GLM-5.3-Flash checkpoints (Hugging Face safetensors) for genomelm's `GlmForCausalLM`.
 
-Three name spellings meet here:
-- internal: transformers' `Glm5NextTextModel` parameter names (`layers.3.attn_hc.fn`,
-  `layers.5.mlp.experts.gate_up_proj` [E, 2I, D], `layers.0.self_attn.conv1d.weight`), plus `lm_head.weight`;
-  `GlmForCausalLM.state_dict()` uses them.
-- official: the on-disk layout of `zai-org/GLM-5.3-Flash`, which is also what transformers' `save_pretrained`
-  writes (it reverts its load-time conversion mapping): text weights under `model.language_model.`
-  (no prefix when a bare `Glm5NextTextModel` was saved), `lm_head.weight` at the top, `hc_attn_fn`,
-  one 2D `mlp.experts.E.{gate,up,down}_proj.weight` per expert, `self_attn.{q,k,v}_conv1d.weight`,
-  `self_attn.{f_a_proj,f_b_proj,dt_bias,A_log}`.
-- either of the above may hold FP8 e4m3 weights with a `<name>_scale_inv` block-scale companion.
-
-Reading maps every on-disk key to the internal tensor it feeds (so official and internal spellings are both
-read, detected key by key), skips the vision tower and the MTP layer, and reads only the tensors asked for
-through `safetensors.safe_open`; shards holding none of them are never opened. Saving writes the official
+Reading maps every on-disk key to the internal tensor it feeds (`hf_names`: official and internal spellings
+are both read, detected key by key), skips the vision tower and the MTP layer, and reads only the tensors
+asked for through `safetensors.safe_open`; shards holding none of them are never opened. Either spelling may
+hold FP8 e4m3 weights with a `<name>_scale_inv` block-scale companion (`fp8`). Saving writes the official
 layout with a `glm5_next` config.json that `Glm5NextForConditionalGeneration.from_pretrained` loads.
 """
 
@@ -22,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +25,17 @@ from safetensors.torch import save_file
 
 from genomelm.model.config import ConfigError, ModelConfig, RunOptions
 from genomelm.model.fp8 import DEFAULT_BLOCK, SCALE_SUFFIX, dequantize_fp8_blocks, is_fp8
+from genomelm.model.hf_names import (
+    CONV_ORDER,
+    Piece,
+    internal_piece,
+    is_conv_weight,
+    is_routed_experts,
+    layer_of,
+    official_pattern,
+    official_tensors,
+    text_model_key,
+)
 
 if TYPE_CHECKING:
     from genomelm.model.model import GlmForCausalLM
@@ -43,111 +43,34 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TEXT_PREFIX = "model.language_model."  # where the official layout keeps the text model
-LM_HEAD = "lm_head.weight"
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 
-# prefixes in front of the text model's names, tried in order (official, bare text model last)
-_TEXT_PREFIXES = (TEXT_PREFIX, "language_model.", "model.", "")
-_VISION_PREFIXES = ("model.visual.", "visual.")
-_LAYER = re.compile(r"^layers\.(\d+)\.")
-# official -> internal renames (one tensor each)
-_HC_OFFICIAL = re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$")
-_FORGET_OFFICIAL = re.compile(r"^(layers\.\d+\.self_attn)\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
-# official pieces of one internal tensor
-_CONV_OFFICIAL = re.compile(r"^(layers\.\d+\.self_attn)\.([qkv])_conv1d\.weight$")
-_EXPERT_OFFICIAL = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-# internal names that need splitting when written in the official layout
-_HC_INTERNAL = re.compile(r"^(layers\.\d+)\.(attn|ffn)_hc\.(fn|base|scale)$")
-_FORGET_INTERNAL = re.compile(r"^(layers\.\d+\.self_attn)\.forget_gate\.(.+)$")
-_CONV_INTERNAL = re.compile(r"^(layers\.\d+\.self_attn)\.conv1d\.weight$")
-_EXPERTS_INTERNAL = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_CONV_ORDER = ("q", "k", "v")
 # config.json entries that describe the source files rather than the weights we write
-_DROPPED_CONFIG_KEYS = {"quantization_config", "architectures", "auto_map", "transformers_version", "torch_dtype",
-                        "dtype", "text_config", "vision_config", "model_type"}
-# fields of the outer `glm5_next` config that a flat (text fields at the top) config.json mixes in with the text ones
-_OUTER_ONLY_KEYS = {"image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
-                    "video_start_token_id", "video_end_token_id"}
+_DROPPED_CONFIG_KEYS = {
+    "quantization_config",
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "text_config",
+    "vision_config",
+    "model_type",
+}
+# fields of the outer `glm5_next` config that a flat (text fields at the top) config.json mixes in with the
+# text ones
+_OUTER_ONLY_KEYS = {
+    "image_token_id",
+    "video_token_id",
+    "image_start_token_id",
+    "image_end_token_id",
+    "video_start_token_id",
+    "video_end_token_id",
+}
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder that does not hold what the config says it should."""
-
-
-# ----------------------------------------------------------------------------------------------- name maps
-def _text_key(disk_key: str) -> str | None:
-    """The text-model name inside `disk_key` (prefix removed), or None for vision-tower keys."""
-    if disk_key.startswith(_VISION_PREFIXES):
-        return None
-    if disk_key == LM_HEAD:
-        return LM_HEAD
-    for prefix in _TEXT_PREFIXES:
-        if disk_key.startswith(prefix):
-            return disk_key[len(prefix):]
-    raise AssertionError("the empty prefix matches every key")
-
-
-def _piece_of(text_key: str) -> tuple[str, tuple[Any, ...]]:
-    """(internal name, piece) that `text_key` fills: piece () is the whole tensor, ("q",) a conv third,
-    (expert, "gate"|"up"|"down") one expert's projection."""
-    if match := _HC_OFFICIAL.match(text_key):
-        return f"{match[1]}.{match[2]}_hc.{match[3]}", ()
-    if match := _FORGET_OFFICIAL.match(text_key):
-        return f"{match[1]}.forget_gate.{match[2]}", ()
-    if match := _CONV_OFFICIAL.match(text_key):
-        return f"{match[1]}.conv1d.weight", (match[2],)
-    if match := _EXPERT_OFFICIAL.match(text_key):
-        projection = "down_proj" if match[3] == "down" else "gate_up_proj"
-        return f"{match[1]}.{projection}", (int(match[2]), match[3])
-    return text_key, ()
-
-
-def layer_of(name: str) -> int | None:
-    """Decoder layer index of an internal name, None for top-level tensors (embeddings, final norm, head)."""
-    match = _LAYER.match(name)
-    return int(match[1]) if match else None
-
-
-def official_pattern(name: str) -> str:
-    """How an internal name is spelled in the official layout (`{q,k,v}`, `<e>` stand for the pieces)."""
-    text_name = name
-    if match := _HC_INTERNAL.match(name):
-        text_name = f"{match[1]}.hc_{match[2]}_{match[3]}"
-    elif match := _FORGET_INTERNAL.match(name):
-        text_name = f"{match[1]}.{match[2]}"
-    elif match := _CONV_INTERNAL.match(name):
-        text_name = f"{match[1]}.{{q,k,v}}_conv1d.weight"
-    elif match := _EXPERTS_INTERNAL.match(name):
-        parts = "down" if match[2] == "down_proj" else "{gate,up}"
-        text_name = f"{match[1]}.<e>.{parts}_proj.weight"
-    return text_name if name == LM_HEAD else TEXT_PREFIX + text_name
-
-
-def official_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """The official on-disk (name, tensor) pairs of one internal tensor (views, no copies)."""
-
-    def disk(text_name: str) -> str:
-        return text_name if text_name == LM_HEAD else TEXT_PREFIX + text_name
-
-    if match := _HC_INTERNAL.match(name):
-        yield disk(f"{match[1]}.hc_{match[2]}_{match[3]}"), tensor
-    elif match := _FORGET_INTERNAL.match(name):
-        yield disk(f"{match[1]}.{match[2]}"), tensor
-    elif match := _CONV_INTERNAL.match(name):
-        for which, third in zip(_CONV_ORDER, tensor.chunk(3, dim=0)):
-            yield disk(f"{match[1]}.{which}_conv1d.weight"), third
-    elif match := _EXPERTS_INTERNAL.match(name):
-        if match[2] == "down_proj":  # [E, D, I]
-            for expert, down in enumerate(tensor):
-                yield disk(f"{match[1]}.{expert}.down_proj.weight"), down
-        else:  # [E, 2I, D], gate rows first
-            for expert, gate_up in enumerate(tensor):
-                gate, up = gate_up.chunk(2, dim=0)
-                yield disk(f"{match[1]}.{expert}.gate_proj.weight"), gate
-                yield disk(f"{match[1]}.{expert}.up_proj.weight"), up
-    else:
-        yield disk(name), tensor
 
 
 # ------------------------------------------------------------------------------------------------- reading
@@ -156,7 +79,7 @@ class _Target:
     """Where the pieces of one internal tensor lie on disk: piece -> on-disk key."""
 
     name: str
-    pieces: dict[tuple[Any, ...], str] = field(default_factory=dict)
+    pieces: dict[Piece, str] = field(default_factory=dict)
 
 
 class CheckpointReader:
@@ -178,19 +101,19 @@ class CheckpointReader:
         for disk_key in self.weight_map:
             if disk_key.endswith(SCALE_SUFFIX):
                 continue
-            text_key = _text_key(disk_key)
+            text_key = text_model_key(disk_key)
             if text_key is None or "shared_head." in text_key:
                 continue
             layer = layer_of(text_key)
             if layer is not None and layer >= self.config.num_hidden_layers:  # MTP layer(s)
                 continue
-            name, piece = _piece_of(text_key)
+            name, piece = internal_piece(text_key)
             target = self.targets.setdefault(name, _Target(name))
             if piece in target.pieces or (target.pieces and (piece == ()) != (() in target.pieces)):
                 clash = sorted([*target.pieces.values(), disk_key])
                 raise CheckpointError(
-                    f"{self.folder}: {clash} all map onto {name}; a checkpoint must hold each tensor once, in one "
-                    "layout (official or transformers-internal names)"
+                    f"{self.folder}: {clash} all map onto {name}; a checkpoint must hold each tensor once, "
+                    "in one layout (official or transformers-internal names)"
                 )
             target.pieces[piece] = disk_key
 
@@ -199,14 +122,17 @@ class CheckpointReader:
         if index.exists():
             weight_map = json.loads(index.read_text()).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index} has no 'weight_map'; rewrite it or re-download the checkpoint")
+                raise CheckpointError(
+                    f"{index} has no 'weight_map'; rewrite it or re-download the checkpoint"
+                )
             return weight_map
         single = self.folder / SINGLE_FILE
         if single.exists():
             with safe_open(single, framework="pt") as handle:
                 return dict.fromkeys(handle.keys(), SINGLE_FILE)
         raise CheckpointError(
-            f"{self.folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}; point at a Hugging Face checkpoint folder"
+            f"{self.folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}; "
+            "point at a Hugging Face checkpoint folder"
         )
 
     def names(self, layers: list[int] | None = None) -> list[str]:
@@ -231,17 +157,17 @@ class CheckpointReader:
     ) -> dict[str, torch.Tensor]:
         """Internal name -> tensor for `names`, on the CPU.
 
-        Tensors keep their stored dtype (FP8 ones are dequantised to fp32) unless `dtypes` names one, to which
-        each piece is cast as it is read (so an FP8 layer never exists whole in fp32). `experts` keeps only those
-        routed experts (in that order) in `mlp.experts.*` tensors; the rest are never read.
+        Tensors keep their stored dtype (FP8 ones are dequantised to fp32) unless `dtypes` names one, to
+        which each piece is cast as it is read (so an FP8 layer never exists whole in fp32). `experts` keeps
+        only those routed experts (in that order) in `mlp.experts.*` tensors; the rest are never read.
         """
         missing = [name for name in names if name not in self.targets]
         if missing:
             raise CheckpointError(
                 f"{self.folder} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]} (on disk "
-                f"{[official_pattern(name) for name in missing[:3]]}); check that config.json matches the weights "
-                "(num_hidden_layers, layer_types, mlp_layer_types, indexer_types, n_routed_experts) and that every "
-                "shard was downloaded"
+                f"{[official_pattern(name) for name in missing[:3]]}); check that config.json matches the "
+                "weights (num_hidden_layers, layer_types, mlp_layer_types, indexer_types, n_routed_experts) "
+                "and that every shard was downloaded"
             )
         dtypes = dtypes or {}
         with contextlib.ExitStack() as stack:
@@ -253,8 +179,9 @@ class CheckpointReader:
                     scale_key = disk_key + SCALE_SUFFIX
                     if scale_key not in self.weight_map:
                         raise CheckpointError(
-                            f"{disk_key} in {self.folder}/{self.weight_map[disk_key]} is FP8 but {scale_key} is "
-                            "missing; an FP8 checkpoint needs a block scale beside every FP8 weight"
+                            f"{disk_key} in {self.folder}/{self.weight_map[disk_key]} is FP8 but "
+                            f"{scale_key} is missing; an FP8 checkpoint needs a block scale beside every FP8 "
+                            "weight"
                         )
                     scale = self._get(stack, handles, scale_key, rows)
                     tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block, name=disk_key)
@@ -268,7 +195,9 @@ class CheckpointReader:
         if file not in handles:
             path = self.folder / file
             if not path.exists():
-                raise CheckpointError(f"{path} (listed in {INDEX_FILE} for {disk_key}) is missing; download it")
+                raise CheckpointError(
+                    f"{path} (listed in {INDEX_FILE} for {disk_key}) is missing; download it"
+                )
             handles[file] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
         if rows is None:
             return handles[file].get_tensor(disk_key)
@@ -279,19 +208,20 @@ class CheckpointReader:
                   dtype: torch.dtype | None) -> torch.Tensor:
         pieces = target.pieces
         if () in pieces:  # stored whole under this (or its official one-to-one) name
-            stacked_experts = experts is not None and _EXPERTS_INTERNAL.match(target.name)
+            stacked_experts = experts is not None and is_routed_experts(target.name)
             return load(pieces[()], dtype, experts if stacked_experts else None)
-        if _CONV_INTERNAL.match(target.name):  # q, k, v thirds
-            absent = [which for which in _CONV_ORDER if (which,) not in pieces]
+        if is_conv_weight(target.name):  # q, k, v thirds
+            absent = [which for which in CONV_ORDER if (which,) not in pieces]
             if absent:
                 raise CheckpointError(f"{self.where(target.name)} lacks the {absent} conv1d weights")
-            return torch.cat([load(pieces[(which,)], dtype) for which in _CONV_ORDER], dim=0)
+            return torch.cat([load(pieces[(which,)], dtype) for which in CONV_ORDER], dim=0)
         chosen = experts if experts is not None else list(range(self.config.n_routed_experts))
         parts = ("down",) if target.name.endswith("down_proj") else ("gate", "up")
         absent = [(e, part) for e in chosen for part in parts if (e, part) not in pieces]
         if absent:
             raise CheckpointError(
-                f"{self.where(target.name)} lacks expert weights {absent[:4]}; check n_routed_experts in config.json"
+                f"{self.where(target.name)} lacks expert weights {absent[:4]}; "
+                "check n_routed_experts in config.json"
             )
         stacked: torch.Tensor | None = None
         for slot, expert in enumerate(chosen):  # filled in place: one expert's pieces exist twice at most
@@ -308,9 +238,9 @@ def read_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Internal-name state dict of a checkpoint folder (stored dtypes; FP8 dequantised to fp32), CPU.
 
-    `layers`: only these decoder layers (plus embeddings, final norm and head). `experts`: only these routed
-    experts, in this order, in every MoE layer (`experts.gate_up_proj` [len(experts), 2I, D]); the router keeps
-    all experts. Tensors outside the request are never read.
+    `layers`: only these decoder layers (plus embeddings, final norm and head). `experts`: only these
+    routed experts, in this order, in every MoE layer (`experts.gate_up_proj` [len(experts), 2I, D]); the
+    router keeps all experts. Tensors outside the request are never read.
     """
     reader = CheckpointReader(folder)
     _check_layers(layers, reader.config, str(folder))
@@ -323,7 +253,9 @@ def _check_layers(layers: list[int] | None, config: ModelConfig, source: str) ->
         return
     bad = [layer for layer in layers if not 0 <= layer < config.num_hidden_layers]
     if bad:
-        raise CheckpointError(f"layers {bad} do not exist in {source}: it has layers 0..{config.num_hidden_layers - 1}")
+        raise CheckpointError(
+            f"layers {bad} do not exist in {source}: it has layers 0..{config.num_hidden_layers - 1}"
+        )
 
 
 def _resolve(path_or_preset: str | Path) -> tuple[ModelConfig, Path | None]:
@@ -331,7 +263,9 @@ def _resolve(path_or_preset: str | Path) -> tuple[ModelConfig, Path | None]:
     path = Path(path_or_preset)
     if path.is_dir():
         if not (path / CONFIG_FILE).exists():
-            raise CheckpointError(f"{path} has no {CONFIG_FILE}; a checkpoint folder needs config.json + safetensors")
+            raise CheckpointError(
+                f"{path} has no {CONFIG_FILE}; a checkpoint folder needs config.json + safetensors"
+            )
         return ModelConfig.from_file(path), path
     if path.exists() or os.sep in str(path_or_preset):
         raise CheckpointError(
@@ -341,7 +275,9 @@ def _resolve(path_or_preset: str | Path) -> tuple[ModelConfig, Path | None]:
     try:
         return ModelConfig.preset(str(path_or_preset)), None
     except ConfigError as exc:
-        raise CheckpointError(f"{exc}; or give a checkpoint folder holding {CONFIG_FILE} and safetensors") from exc
+        raise CheckpointError(
+            f"{exc}; or give a checkpoint folder holding {CONFIG_FILE} and safetensors"
+        ) from exc
 
 
 def load_model(
@@ -383,9 +319,9 @@ def load_model(
         unexpected = sorted(on_disk - set(names))
         if unexpected:
             raise CheckpointError(
-                f"{reader.where(unexpected[0])} (and {len(unexpected) - 1} more: {unexpected[1:4]}) has no place in "
-                f"the model built from {folder / CONFIG_FILE}; fix config.json (layer_types, mlp_layer_types, "
-                "indexer_types, attention_bias) to match the weights"
+                f"{reader.where(unexpected[0])} (and {len(unexpected) - 1} more: {unexpected[1:4]}) has no "
+                f"place in the model built from {folder / CONFIG_FILE}; fix config.json (layer_types, "
+                "mlp_layer_types, indexer_types, attention_bias) to match the weights"
             )
         tensors = reader.read(names, dtypes={name: expected[name].dtype for name in names})
         for name, tensor in tensors.items():
@@ -393,8 +329,8 @@ def load_model(
             if tuple(tensor.shape) != tuple(want.shape):
                 raise CheckpointError(
                     f"{reader.where(name)} has shape {tuple(tensor.shape)} but the model built from "
-                    f"{folder / CONFIG_FILE} expects {name} of shape {tuple(want.shape)}; config.json does not "
-                    "match the weights"
+                    f"{folder / CONFIG_FILE} expects {name} of shape {tuple(want.shape)}; config.json does "
+                    "not match the weights"
                 )
             tensors[name] = tensor.to(device)
         model.load_state_dict(tensors, strict=False, assign=True)
@@ -439,8 +375,8 @@ def save_state_dict(
     state: dict[str, torch.Tensor], config: ModelConfig, folder: str | Path,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
-    """Write an internal-name state dict in the official layout: `model-0000i-of-0000n.safetensors` shards of at
-    most `max_shard_bytes` (one tensor may exceed it), `model.safetensors.index.json` and `config.json`.
+    """Write an internal-name state dict in the official layout: `model-0000i-of-0000n.safetensors` shards
+    of at most `max_shard_bytes` (one tensor may exceed it), `model.safetensors.index.json` and `config.json`.
 
     Written to a temporary folder beside `folder`, then renamed into place (replacing an older `folder`).
     """
@@ -448,8 +384,8 @@ def save_state_dict(
     unloaded = [name for name, tensor in state.items() if tensor.device.type == "meta"]
     if unloaded:
         raise CheckpointError(
-            f"cannot save {folder}: {len(unloaded)} tensors (e.g. {unloaded[0]}) were never loaded (a model loaded "
-            "with layers=...); load all layers to save"
+            f"cannot save {folder}: {len(unloaded)} tensors (e.g. {unloaded[0]}) were never loaded (a model "
+            "loaded with layers=...); load all layers to save"
         )
     official = [pair for name, tensor in state.items() for pair in official_tensors(name, tensor)]
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]

@@ -23,6 +23,11 @@ MOE = "sparse"
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
 
+def is_preset(model: str | None) -> bool:
+    """Whether `model` names a preset of `PRESET_DIR` (`tiny`, `demo`, ...) rather than an existing folder."""
+    return bool(model) and not Path(model).exists() and (PRESET_DIR / f"{model}.yaml").exists()
+
+
 class ConfigError(ValueError):
     """An inconsistent or unreadable model configuration."""
 
@@ -152,7 +157,8 @@ class ModelConfig:
     # -------------------------------------------------------------- conversion
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config dict: `glm5_next` (nested `text_config`), `glm5_next_text`, or flat."""
+        """Build from a Hugging Face config dict: `glm5_next` (nested `text_config`), `glm5_next_text`, or
+        flat."""
         raw = dict(raw)
         outer_extra: dict[str, Any] = {}
         model_type = raw.get("model_type")

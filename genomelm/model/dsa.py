@@ -1,34 +1,34 @@
 """DeepSeek Sparse Attention (DSA) layer of GLM-5.3-Flash: NoPE MLA over indexer-selected tokens.
 
-Each query reads W = index_topk + kpool - 1 token slots (its selected pools expanded to tokens plus the
-incomplete tail pool). The fast path works in absorbed-latent form: W_uk is folded into the query so scores
-are q_lat . latent[selected] over the kv_lora_rank-wide latent, and W_uv is applied after the weighted sum of
-latents; both projections run once over the whole sequence (autograd), around a sparse core in latent space.
-The core runs queries in blocks of `RunOptions.attention_query_block`: a custom autograd function with a
-written-out backward regathers each block, recomputes its probabilities and scatter-adds the gathered latents'
-gradient into one [B, S, kv_lora_rank] buffer, so the core's forward + backward working set is bounded by the
-block ([B, block, W, kv_lora_rank]), not by S.
+The layer works in absorbed-latent form: W_uk is folded into the query (`absorbed_queries`), the sparse core
+(`dsa_sparse.sparse_latent_attention`) attends over each query's selected tokens in the kv_lora_rank-wide
+latent, and W_uv then o_proj map its output back (`project_out`); both projections run once over the whole
+sequence (autograd), around the core. `dsa_backend="dense"` runs the S x S reference (`dsa_naive`) instead.
 
 The forward is two seams, so that context parallelism (`genomelm.parallel`) can run between them without
 the model knowing about processes: `project` (the local projections: queries, normalised latent, the
 indexer's pooled keys) and `attend` (given the whole window's latent and pooled keys and the queries' global
 positions: select, attend, project out). The plain forward composes them with nothing in between.
 
-Precision: the core takes the absorbed queries and the latent in one dtype (the compute dtype: bf16 under bf16
-autocast), runs its matmuls in it in forward and backward alike, takes the softmax in fp32 and accumulates the
-latent's gradient in fp32 across query blocks (both in fp64 when the inputs are fp64).
+Precision: the latent is kept in the compute dtype (bf16 under bf16 autocast); see `dsa_sparse` for the core.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.dsa_naive import check_dense_allowed, dense_dsa_attention
+from genomelm.model.dsa_sparse import (
+    attend_block,
+    gather_indices,
+    gather_latents,
+    pool_mass_of,
+    sparse_latent_attention,
+)
 from genomelm.model.indexer import Indexer, Selection, Spans, whole_window
 from genomelm.model.norms import RMSNorm
 from genomelm.model.precision import compute_dtype
@@ -73,16 +73,17 @@ class DSAAttention(nn.Module):
         self.slots = config.index_topk + config.index_kpool - 1
         self.indexer_loss: Tensor | None = None
         if self.options.dsa_backend == "dense":
-            self.path = "dsa: dense S x S reference"
+            self.route = "dsa: dense S x S reference"
         elif self.options.dsa_backend == "sparse":
-            self.path = (
-                f"dsa: sparse gather ({self.slots} slots), indexer blocks of {self.options.indexer_query_block} "
-                f"queries, attention blocks of {self.options.attention_query_block} queries"
+            self.route = (
+                f"dsa: sparse gather ({self.slots} slots), "
+                f"indexer blocks of {self.options.indexer_query_block} queries, "
+                f"attention blocks of {self.options.attention_query_block} queries"
             )
         else:
             raise ValueError(f"dsa_backend must be 'sparse' or 'dense', got {self.options.dsa_backend!r}")
         if shared:
-            self.path += ", shared selection"
+            self.route += ", shared selection"
 
     def forward(
         self, x: Tensor, shared_selection: Selection | None = None, selection_cache: dict | None = None
@@ -184,8 +185,13 @@ class DSAAttention(nn.Module):
             pool_mass = self._pool_mass_dense(q_resid, latent, selection) if train_indexer else None
         else:
             q_lat = self.absorbed_queries(q_resid)
-            out_lat, pool_mass = _BlockedSparseMLA.apply(
-                self, selection, train_indexer, q_lat, latent.to(q_lat.dtype)
+            out_lat, pool_mass = sparse_latent_attention(
+                q_lat,
+                latent.to(q_lat.dtype),
+                selection,
+                self.scaling,
+                self.options.attention_query_block,
+                train_indexer,
             )
             out = self.project_out(out_lat)
         self.indexer_loss = None
@@ -197,139 +203,30 @@ class DSAAttention(nn.Module):
 
     # ------------------------------------------------------------ absorbed-latent pieces
     def absorbed_queries(self, q_resid: Tensor) -> Tensor:
-        """Queries in latent space (W_uk folded in): q_resid [B, S, q_lora_rank] -> [B, S, H, kv_lora_rank]."""
+        """Queries in latent space (W_uk folded in): [B, S, q_lora_rank] -> [B, S, H, kv_lora_rank]."""
         batch, seq_len, _ = q_resid.shape
         q = self.q_b_proj(q_resid).view(batch, seq_len, self.num_heads, self.nope_dim)
         w_uk = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return torch.einsum("bshd,hdl->bshl", q, w_uk[:, : self.nope_dim])
 
     def project_out(self, out_lat: Tensor) -> Tensor:
-        """Attention output in latent space [B, S, H, kv_lora_rank] -> W_uv, then o_proj -> [B, S, hidden_size]."""
+        """Attention output in latent space [B, S, H, kv_lora_rank] -> W_uv, then o_proj
+        -> [B, S, hidden_size]."""
         batch, seq_len = out_lat.shape[:2]
         w_uv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         out = torch.einsum("bshl,hdl->bshd", out_lat, w_uv[:, self.nope_dim :])
         return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.v_dim))
-
-    def attend_block(self, q_lat: Tensor, gathered: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Softmax attention of n queries over their own gathered latents (no graph needed).
-
-        q_lat [n, H, L], gathered [n, W, L], valid [n, W] bool -> (out_lat [n, H, L], probabilities [n, H, W]).
-        """
-        scores = torch.bmm(q_lat, gathered.transpose(1, 2)).mul_(self.scaling)
-        scores.masked_fill_(~valid[:, None, :], torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=_at_least_fp32(q_lat.dtype)).to(q_lat.dtype)
-        return torch.bmm(probs, gathered), probs
-
-    def pool_mass_of(self, probs: Tensor, pools_per_query: int, kpool: int) -> Tensor:
-        """Attention probabilities [..., H, W] -> mass per selected pool summed over heads [..., K] fp32."""
-        pooled = probs[..., : pools_per_query * kpool].float().sum(-2)
-        return pooled.unflatten(-1, (pools_per_query, kpool)).sum(-1)
 
     def _pool_mass_dense(self, q_resid: Tensor, latent: Tensor, selection: Selection) -> Tensor:
         """Head-summed attention mass per selected pool for the dense backend (small S): [B, S, K]."""
         with torch.no_grad():
             batch, seq_len, _ = q_resid.shape
             index, valid = gather_indices(selection, 0, seq_len)
-            _, probs = self.attend_block(
+            _, probs = attend_block(
                 self.absorbed_queries(q_resid).flatten(0, 1),
                 gather_latents(latent, index).flatten(0, 1),
                 valid.flatten(0, 1),
+                self.scaling,
             )
-            mass = self.pool_mass_of(probs, selection.pools.shape[-1], selection.kpool)
+            mass = pool_mass_of(probs, selection.pools.shape[-1], selection.kpool)
             return mass.view(batch, seq_len, -1)
-
-
-def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for bf16 / fp16 / fp32, fp64 for fp64: the dtype of the softmax and of the latent gradient's
-    accumulation."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def gather_indices(selection: Selection, start: int, end: int) -> tuple[Tensor, Tensor]:
-    """Slots of queries start..end-1: (token positions clamped to >= 0 [B, b, W] int64, valid [B, b, W] bool)."""
-    tokens = selection.token_indices(start, end)
-    return tokens.clamp(min=0), tokens >= 0
-
-
-def gather_latents(latent: Tensor, index: Tensor) -> Tensor:
-    """latent [B, S, L], index [B, b, W] -> [B, b, W, L]."""
-    batch, seq_len, width = latent.shape
-    rows = index + (torch.arange(batch, device=latent.device) * seq_len)[:, None, None]
-    return latent.reshape(batch * seq_len, width).index_select(0, rows.flatten()).view(*index.shape, width)
-
-
-class _BlockedSparseMLA(torch.autograd.Function):
-    """Sparse attention core in latent space, in query blocks, with a written-out backward.
-
-    (q_lat [B, n, H, L] of n queries, latent [B, S, L] of the whole window) -> (out_lat [B, n, H, L], pool
-    mass [B, n, K] fp32 or None). Forward
-    runs `attend_block` block by block; backward regathers and recomputes each block's probabilities, then
-    with g = d out_lat: d probs = g G^T, d scores = softmax backward, d q_lat = scale * d scores G, and
-    d G = probs^T g + scale * d scores^T q_lat (one matmul), scatter-added (index_add_) into one
-    [B*S, L] buffer.
-    Empty slots have probability 0 and so add nothing.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        attn: DSAAttention,
-        selection: Selection,
-        want_pool_mass: bool,
-        q_lat: Tensor,
-        latent: Tensor,
-    ) -> tuple[Tensor, Tensor | None]:
-        batch, seq_len, heads, width = q_lat.shape
-        block = max(1, attn.options.attention_query_block)
-        pools_per_query = selection.pools.shape[-1]
-        out_lat = torch.empty_like(q_lat)
-        pool_mass = (
-            q_lat.new_empty(batch, seq_len, pools_per_query, dtype=torch.float32) if want_pool_mass else None
-        )
-        for start in range(0, seq_len, block):
-            end = min(start + block, seq_len)
-            index, valid = gather_indices(selection, start, end)
-            out_block, probs = attn.attend_block(
-                q_lat[:, start:end].flatten(0, 1),
-                gather_latents(latent, index).view(-1, index.shape[-1], width),
-                valid.flatten(0, 1),
-            )
-            out_lat[:, start:end] = out_block.view(batch, end - start, heads, width)
-            if pool_mass is not None:
-                mass = attn.pool_mass_of(probs, pools_per_query, selection.kpool)
-                pool_mass[:, start:end] = mass.view(batch, end - start, pools_per_query)
-        ctx.attn, ctx.selection, ctx.block = attn, selection, block
-        ctx.save_for_backward(q_lat, latent)
-        if pool_mass is not None:
-            ctx.mark_non_differentiable(pool_mass)
-        return out_lat, pool_mass
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_pool_mass: Tensor | None) -> tuple[Tensor | None, ...]:
-        q_lat, latent = ctx.saved_tensors
-        attn, selection, block = ctx.attn, ctx.selection, ctx.block
-        batch, seq_len, heads, width = q_lat.shape
-        keys = latent.shape[1]
-        grad_out = grad_out.contiguous()
-        grad_q_lat = torch.empty_like(q_lat)
-        wide = _at_least_fp32(latent.dtype)
-        grad_latent = torch.zeros(batch * keys, width, dtype=wide, device=latent.device)
-        row_offset = (torch.arange(batch, device=latent.device) * keys)[:, None, None]
-        for start in range(0, seq_len, block):
-            end = min(start + block, seq_len)
-            index, valid = gather_indices(selection, start, end)
-            slots = index.shape[-1]
-            gathered = gather_latents(latent, index).view(-1, slots, width)  # [n, W, L]
-            q_block = q_lat[:, start:end].flatten(0, 1)  # [n, H, L]
-            _, probs = attn.attend_block(q_block, gathered, valid.flatten(0, 1))
-            g = grad_out[:, start:end].flatten(0, 1)  # [n, H, L]
-            grad_probs = torch.bmm(g, gathered.transpose(1, 2)).to(wide)
-            probs_wide = probs.to(wide)
-            grad_scores = probs_wide * (grad_probs - (grad_probs * probs_wide).sum(-1, keepdim=True))
-            grad_scores = grad_scores.mul_(attn.scaling).to(q_block.dtype)
-            grad_q_lat[:, start:end] = torch.bmm(grad_scores, gathered).view(batch, end - start, heads, width)
-            grad_gathered = torch.bmm(
-                torch.cat([probs, grad_scores], dim=1).transpose(1, 2), torch.cat([g, q_block], dim=1)
-            )  # [n, W, L]
-            grad_latent.index_add_(0, (index + row_offset).flatten(), grad_gathered.flatten(0, 1).to(wide))
-        return None, None, None, grad_q_lat, grad_latent.to(latent.dtype).view(batch, keys, width)

@@ -1,7 +1,7 @@
 """Readable dense reference of DSA's sparse attention: an S x S mask built from the selected tokens.
 
 For tests and short sequences only: it materialises [B, S, S] masks and [B, H, S, S] scores and refuses
-sequences longer than `forbid_dense_above`. The fast path is `genomelm.model.dsa` (gathered tokens).
+sequences longer than `forbid_dense_above`. The fast path is `genomelm.model.dsa_sparse` (gathered latents).
 """
 
 from __future__ import annotations

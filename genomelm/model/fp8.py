@@ -27,7 +27,8 @@ def is_fp8(tensor: torch.Tensor) -> bool:
 def dequantize_fp8_blocks(
     quantized: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, name: str = "weight"
 ) -> torch.Tensor:
-    """FP8 `quantized` [..., R, C] times its fp32 `scale_inv` [..., ceil(R/br), ceil(C/bc)], per block: fp32 [..., R, C]."""
+    """FP8 `quantized` [..., R, C] times its fp32 `scale_inv` [..., ceil(R/br), ceil(C/bc)], per block
+    (br, bc) = `block` -> fp32 [..., R, C]."""
     if quantized.dim() < 2:
         raise FP8Error(f"{name}: FP8 block scaling needs 2 or more dims, got shape {tuple(quantized.shape)}")
     rows, cols = quantized.shape[-2:]
@@ -35,9 +36,9 @@ def dequantize_fp8_blocks(
     expected = (*quantized.shape[:-2], math.ceil(rows / block_rows), math.ceil(cols / block_cols))
     if tuple(scale_inv.shape) != expected:
         raise FP8Error(
-            f"{name}: FP8 weight of shape {tuple(quantized.shape)} with {block_rows} x {block_cols} blocks needs "
-            f"{name}{SCALE_SUFFIX} of shape {expected}, got {tuple(scale_inv.shape)}; check weight_block_size in "
-            "config.json's quantization_config"
+            f"{name}: FP8 weight of shape {tuple(quantized.shape)} with {block_rows} x {block_cols} blocks "
+            f"needs {name}{SCALE_SUFFIX} of shape {expected}, got {tuple(scale_inv.shape)}; check "
+            "weight_block_size in config.json's quantization_config"
         )
     scale = scale_inv.float().repeat_interleave(block_rows, dim=-2)[..., :rows, :]
     scale = scale.repeat_interleave(block_cols, dim=-1)[..., :cols]

@@ -17,9 +17,9 @@ exactly 0 are common: every head's ReLU can be 0) are broken as torch.topk break
 pool, as transformers does; `select` keeps that whatever the blocking (see `TOPK_SORT_RATIO`), so every split
 of the queries, by block or by rank, selects the same pools.
 
-Precision: the projections (wq_b, wk, weights_proj, the pool gate) follow the caller's autocast; the scores, their
-ReLU and head-weighted sum, the causal mask, the top-k and the KL term run in fp32 with autocast off (the KL
-term in fp64 when its inputs are fp64).
+Precision: the projections (wq_b, wk, weights_proj, the pool gate) follow the caller's autocast; the
+scores, their ReLU and head-weighted sum, the causal mask, the top-k and the KL term run in fp32 with
+autocast off (the KL term in fp64 when its inputs are fp64).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from genomelm.model.chunking import ChunkRunner, run_directly
 from genomelm.model.config import ModelConfig, RunOptions
-from genomelm.model.precision import fp32_region
+from genomelm.model.precision import at_least_fp32, fp32_region
 
 # torch.topk on the CPU partially sorts a row (heap selection: a later value enters only if strictly larger,
 # so trailing invisible pools never change the result) when k * 64 <= its length, else it uses nth_element,
@@ -96,7 +96,8 @@ class Selection:
 
 
 class Indexer(nn.Module):
-    """Lightning indexer with k-pool compression. Parameter names follow transformers' `Glm5NextTextIndexer`."""
+    """Lightning indexer with k-pool compression. Parameter names follow transformers'
+    `Glm5NextTextIndexer`."""
 
     def __init__(self, config: ModelConfig, options: RunOptions | None = None) -> None:
         super().__init__()
@@ -122,7 +123,7 @@ class Indexer(nn.Module):
         n_pools = seq_len // self.kpool
         keys = self.k_norm(self.wk(x))[:, : n_pools * self.kpool].view(batch, n_pools, self.kpool, -1)
         gate = F.linear(x, self.index_kpool_compress_gate)[:, : n_pools * self.kpool]
-        wide = torch.promote_types(gate.dtype, torch.float32)
+        wide = at_least_fp32(gate.dtype)
         logits = gate.view(batch, n_pools, self.kpool, -1).to(wide) + self.index_kpool_compress_ape.to(wide)
         return (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2)
 
@@ -130,10 +131,10 @@ class Indexer(nn.Module):
         """Index scores of the queries at global positions start..start+b-1 against the given pools: [B, b, P]
         fp32, invisible pools -inf-like.
 
-        x [B, b, D] and q_resid [B, b, q_lora_rank] are the block's rows; pool_keys [B, P, head_dim] (the first P
-        pools; pass only those the block can see to save work). Three passes over the [B, b, H, P] scores: the
-        matmul, the in-place scale + ReLU, and the head-weighted sum; the causal mask touches only the pools
-        that end inside the block.
+        x [B, b, D] and q_resid [B, b, q_lora_rank] are the block's rows; pool_keys [B, P, head_dim] (the
+        first P pools; pass only those the block can see to save work). Three passes over the [B, b, H, P]
+        scores: the matmul, the in-place scale + ReLU, and the head-weighted sum; the causal mask touches only
+        the pools that end inside the block.
         """
         batch, block, _ = x.shape
         n_pools = pool_keys.shape[1]
@@ -243,7 +244,7 @@ class Indexer(nn.Module):
         keys = pool_keys[torch.arange(batch, device=x.device)[:, None, None], safe]  # [B, b, K, head_dim]
         q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype))
-        wide = torch.promote_types(q.dtype, torch.float32)
+        wide = at_least_fp32(q.dtype)
         with fp32_region(q):
             scores = F.relu(torch.matmul(q.to(wide), keys.to(wide).transpose(-1, -2)) * self.softmax_scale)
             weighted = weights.to(wide).unsqueeze(-2) * (self.n_heads**-0.5)

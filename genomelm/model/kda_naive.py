@@ -1,4 +1,5 @@
-"""Token-by-token reference of the Kimi delta rule (KDA), the readable counterpart of `kda.chunk_kda_torch`.
+"""Token-by-token reference of the Kimi delta rule (KDA): the readable counterpart of
+`kda_chunk.chunk_kda_torch`.
 
 For each token t (per batch row and head), with state S [Dk, Dv]:
     S <- diag(exp(g_t)) S                      (per-channel decay, g_t <= 0 is a log decay)
@@ -7,13 +8,15 @@ For each token t (per batch row and head), with state S [Dk, Dv]:
 q and k are L2-normalised first (`l2_normalise`). Everything runs in fp32 (fp64 for fp64 inputs).
 
 `reference_segment_summary` gives a segment's affine state map S_out = M S_in + S_ext from two runs of this
-loop, the readable counterpart of `kda.kda_segment_summary`.
+loop, the readable counterpart of `kda_chunk.kda_segment_summary`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .precision import at_least_fp32
 
 L2_EPS = 1e-6
 
@@ -26,12 +29,13 @@ def l2_normalise(x: Tensor, eps: float = L2_EPS) -> Tensor:
 def recurrent_kda(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """q, k, g: [B, S, H, Dk]; v: [B, S, H, Dv]; beta: [B, S, H]; initial_state: [B, H, Dk, Dv] or None (zeros).
+    """The delta rule, one token at a time.
 
+    q, k, g: [B, S, H, Dk]; v: [B, S, H, Dv]; beta: [B, S, H]; initial_state: [B, H, Dk, Dv] or None (zeros).
     Returns output [B, S, H, Dv] in v's dtype and the final state [B, H, Dk, Dv] fp32 (fp64 for fp64 inputs).
     """
     out_dtype = v.dtype
-    dtype = torch.promote_types(v.dtype, torch.float32)
+    dtype = at_least_fp32(v.dtype)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     q = l2_normalise(q) * q.shape[-1] ** -0.5
     k = l2_normalise(k)
@@ -60,7 +64,7 @@ def reference_segment_summary(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
     the segment's values. Inputs as `recurrent_kda`.
     """
     batch, _, heads, dk = k.shape
-    dtype = torch.promote_types(v.dtype, torch.float32)
+    dtype = at_least_fp32(v.dtype)
     identity = torch.eye(dk, dtype=dtype, device=k.device).expand(batch, heads, dk, dk)
     _, transition = recurrent_kda(q, k, torch.zeros_like(k, dtype=dtype), g, beta, identity)
     _, from_zero = recurrent_kda(q, k, v, g, beta)

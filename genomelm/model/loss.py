@@ -4,9 +4,9 @@
 negative log-likelihoods: `ChunkedLinearCrossEntropy` computes them `chunk_tokens` tokens at a time, and its
 backward recomputes each chunk's logits, so at most one chunk's [chunk, V] logits exist at once.
 
-Precision: the logits matmul runs in the compute dtype found at the forward (bf16 under bf16 autocast, else the
-inputs' dtype), in forward and in backward alike; log-softmax, the picked logit and every gradient of the logits
-are fp32.
+Precision: the logits matmul runs in the compute dtype found at the forward (bf16 under bf16 autocast, else
+the inputs' dtype), in forward and in backward alike; log-softmax, the picked logit and every gradient of the
+logits are fp32.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .precision import compute_dtype, fp32_region
+from genomelm.data.vocab import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+from .precision import compute_dtype, fp32_region
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -72,7 +72,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def token_nll(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int) -> Tensor:
-    """Per-token negative log-likelihood. hidden [..., D], weight [V, D], labels [...] -> [...] fp32 (0 at -100)."""
+    """Per-token negative log-likelihood: hidden [..., D], weight [V, D], labels [...] -> [...] fp32, 0 where
+    labels == IGNORE_INDEX."""
     if chunk_tokens < 1:
         raise ValueError(f"loss_chunk_tokens must be positive, got {chunk_tokens}")
     flat = ChunkedLinearCrossEntropy.apply(
@@ -82,7 +83,8 @@ def token_nll(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int)
 
 
 def reduce_nll(nll: Tensor, labels: Tensor, reduction: str) -> Tensor:
-    """Per-token nll [...] (0 at ignored labels) -> "mean" over non-ignored tokens (0 if none), "sum", or "none"."""
+    """Per-token nll [...] (0 at ignored labels) -> "mean" over non-ignored tokens (0 if none), "sum", or
+    "none" (unchanged)."""
     if reduction == "none":
         return nll
     if reduction == "sum":

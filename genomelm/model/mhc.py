@@ -1,17 +1,18 @@
 """Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams per token.
 
-Before a block the streams are collapsed into the block input with weights `pre`; after it the block output is
-spread back with weights `post` and added to the streams mixed by a doubly-stochastic `comb` (Sinkhorn). All three
-weights come from a one-layer projection of the RMS-normed, flattened streams, computed in fp32.
+Before a block the streams are collapsed into the block input with weights `pre`; after it the block output
+is spread back with weights `post` and added to the streams mixed by a doubly-stochastic `comb` (Sinkhorn).
+All three weights come from a one-layer projection of the RMS-normed, flattened streams, computed in fp32.
 
 Precision: the streams are stored in the compute dtype (bf16 under bf16 autocast: 2 bytes per value, the
 tensor a layer keeps for its recompute), while the mixing weights, the Sinkhorn iterations, the collapse into
-the block input and the combine after the block all run in fp32 with autocast off, rounding once on the way out.
+the block input and the combine after the block all run in fp32 with autocast off, rounding once on the way
+out.
 
 Speed on the CPU: the per-token weights are tiny ([N], [N, N] with N = 4), so they are computed token-minor
-([.., T] with the T = B*S tokens last and contiguous): every elementwise op of the Sinkhorn iterations then runs
-over long contiguous rows instead of 4-wide ones. The RMS norm is folded into the projection (`_NormedMix`) and
-the Sinkhorn iterations have a hand-written backward that recomputes them (`_Sinkhorn`).
+([.., T] with the T = B*S tokens last and contiguous): every elementwise op of the Sinkhorn iterations then
+runs over long contiguous rows instead of 4-wide ones. The RMS norm is folded into the projection
+(`_NormedMix`) and the Sinkhorn iterations have a hand-written backward that recomputes them (`_Sinkhorn`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ SINKHORN_BACKWARD_TOKENS = 16384  # tokens whose Sinkhorn iterates are recompute
 
 
 class HyperConnection(nn.Module):
-    """Computes the mixing weights of one block. Parameters: `fn` [(2+N)*N, N*D], `base` [(2+N)*N], `scale` [3]."""
+    """Computes the mixing weights of one block.
+
+    Parameters: `fn` [(2+N)*N, N*D], `base` [(2+N)*N] fp32, `scale` [3] fp32.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -42,7 +46,7 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
 
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """streams: [B, S, N, D] -> post [B, S, N] fp32, comb [B, S, N, N] fp32, block input [B, S, D] fp32."""
+        """streams [B, S, N, D] -> post [B, S, N], comb [B, S, N, N], block input [B, S, D], all fp32."""
         with fp32_region(streams):
             return self._mix(streams.float())
 
@@ -74,7 +78,8 @@ class _NormedMix(torch.autograd.Function):
     """mixes = (x / rms(x)) @ fn^T, computed as rsqrt(mean(x^2) + eps) * (x @ fn^T).
 
     x [T, K] fp32, fn [M, K] fp32 -> [T, M] fp32. The backward is written out, so no normalised copy of x is
-    ever stored or recomputed: d x = r (g @ fn) - (r^3 / K) (g . raw) x with raw = x @ fn^T, r the inverse RMS.
+    ever stored or recomputed: d x = r (g @ fn) - (r^3 / K) (g . raw) x with raw = x @ fn^T, r the inverse
+    RMS.
     """
 
     @staticmethod
@@ -98,17 +103,6 @@ class _NormedMix(torch.autograd.Function):
         return grad_x, grad_fn, None
 
 
-def sinkhorn(m: Tensor, iters: int, eps: float) -> Tensor:
-    """Make m [..., N, N] (positive) near doubly stochastic: column sums, then `iters - 1` rounds of rows+columns.
-
-    The readable reference of `_Sinkhorn` (which works token-minor on [N, N, T])."""
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
-
-
 def _sinkhorn_axes(iters: int) -> list[int]:
     """Summed axis of each normalisation step on [N(row), N(col), T]: 0 = column sums, 1 = row sums."""
     return [0] + [1, 0] * (iters - 1)
@@ -123,9 +117,11 @@ def _sinkhorn_iterates(m: Tensor, iters: int, eps: float) -> list[Tensor]:
 
 
 class _Sinkhorn(torch.autograd.Function):
-    """`sinkhorn` token-minor: m [N, N, T] -> [N, N, T]. Backward recomputes the iterates, a token chunk at a time.
+    """Sinkhorn normalisation of positive m [N, N, T] (token-minor) towards doubly stochastic -> [N, N, T]:
+    column sums, then `iters - 1` rounds of rows + columns, each step x / (sum_axis x + eps).
 
-    For a step y = x / (sum_axis x + eps): d x = (d y - sum_axis(d y * y)) / (sum_axis x + eps).
+    Backward recomputes the iterates, SINKHORN_BACKWARD_TOKENS tokens at a time; for a step
+    y = x / (sum_axis x + eps): d x = (d y - sum_axis(d y * y)) / (sum_axis x + eps).
     """
 
     @staticmethod
@@ -152,8 +148,8 @@ class _Sinkhorn(torch.autograd.Function):
 
 
 def hc_combine(post: Tensor, comb: Tensor, block_output: Tensor, residual: Tensor) -> Tensor:
-    """New streams [B, S, N, D]: `post[n] * block_output + sum_m comb[m, n] * residual[m]`, computed in fp32 and
-    returned in residual's dtype."""
+    """New streams [B, S, N, D]: `post[n] * block_output + sum_m comb[m, n] * residual[m]`, computed in fp32
+    and returned in residual's dtype."""
     with fp32_region(residual):
         spread = post.float().unsqueeze(-1) * block_output.float().unsqueeze(-2)
         mixed = torch.matmul(comb.float().transpose(-1, -2), residual.float())

@@ -18,8 +18,8 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 class MLP(nn.Module):
     """`down(swiglu(gate(x), up(x)))` with width `intermediate_size` (default: config.intermediate_size).
 
-    With `chunk_tokens`, a sequence is processed that many tokens at a time through `chunk_runner` (the trainer
-    may recompute each chunk in backward, so the [S, width] activations never exist at once).
+    With `chunk_tokens`, a sequence is processed that many tokens at a time through `chunk_runner` (the
+    trainer may recompute each chunk in backward, so the [S, width] activations never exist at once).
     """
 
     def __init__(
@@ -33,7 +33,8 @@ class MLP(nn.Module):
         self.swiglu_limit = config.swiglu_limit
         self.chunk_tokens = chunk_tokens
         self.chunk_runner: ChunkRunner = run_directly
-        self.path = f"mlp: dense swiglu, width {width}" + (f", chunks of {chunk_tokens} tokens" if chunk_tokens else "")
+        chunks = f", chunks of {chunk_tokens} tokens" if chunk_tokens else ""
+        self.route = f"mlp: dense swiglu, width {width}{chunks}"
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., D] -> [..., D]."""

@@ -1,8 +1,9 @@
 """GLM-5.3-Flash text decoder for causal language modelling (`GlmForCausalLM`).
 
 Token embeddings are copied into `hc_mult` residual streams; each `DecoderLayer` runs two mHC-wrapped blocks
-(attention: KDA or DSA; feed-forward: dense SwiGLU or MoE); the streams are averaged, normed and projected onto the
-vocabulary only inside the chunked loss. Parameter names equal transformers' `Glm5NextTextModel` plus `lm_head`.
+(attention: KDA or DSA; feed-forward: dense SwiGLU or MoE); the streams are averaged, normed and projected
+onto the vocabulary only inside the chunked loss. Parameter names equal transformers' `Glm5NextTextModel`
+plus `lm_head`. Each block names its compute route in `route` (`GlmForCausalLM.route_table`).
 
 Everything goes through `forward` (`model(input_ids, labels)`), and every submodule is called through
 `__call__`, so module hooks (FSDP2, `torch.compile`, profilers) see each call. The model never turns autocast
@@ -19,11 +20,13 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from genomelm.data.vocab import IGNORE_INDEX
+
 from .config import DSA, KDA, MOE, ModelConfig, RunOptions
 from .dsa import DSAAttention
 from .indexer import Indexer, Selection
 from .kda import ForgetGate, KDAttention
-from .loss import IGNORE_INDEX, LMHead, reduce_nll
+from .loss import LMHead, reduce_nll
 from .mhc import HyperConnection, hc_combine, hc_head
 from .mlp import MLP
 from .moe import Experts, MoE, TopkRouter
@@ -78,9 +81,9 @@ class DecoderLayer(nn.Module):
         return hc_combine(post, comb, x, streams), selection
 
     @property
-    def path(self) -> str:
-        """What this layer ran (or will run): attention path | feed-forward path."""
-        return f"{self.self_attn.path} | {self.mlp.path}"
+    def route(self) -> str:
+        """The compute route this layer took (or will take): attention route | feed-forward route."""
+        return f"{self.self_attn.route} | {self.mlp.route}"
 
 
 def _call_layer(
@@ -90,7 +93,7 @@ def _call_layer(
 
 
 class GlmForCausalLM(nn.Module):
-    """Decoder + untied output head: `forward` (= `loss`), `token_logprobs`, `hidden_states`, `path_table`,
+    """Decoder + untied output head: `forward` (= `loss`), `token_logprobs`, `hidden_states`, `route_table`,
     `router_stats`."""
 
     def __init__(self, config: ModelConfig, options: RunOptions | None = None) -> None:
@@ -119,17 +122,18 @@ class GlmForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> GlmForCausalLM:
-        """Randomly initialised model in `dtype` (the fp32-declared parameters stay fp32) on `device` (meta works)."""
+        """Randomly initialised model in `dtype` (the fp32-declared parameters stay fp32) on `device` (meta
+        works)."""
         with torch.device(device if device is not None else "cpu"), _default_dtype(dtype):
             return cls(config, options)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def init_weights(self) -> None:
-        """The reference initialisation: normal(0, initializer_range) for matrices and embeddings (pad row 0),
-        norms 1, mHC base 0 / scale 1, router bias 0, KDA A_log 0 (with a lower bound; else log U(1, 16)) and
-        dt_bias = softplus^-1 of log-uniform [1e-3, 1e-1], indexer pool ape 0 / gate 1. No data-dependent step,
-        so it runs on the meta device."""
+        """The reference initialisation: normal(0, initializer_range) for matrices and embeddings (pad row
+        0), norms 1, mHC base 0 / scale 1, router bias 0, KDA A_log 0 (with a lower bound; else log U(1, 16))
+        and dt_bias = softplus^-1 of log-uniform [1e-3, 1e-1], indexer pool ape 0 / gate 1. No data-dependent
+        step, so it runs on the meta device."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, LMHead):
@@ -170,13 +174,15 @@ class GlmForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def check_dense_guard(self, seq_len: int) -> None:
-        """Refuse sequences longer than `options.forbid_dense_above` when some layer would build S x S tensors."""
+        """Refuse sequences longer than `options.forbid_dense_above` when some layer would build S x S
+        tensors."""
         limit = self.options.forbid_dense_above
         dense = self.config.dsa_layers if self.options.dsa_backend == "dense" else []
         if limit is not None and seq_len > limit and dense:
             raise ValueError(
                 f"sequence of {seq_len} tokens > forbid_dense_above={limit}: DSA layers {dense} run "
-                "dsa_backend='dense', which builds S x S tensors; use dsa_backend='sparse' (or raise the limit)"
+                "dsa_backend='dense', which builds S x S tensors; "
+                "use dsa_backend='sparse' (or raise the limit)"
             )
 
     def hidden_states(self, input_ids: Tensor, layer_runner: LayerRunner | None = None) -> Tensor:
@@ -204,9 +210,9 @@ class GlmForCausalLM(nn.Module):
         if not self._announced:
             self._announced = True
             log.info(
-                "genomelm model paths at the first forward (%d tokens per row):\n%s",
+                "genomelm model routes at the first forward (%d tokens per row):\n%s",
                 input_ids.shape[1],
-                self.path_table(),
+                self.route_table(),
             )
         return self.norm(hc_head(streams))
 
@@ -247,14 +253,15 @@ class GlmForCausalLM(nn.Module):
         return -self(input_ids, labels, reduction="none", layer_runner=layer_runner)[:, :-1]
 
     # ------------------------------------------------------------------ reports
-    def path_table(self) -> str:
-        """One line per layer with the attention and feed-forward paths, plus the loss path."""
-        lines = [f"{'layer':>5}  {'type':<5}  path"]
+    def route_table(self) -> str:
+        """One line per layer with the attention and feed-forward routes, plus the loss route."""
+        lines = [f"{'layer':>5}  {'type':<5}  route"]
         for layer in self.layers:
             kind = "KDA" if layer.layer_type == KDA else "DSA"
-            lines.append(f"{layer.layer_idx:>5}  {kind:<5}  {layer.path}")
+            lines.append(f"{layer.layer_idx:>5}  {kind:<5}  {layer.route}")
         lines.append(
-            f"{'':>5}  {'head':<5}  loss: chunked cross-entropy, {self.options.loss_chunk_tokens} tokens at a time"
+            f"{'':>5}  {'head':<5}  loss: chunked cross-entropy, "
+            f"{self.options.loss_chunk_tokens} tokens at a time"
         )
         return "\n".join(lines)
 

@@ -1,14 +1,15 @@
-"""Mixture of experts: fp32 sigmoid router with correction bias and group-limited top-k, routed experts, shared expert.
+"""Mixture of experts: fp32 sigmoid router with correction bias and group-limited top-k, routed experts,
+shared expert.
 
-The sequence is routed and computed `options.moe_chunk_tokens` tokens at a time, so working memory is bounded by
-the chunk size times `num_experts_per_tok` whatever the length or the routing balance. Two backends give the same
-numbers: "grouped" sorts a chunk's (token, expert) pairs by expert and runs all experts in one grouped GEMM over
-the expert offsets (`torch._grouped_mm`; where the device or dtype lacks it, a loop over the experts' slices of one
-`unbind`, so the backward writes one stacked gradient, never a full-size buffer per expert); "loop" is the
-readable reference (each expert gathers its tokens with a mask).
+The sequence is routed and computed `options.moe_chunk_tokens` tokens at a time, so working memory is bounded
+by the chunk size times `num_experts_per_tok` whatever the length or the routing balance. Two backends give
+the same numbers: "grouped" sorts a chunk's (token, expert) pairs by expert and runs all experts in one
+grouped GEMM over the expert offsets (`torch._grouped_mm`; where the device or dtype lacks it, a loop over
+the experts' slices of one `unbind`, so the backward writes one stacked gradient, never a full-size buffer
+per expert); "loop" is the readable reference (each expert gathers its tokens with a mask).
 
-Precision: routing (logits, sigmoid scores, group and top-k choice, combine weights) runs in fp32 with autocast
-off; the expert GEMMs follow the caller's autocast (bf16 on GPUs).
+Precision: routing (logits, sigmoid scores, group and top-k choice, combine weights) runs in fp32 with
+autocast off; the expert GEMMs follow the caller's autocast (bf16 on GPUs).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ MOE_BACKENDS = ("grouped", "loop")
 
 
 class TopkRouter(nn.Module):
-    """Chooses `num_experts_per_tok` experts per token. `weight` [E, D] and `e_score_correction_bias` [E] are fp32."""
+    """Chooses `num_experts_per_tok` experts per token. `weight` [E, D] and `e_score_correction_bias` [E]
+    are fp32."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -42,9 +44,10 @@ class TopkRouter(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: [T, D] -> (expert ids [T, k] long, weights [T, k] fp32), all in fp32 whatever the autocast.
 
-        Scores are sigmoid(logits); the bias only steers the choice (group scores = sum of each group's two best
-        biased scores; experts outside the `topk_group` best groups are excluded); the weights are the unbiased
-        scores of the chosen experts, normalised to sum 1 (if `norm_topk_prob`) and times `routed_scaling_factor`.
+        Scores are sigmoid(logits); the bias only steers the choice (group scores = sum of each group's two
+        best biased scores; experts outside the `topk_group` best groups are excluded); the weights are the
+        unbiased scores of the chosen experts, normalised to sum 1 (if `norm_topk_prob`) and times
+        `routed_scaling_factor`.
         """
         with fp32_region(x):
             scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
@@ -84,8 +87,8 @@ class Experts(nn.Module):
         self.backend = backend
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """Sum of weighted expert outputs per token: x [T, D], expert_ids/weights [T, k] -> (out [T, D], tokens
-        per expert [E] long)."""
+        """Sum of weighted expert outputs per token: x [T, D], expert_ids/weights [T, k] -> (out [T, D],
+        tokens per expert [E] long)."""
         if self.backend == "loop":
             return self.loop(x, expert_ids, weights)
         return self.grouped(x, expert_ids, weights)
@@ -105,9 +108,9 @@ class Experts(nn.Module):
 
     def expert_rows(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
         """The expert MLP of rows sorted by expert: x_sorted [N, D] in the compute dtype, expert e of this
-        module's weights owning the next counts[e] rows (counts [E] long, summing to N, N >= 1) -> [N, D] in the
-        same dtype. One grouped GEMM per projection where supported, else `_sliced`. (Also the per-rank step of
-        expert parallelism, where the module holds a slice of the experts.)"""
+        module's weights owning the next counts[e] rows (counts [E] long, summing to N, N >= 1) -> [N, D] in
+        the same dtype. One grouped GEMM per projection where supported, else `_sliced`. (Also the per-rank
+        step of expert parallelism, where the module holds a slice of the experts.)"""
         dtype = x_sorted.dtype
         if grouped_mm_supported(x_sorted.device, dtype):
             offsets = counts.cumsum(0).to(torch.int32)
@@ -118,8 +121,8 @@ class Experts(nn.Module):
 
     def _sliced(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
         """Fallback of the grouped GEMM: each expert on its contiguous slice. The weights are split with one
-        `unbind`, whose backward stacks the experts' gradients once (indexing `gate_up_proj[e]` per expert would
-        allocate a zero gradient the size of the whole parameter for each expert)."""
+        `unbind`, whose backward stacks the experts' gradients once (indexing `gate_up_proj[e]` per expert
+        would allocate a zero gradient the size of the whole parameter for each expert)."""
         gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         pieces, start = [], 0
         for expert, count in enumerate(counts.tolist()):
@@ -151,7 +154,8 @@ def _grouped_linear(x_sorted: Tensor, weight: Tensor, offsets: Tensor) -> Tensor
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (the grouped GEMM's backward rejects expanded ones)."""
+    """Identity whose backward hands on a contiguous gradient (the grouped GEMM's backward rejects expanded
+    ones)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
@@ -176,8 +180,9 @@ class MoE(nn.Module):
         self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
         self.chunk_tokens = options.moe_chunk_tokens
         self.chunk_runner: ChunkRunner = run_directly
-        self.path = (
-            f"moe: {options.moe_backend}, {config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
+        self.route = (
+            f"moe: {options.moe_backend}, "
+            f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
             f"chunks of {self.chunk_tokens} tokens"
         )
         self.tokens_per_expert: Tensor | None = None  # [E] long, of the last forward

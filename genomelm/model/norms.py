@@ -1,7 +1,7 @@
-"""RMS normalisations used by GLM-5.3-Flash: weighted, sigmoid-gated and unweighted.
+"""RMS normalisations used by GLM-5.3-Flash: weighted and sigmoid-gated.
 
-All statistics are taken in fp32; the weighted norm returns `weight * normed.to(input dtype)` (the checkpoint's
-convention), the gated norm stays in fp32 until its final cast.
+All statistics are taken in fp32; the weighted norm returns `weight * normed.to(input dtype)` (the
+checkpoint's convention), the gated norm stays in fp32 (fp64 for fp64 inputs) until its final cast.
 """
 
 from __future__ import annotations
@@ -9,11 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-
-def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
-    """`x / rms(x)` over the last dimension, statistics in fp32, result in x's dtype. x: [..., D]."""
-    inv_rms = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
-    return x * inv_rms.to(x.dtype)
+from .precision import at_least_fp32
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +37,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         """x, gate: [..., dim] -> [..., dim] in x's dtype."""
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = at_least_fp32(x.dtype)
         x32 = x.to(dtype)
         normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight.to(dtype) * normed * torch.sigmoid(gate.to(dtype))).to(x.dtype)
