@@ -204,11 +204,11 @@ def _rank_cases(problems: dict[str, Problem], model_problem: ModelProblem) -> di
         )
         result = _run(layers, problem, dtype, layout, bf16=variant == "bf16")
         result["collectives"] = list(collectives)
-        result["paths"] = [layer.path for layer in layers]
+        result["routes"] = [layer.route for layer in layers]
         result["changed"] = changed
         result["same_names"] = names_before == [[n for n, _ in layer.named_parameters()] for layer in layers]
         result["removed"] = [remove_context_parallel(layer) for layer in layers]
-        result["paths_after_remove"] = [layer.path for layer in layers]
+        result["routes_after_remove"] = [layer.route for layer in layers]
         results.append(result)
 
     # a recompute with the selection cache: no indexer, only the latent is gathered, the same output
@@ -319,8 +319,8 @@ def test_cp_override_keeps_parameters_and_gathers_once_per_layer(
                 and result["removed"] == [[""], [""]]
                 and result["same_names"]
             )
-            assert all(p.endswith(f"+ context parallel ({kind}, cp {cp})") for p in result["paths"])
-            assert all("context parallel" not in p for p in result["paths_after_remove"])
+            assert all(p.endswith(f"+ context parallel ({kind}, cp {cp})") for p in result["routes"])
+            assert all("context parallel" not in p for p in result["routes_after_remove"])
             assert result["collectives"][:2] == [
                 ("all_gather", (latent_bytes + pooled_bytes,), torch.uint8),
                 ("all_gather", (latent_bytes,), torch.uint8),

@@ -56,7 +56,7 @@ def build(skew: bool) -> torch.nn.Module:
 
 def run_step(model: torch.nn.Module, rows: list[torch.Tensor], context: Any, bf16: bool) -> torch.Tensor:
     """One trainer micro-batch (recompute, offload, kept selections): forward under the autocast, backward."""
-    from genomelm.train.loop import window_loss
+    from genomelm.train.step import window_loss
     from genomelm.train.memory import LayerRunner
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -114,10 +114,10 @@ def ep_rank(
         "received": received_tokens(model),
         "after_reset": received_tokens(model),
         "changed": changed,
-        "local_experts": experts.local_experts,
-        "ep_size": experts.ep_size,
+        "local_experts": experts.expert_shard.local_experts,
+        "ep_size": experts.expert_shard.ep,
         "shapes": {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith(EXPERT_PARAMS)},
-        "path": model.get_submodule(changed[0].rpartition(".")[0]).path,
+        "route": model.get_submodule(changed[0].rpartition(".")[0]).route,
         "exchanged": exchanged,
         "expert_params": sorted(expert_parallel_parameters(model)),
     }
@@ -161,7 +161,7 @@ def test_ep2_equals_one_process() -> None:
         assert result["local_experts"] == range(4 * rank, 4 * rank + 4) and result["ep_size"] == EP
         assert all(shape[0] == 4 for shape in result["shapes"].values())
         assert result["expert_params"] == sorted(result["shapes"])  # 2 per MoE layer
-        assert result["path"].endswith("+ expert parallel (ep 2)")
+        assert result["route"].endswith("+ expert parallel (ep 2)")
         for name, counts in result["counts"].items():  # this rank's pairs per global expert, as one process's
             assert torch.equal(counts, ref["counts"][rank][name])
         assert set(result["after_reset"].values()) == {0}

@@ -187,9 +187,12 @@ def experts_of(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def slice_experts_(model: torch.nn.Module, held: range) -> None:
-    """Expert parallelism as `genomelm.parallel.expert` lays it out: each `Experts` keeps the rows `held`."""
+    """Expert parallelism as `genomelm.parallel.expert` lays it out: each `Experts` keeps the rows `held` (an
+    `ExpertShard` without a process group: only the layout matters to loading)."""
+    from genomelm.parallel.expert import ExpertShard
+
     for module in experts_of(model):
-        module.local_experts = held
+        module.expert_shard = ExpertShard(None, 1, 0, module.num_experts, held)
         for leaf in ("gate_up_proj", "down_proj"):
             full = getattr(module, leaf)
             shape = (len(held), *full.shape[1:])
@@ -198,7 +201,8 @@ def slice_experts_(model: torch.nn.Module, held: range) -> None:
 
 def load_on_rank(folder: str, held: range | None) -> torch.nn.Module:
     """`tiny` built on meta (with `held`: each `Experts` keeps only those experts, the same on every rank, as
-    the ranks of one expert-parallel slot), FSDP2-sharded over the group, allocated, this rank's part loaded."""
+    the ranks of one expert-parallel slot), FSDP2-sharded over the group, allocated, this rank's part
+    loaded."""
     from torch.distributed.fsdp import fully_shard
 
     from genomelm.model import GlmForCausalLM, ModelConfig
@@ -281,23 +285,23 @@ def test_load_rank_shard_reads_only_the_held_experts(hf_folder, monkeypatch):
 
 def save_and_load_with_the_trainer_on_rank(run_dir: str, weights: dict[str, torch.Tensor], hf: str) -> bool:
     """The trainer's own layout (dp=2, ep=2: each rank its 4 experts, FSDP2 over the rest): `save_sharded` the
-    model holding `weights`; then build `tiny` on meta, split it the same way and `load_rank_shard` it from
+    model holding `weights` into the run folder `run_dir`; then build `tiny` on meta, split it the same way
+    and `load_rank_shard` it from
     `hf`. Whether every local shard equals the saved model's."""
     from torch.distributed.tensor import DTensor
 
     from genomelm.model import GlmForCausalLM, ModelConfig
+    from genomelm.parallel.checkpoint import Checkpointer
     from genomelm.parallel.mesh import ParallelDims
     from genomelm.parallel.rank_loading import load_rank_shard
-    from genomelm.parallel.sharded_checkpoint import save_sharded
     from genomelm.parallel.training import ParallelRun
 
     run = ParallelRun.from_environment(ParallelDims(dp=2, ep=2), "zigzag", True, "cpu")
     model = load_model("tiny")
     model.load_state_dict(weights)
     run.prepare(model, None, 8.0)
-    save_sharded(
-        Path(run_dir), 4, model, torch.optim.AdamW(model.parameters(), lr=0.0), {"step": 4}, run.mesh, 2
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    Checkpointer(run_dir).save(4, model, optimizer, {"step": 4}, run.mesh, keep=2)
     loaded = GlmForCausalLM.from_config(ModelConfig.preset("tiny"), device="meta")
     run.prepare(loaded, None, 8.0)
     loaded.to_empty(device="cpu")

@@ -16,13 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from genomelm.model import ModelConfig, RunOptions
-from genomelm.model.kda import (
-    KDAState,
-    KDAttention,
-    apply_state_map,
-    kda_chunk_transforms,
-    kda_segment_summary,
-)
+from genomelm.model.kda import KDAState, KDAttention
+from genomelm.model.kda_chunk import apply_state_map, kda_chunk_transforms, kda_segment_summary
 from genomelm.model.kda_naive import recurrent_kda, reference_segment_summary
 from genomelm.parallel import (
     CONTIGUOUS,
@@ -149,11 +144,11 @@ def _rank_cases(problem: Problem) -> list[dict[str, Any]]:
         collectives.clear()
         result = _run(layer, problem, dtype, ContextLayout(SEQ_LEN, cp, rank, kind, kda_chunk=CHUNK))
         result["collectives"] = list(collectives)
-        result["path"] = layer.path
+        result["route"] = layer.route
         result["changed"] = changed
         result["same_names"] = names_before == [name for name, _ in layer.named_parameters()]
         result["removed"] = remove_context_parallel(layer)
-        result["path_after_remove"] = layer.path
+        result["route_after_remove"] = layer.route
         results.append(result)
     return results
 
@@ -224,8 +219,8 @@ def test_cp_override_keeps_parameters_and_exchanges_once_per_direction(under_cp,
             n = 2 if kind == ZIGZAG else 1
             dtype = getattr(torch, dtype_name)
             assert result["changed"] == [""] and result["removed"] == [""] and result["same_names"]
-            assert result["path"].endswith(f"+ context parallel ({kind}, cp {cp})")
-            assert "context parallel" not in result["path_after_remove"]
+            assert result["route"].endswith(f"+ context parallel ({kind}, cp {cp})")
+            assert "context parallel" not in result["route_after_remove"]
             assert result["collectives"] == [
                 ("all_gather", (n, BATCH, halo, width), dtype),
                 ("all_gather", (n, BATCH, heads, dk, 2 * dk), dtype),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genomelm.model.loss import IGNORE_INDEX
+from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.parallel import CONTIGUOUS, ZIGZAG, ContextLayout, LayoutError, next_token_labels
 
 KINDS = (ZIGZAG, CONTIGUOUS)

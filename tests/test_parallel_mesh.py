@@ -1,5 +1,5 @@
-"""The dp x cp (x ep) mesh: layouts refused before launch, data parallel and FSDP2 equal to one process, sharded
-checkpoints resumed at other world sizes (gloo, 2 and 4 local processes, tiny model, real fly DNA)."""
+"""The dp x cp (x ep) mesh: layouts refused before launch, data parallel and FSDP2 equal to one process,
+sharded checkpoints resumed at other world sizes (gloo, 2 and 4 local processes, tiny model, real fly DNA)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_layouts_refused_with_the_reason() -> None:
     assert ParallelDims(2, 4, 4).coordinates(5) == {"dp": 1, "cp": 1, "ep": 1, "edp": 1}
     with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4.*\[1, 2, 4\]"):
         ParallelDims(2, 2, 3).check()
-    with pytest.raises(ValueError, match="ep=4 does not divide the model's 6 routed experts.*one of \\[1, 2\\]"):
+    with pytest.raises(ValueError, match=r"ep=4 does not divide the model's 6 routed experts.*one of \[1, 2\]"):
         ParallelDims(4, 1, 4).check(num_experts=6)
     with pytest.raises(ValueError, match="dp=0"):
         ParallelDims(0, 1, 1).check()
@@ -77,18 +77,21 @@ def test_context_and_expert_parallel_on_two_ranks_equal_one_process(fly_data, tm
 
 @pytest.mark.slow
 def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> None:
-    """Saved by 2 ranks (dp=2 x ep=2, FSDP2), killed at step 3; resumed by 4 ranks (dp=2 x cp=2, ep=4: the experts
-    resharded) and by one process (grad_accum=2): steps 3 and 4 equal the uninterrupted run's."""
+    """Saved by 2 ranks (dp=2 x ep=2, FSDP2), killed at step 3; resumed by 4 ranks (dp=2 x cp=2, ep=4: the
+    experts resharded) and by one process (grad_accum=2): steps 3 and 4 equal the uninterrupted run's."""
     full = train_losses(fly_data, tmp_path, "full", "dp=2", "ep=2", "steps=4", "save_every=2")
     from genomelm.parallel.launch import LaunchError
+    from genomelm.train.faults import FAULT_ENV
 
     for name, resumed in (("at4", ["dp=2", "cp=2", "ep=4"]), ("at1", ["grad_accum=2"])):
         with pytest.raises((LaunchError, RuntimeError)):
-            train_losses(fly_data, tmp_path, name, "dp=2", "ep=2", "steps=4", "save_every=2", "fault_at_step=3",
-                         "fault_rank=1")  # fmt: skip
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv(FAULT_ENV, "3:1")
+                train_losses(fly_data, tmp_path, name, "dp=2", "ep=2", "steps=4", "save_every=2")
         step_dir = tmp_path / name / "checkpoints" / "step-0000002"
         assert (step_dir / "state" / ".metadata").exists() and not (step_dir / "model").exists()
-        half_written = tmp_path / name / "checkpoints" / ".tmp-step-0000004" / "state"  # as a kill -9 mid-save
+        # as a kill -9 mid-save leaves it
+        half_written = tmp_path / name / "checkpoints" / ".tmp-step-0000004" / "state"
         half_written.mkdir(parents=True)
         (half_written / "__0_0.distcp").write_bytes(b"\0" * 100)
         losses = train_losses(fly_data, tmp_path, name, *resumed, "steps=4", "save_every=2")
@@ -105,8 +108,8 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> 
 
 @pytest.mark.slow
 def test_each_rank_reads_its_shard_of_a_model_folder(fly_data, tmp_path) -> None:
-    """model=<Hugging Face folder> at dp=2 x ep=2: each rank builds the model empty and reads only its rows and
-    experts; the losses equal those of the same weights built whole (the preset's saved init)."""
+    """model=<Hugging Face folder> at dp=2 x ep=2: each rank builds the model empty and reads only its rows
+    and experts; the losses equal those of the same weights built whole (the preset's saved init)."""
     whole = train_losses(fly_data, tmp_path, "whole", "dp=2", "ep=2", "steps=2")
     folder = tmp_path / "whole" / "init"  # the preset's random weights, saved before training
     assert train_losses(fly_data, tmp_path, "read", f"model={folder}", "dp=2", "ep=2", "steps=2") == whole

@@ -1,6 +1,6 @@
 """`genomelm train launcher=ray`: Ray Train workers (gloo, 2 CPU workers) train exactly as the local launcher,
-and a worker killed mid-run restarts the group from the last complete checkpoint with the same losses. One local
-Ray serves the whole module (its start-up is the slow part on a small machine)."""
+and a worker killed mid-run restarts the group from the last complete checkpoint with the same losses. One
+local Ray serves the whole module (its start-up is the slow part on a small machine)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ TIMEOUT_S = 420  # per test; a Ray run of 5 steps takes ~1 min on 2 busy cores
 
 @pytest.fixture(autouse=True)
 def time_limit() -> Iterator[None]:
-    """Fail a test that runs past TIMEOUT_S instead of hanging the suite (SIGALRM interrupts `trainer.fit`)."""
+    """Fail a test that runs past TIMEOUT_S instead of hanging the suite (SIGALRM interrupts
+    `trainer.fit`)."""
 
     def expire(signum: int, frame: object) -> None:
         raise TimeoutError(f"test ran past {TIMEOUT_S} s")
@@ -36,7 +37,7 @@ def time_limit() -> Iterator[None]:
 def ray_cluster() -> Iterator[None]:
     import ray
 
-    from genomelm.parallel.ray_launch import start_ray
+    from genomelm.train.ray_launch import start_ray
 
     start_ray()
     yield
@@ -50,8 +51,9 @@ def fly(tmp_path_factory) -> Path:
 
 
 def run_settings(data: Path, runs: Path, run: str, *extra: str) -> list[str]:
-    return [f"data={data}", "seq=256", "model=tiny", f"run={run}", f"runs_dir={runs}", "steps=5", "save_every=2",
-            "warmup_steps=1", "lr=3e-3", "wandb=disabled", "cp=2", "rc_aug=0.5", *extra]  # fmt: skip
+    return [f"data={data}", "seq=256", "model=tiny", f"run={run}", f"runs_dir={runs}", "steps=5",
+            "save_every=2", "warmup_steps=1", "lr=3e-3", "wandb=disabled", "cp=2", "rc_aug=0.5",
+            *extra]  # fmt: skip
 
 
 def step_losses(runs: Path, run: str) -> dict[int, float]:
@@ -86,14 +88,16 @@ def test_ray_run_equals_local_launcher(ray_cluster: None, fly: Path, local_losse
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_from_last_checkpoint(ray_cluster: None, fly: Path, local_losses: dict[int, float],
-                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_killed_worker_restarts_from_last_checkpoint(ray_cluster: None, fly: Path,
+                                                     local_losses: dict[int, float], tmp_path: Path,
+                                                     monkeypatch) -> None:  # fmt: skip
     """Rank 1 exits hard after step 3; checkpoints at steps 2 and 4: the group restarts from step 2, redoes
     step 3 and ends with the losses of the uninterrupted run."""
     from genomelm.train.command import launch_training
+    from genomelm.train.faults import FAULT_ENV
 
-    settings = run_settings(fly, tmp_path, "killed", "launcher=ray", "fault_at_step=3", "fault_rank=1",
-                            "max_failures=1")  # fmt: skip
+    monkeypatch.setenv(FAULT_ENV, "3:1")
+    settings = run_settings(fly, tmp_path, "killed", "launcher=ray", "max_failures=1")
     summary = launch_training(TrainConfig.load(None, settings))
     assert (tmp_path / "killed" / ".fault-injected-step3-rank1").exists()  # the worker did die
     assert summary["start_step"] == 2 and summary["steps"] == 5  # the restarted group resumed at step 2
@@ -103,19 +107,21 @@ def test_killed_worker_restarts_from_last_checkpoint(ray_cluster: None, fly: Pat
 
 
 @pytest.mark.slow
-def test_killed_worker_without_restarts_fails_with_its_exit(ray_cluster: None, fly: Path, tmp_path: Path) -> None:
+def test_killed_worker_without_restarts_fails_with_its_exit(ray_cluster: None, fly: Path, tmp_path: Path,
+                                                            monkeypatch) -> None:
     """max_failures=0: the run stops at the first lost worker, and the error says which rank died."""
-    from genomelm.parallel.ray_launch import RayLaunchError
     from genomelm.train.command import launch_training
+    from genomelm.train.faults import FAULT_ENV
+    from genomelm.train.ray_launch import RayLaunchError
 
-    settings = run_settings(fly, tmp_path, "lost", "launcher=ray", "steps=2", "fault_at_step=1", "fault_rank=1")
+    monkeypatch.setenv(FAULT_ENV, "1:1")
+    settings = run_settings(fly, tmp_path, "lost", "launcher=ray", "steps=2")
     with pytest.raises(RayLaunchError, match="rank 1"):
         launch_training(TrainConfig.load(None, settings))
 
 
 def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
-    from genomelm.parallel import ray_launch
-    from genomelm.train import command
+    from genomelm.train import command, ray_launch
 
     monkeypatch.setattr(ray_launch, "train_with_ray", None)  # nothing may start
     with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4"):  # the mesh checks run first
@@ -123,7 +129,7 @@ def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
     with pytest.raises(ValueError, match="resume=auto"):
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "max_failures=1",
                                                         "resume=never"]))  # fmt: skip
-    with pytest.raises(ValueError, match="launcher='slurm'"):
+    with pytest.raises(ValueError, match="launcher must be one of local, ray, not 'slurm'"):
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=slurm"]))
     with pytest.raises(ValueError, match="multiple of 384 tokens"):  # the cp checks run first too
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "seq=16k", "cp=3"]))

@@ -39,7 +39,7 @@ def step_on_rank(preset: str, length: int, kind: str) -> tuple[float, dict[str, 
     from genomelm.model import load_model
     from genomelm.parallel.context import apply_context_parallel
     from genomelm.parallel.training import ContextRun
-    from genomelm.train.loop import window_loss
+    from genomelm.train.step import window_loss
     from genomelm.train.memory import LayerRunner
 
     torch.manual_seed(0)

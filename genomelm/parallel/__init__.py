@@ -1,6 +1,8 @@
-"""Running one model over many processes (between `genomelm.model` and `genomelm.train`).
+"""Running one model over many processes: between `genomelm.model` (which never communicates) and
+`genomelm.train`. This package imports `genomelm.model` and `genomelm.data`, never `genomelm.train`,
+`genomelm.eval` or `genomelm.cli` (`tests/test_layering.py` checks it).
 
-Context parallelism for the KDA layers (phase 1) and the DSA layers (phase 2a):
+Context parallelism for the KDA and DSA layers:
 - `layout`: how a window is split over the ranks (`ContextLayout`: zigzag or contiguous, shard / restore,
   labels made over the whole window before sharding, global positions);
 - `exchange`: the autograd-aware collectives (KDA: conv halo, segment-summary hand-over; DSA: the keys of the
@@ -8,13 +10,15 @@ Context parallelism for the KDA layers (phase 1) and the DSA layers (phase 2a):
 - `context`: `apply_context_parallel(model, group, kind)`, the CP forward of each KDA and DSA attention
   module;
 - `launch`: `launch(fn, world_size, ...)`, N local ranks (gloo on CPU, NCCL on CUDA) with failures and hangs
-  turned into errors in the parent; `ray_launch`: the same ranks as Ray Train workers, restarted after a loss.
+  turned into errors in the parent (the Ray launcher runs the training loop, so it lives in
+  `genomelm.train.ray_launch`).
 The mesh and the rest of the split:
 - `mesh`: `ParallelDims(dp, cp, ep)` and the process groups / device meshes of a run (`Mesh`);
-- `expert`: `apply_expert_parallel(model, group)`, each rank's share of the routed experts and the all-to-all
-  token dispatch;
+- `expert`: `apply_expert_parallel(model, group)`, each rank's share of the routed experts (`ExpertShard`,
+  `is_expert_parallel`) and the all-to-all token dispatch;
 - `training`: what a step moves (`ContextRun`, `ParallelRun`: FSDP2 sharding, gradient sums, clipping);
-- `sharded_checkpoint`: DCP checkpoints of a sharded run; `export`: `genomelm export` to the Hugging Face
+- `checkpoint`: `Checkpointer`, the checkpoint folders of a run (listing, atomic writes, pruning; the
+  one-process layout and the sharded DCP layout, RNG state); `export`: `genomelm export` to the Hugging Face
   layout; `rank_loading`: each rank's share of a Hugging Face checkpoint.
 The model's math (a KDA segment's summary, DSA's `project` / `attend` seams) lives in `genomelm.model`; only
 this package communicates.

@@ -1,4 +1,4 @@
-"""Context parallelism applied to a built model from outside: KDA layers (phase 1) and DSA layers (phase 2a).
+"""Context parallelism applied to a built model from outside: the KDA and the DSA layers.
 
 `apply_context_parallel(model, group, kind)` sets an instance attribute `forward` on every `KDAttention` and
 `DSAAttention` module (it shadows the class's method, so `module(x, ...)` runs `kda_context_parallel_forward`
@@ -31,7 +31,7 @@ from genomelm.model.kda import KDAState, KDAttention
 from .exchange import exchange_conv_halos, gather_window, hand_over_states, sum_over_group
 from .layout import ZIGZAG, ContextLayout, segments_per_rank
 
-PATH_NOTE = " + context parallel"  # appended to a KDA or DSA module's `path` while the override is on
+ROUTE_NOTE = " + context parallel"  # appended to a KDA or DSA module's `route` while the override is on
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ class ContextParallel:
         return cls(group, kind, dist.get_world_size(group), dist.get_rank(group))
 
     @property
-    def path_note(self) -> str:
-        return f"{PATH_NOTE} ({self.kind}, cp {self.cp})"
+    def route_note(self) -> str:
+        return f"{ROUTE_NOTE} ({self.kind}, cp {self.cp})"
 
 
 def _segments_as_batch(t: Tensor, n: int) -> Tensor:
@@ -80,8 +80,8 @@ def kda_context_parallel_forward(
     )
     n, batch = segments_per_rank(layout.kind), x.shape[0]
     layer.resolve_backend(x.device)
-    if not layer.path.endswith(context.path_note):
-        layer.path += context.path_note
+    if not layer.route.endswith(context.route_note):
+        layer.route += context.route_note
     if state is None:
         state = layer.initial_state(batch, x.dtype, x.device)
     rows = _segments_as_batch(layer.project(x), n)  # [n*B, L, 3W]
@@ -120,8 +120,8 @@ def dsa_context_parallel_forward(
     layout = ContextLayout(
         x.shape[1] * context.cp, context.cp, context.rank, context.kind, kda_chunk=1, kpool=layer.kpool
     )
-    if not layer.path.endswith(context.path_note):
-        layer.path += context.path_note
+    if not layer.route.endswith(context.route_note):
+        layer.route += context.route_note
     q_resid, latent, pool_keys = layer.project(x, layer.needs_pool_keys(selection_cache))
     if pool_keys is None:
         (latent_all,) = gather_window([latent], [layout], context.group)
@@ -174,9 +174,9 @@ def remove_context_parallel(model: nn.Module) -> list[str]:
 
 
 def _drop_override(module: KDAttention | DSAAttention) -> bool:
-    """Remove a context-parallel forward (and its note in `module.path`) if present; say whether there was
+    """Remove a context-parallel forward (and its note in `module.route`) if present; say whether there was
     one."""
     if module.__dict__.pop("forward", None) is None:
         return False
-    module.path = module.path.split(PATH_NOTE)[0]
+    module.route = module.route.split(ROUTE_NOTE)[0]
     return True

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from genomelm.model.kda import apply_state_map
+from genomelm.model.kda_chunk import apply_state_map
 
 from .layout import ContextLayout
 

@@ -1,11 +1,14 @@
 """Expert parallelism (EP) for the routed experts, applied to a built model from outside.
 
 `apply_expert_parallel(model, group)` keeps on each rank r of `group` (size ep) only experts
-[r*E/ep, (r+1)*E/ep) of every `Experts` module: `gate_up_proj` [E/ep, 2I, D] and `down_proj` [E/ep, D, I], under
-the same parameter names, sliced from the full weights every rank built. It sets an instance attribute `forward`
-(as `genomelm.parallel.context` does for attention) that keeps `Experts.forward`'s contract -- x [T, D] of this
-rank's tokens, global expert ids and fp32 weights [T, k] from the router -> (out [T, D], counts [E] long of this
-rank's (token, expert) pairs) -- and moves the rows to the experts' owners:
+[r*E/ep, (r+1)*E/ep) of every `Experts` module: `gate_up_proj` [E/ep, 2I, D] and `down_proj` [E/ep, D, I],
+under the same parameter names, sliced from the full weights every rank built. It attaches to the module one
+`ExpertShard` (`module.expert_shard`: the group, this rank's place in it, the global ids of the experts held
+here, the capacity factor, the row counter); `is_expert_parallel(module)` is the one test for it. It also sets
+an instance attribute `forward` (as `genomelm.parallel.context` does for attention) that keeps
+`Experts.forward`'s contract -- x [T, D] of this rank's tokens, global expert ids and fp32 weights [T, k] from
+the router -> (out [T, D], counts [E] long of this rank's (token, expert) pairs) -- and moves the rows to the
+experts' owners:
 
 1. this rank's pairs are sorted by global expert (so also by owning rank), counts [E] per expert;
 2. one all-gather of the counts: every rank knows the whole [ep, E] count matrix, hence every send and receive
@@ -14,27 +17,28 @@ rank's (token, expert) pairs) -- and moves the rows to the experts' owners:
    grouped by source rank, then expert, and are reordered expert-major for one grouped GEMM over the local
    experts (`Experts.expert_rows`, the local path's own GEMM), then put back in arrival order;
 4. the reverse all-to-all, the routing weights, and an index_add into out, as the local path does.
-The module's `backend` is not consulted: EP always runs the grouped path ("loop" is a single-process reference).
-All ranks of the group must call the MoE the same number of times with the same number of chunks (the same local
-token count, as under CP or data parallelism with equal windows), since every chunk is one round of exchanges.
+The module's `backend` is not consulted: EP always runs the grouped path ("loop" is a single-process
+reference). All ranks of the group must call the MoE the same number of times with the same number of chunks
+(the same local token count, as under CP or data parallelism with equal windows), since every chunk is one
+round of exchanges.
 
 Autograd: each all-to-all is a Function whose backward is the reverse all-to-all of the gradients. Every rank
-enters every collective, with zero rows to send or receive too, and a rank that receives no rows still joins the
-received rows (and its expert weights, whose gradient is then zero) to its output, so its backward reaches both
-reverse all-to-alls. Under activation recompute the EP forward, collectives included, runs again in the backward
-pass, identically on every rank.
+enters every collective, with zero rows to send or receive too, and a rank that receives no rows still joins
+the received rows (and its expert weights, whose gradient is then zero) to its output, so its backward reaches
+both reverse all-to-alls. Under activation recompute the EP forward, collectives included, runs again in the
+backward pass, identically on every rank.
 
-Gradients: the owner's expert gradient already sums the contributions of every rank's tokens (their gradients come
-back through the reverse dispatch), so expert parameters must NOT be summed over the EP group with the replicated
-parameters (`expert_parallel_parameters` names them); they are reduced only over ranks holding the same experts.
-A module with the override holds the process group, so it cannot be deep-copied; its state dict holds only the
-local slice.
+Gradients: the owner's expert gradient already sums the contributions of every rank's tokens (their gradients
+come back through the reverse dispatch), so expert parameters must NOT be summed over the EP group with the
+replicated parameters (`expert_parallel_parameters` names them); they are reduced only over ranks holding the
+same experts. A module with the override holds the process group (in its `ExpertShard`), so it cannot be
+deep-copied; its state dict holds only the local slice.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,36 +51,58 @@ from genomelm.model.precision import compute_dtype
 
 from .exchange import all_gather_slots
 
-PATH_NOTE = " + expert parallel"  # appended to the parent MoE module's `path`
+ROUTE_NOTE = " + expert parallel"  # appended to the parent MoE module's `route`
+SHARD_ATTRIBUTE = "expert_shard"  # the `Experts` attribute holding its `ExpertShard`
 
 
 class ExpertCapacityError(RuntimeError):
-    """A rank would receive more rows in one exchange than `capacity_factor` x the mean; raised on every rank."""
+    """A rank would receive more rows in one exchange than `capacity_factor` x the mean; raised on every
+    rank."""
 
 
-@dataclass(frozen=True)
-class ExpertParallel:
-    """An expert-parallel group, this rank's place in it, and what one `Experts` module keeps here."""
+@dataclass
+class ExpertShard:
+    """One `Experts` module's share of the routed experts: the expert-parallel group, this rank's place in it,
+    the global ids of the experts it holds (its `gate_up_proj` / `down_proj` rows, in order), and the rows
+    they computed since the counter was last reset."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # None: a layout made without a process group (loading, tests)
     ep: int
     rank: int
     num_experts: int  # E, over the whole group
-    capacity_factor: float
-    name: str  # the module's name in the model, for messages
+    local_experts: range
+    capacity_factor: float = 8.0  # <= 0: no limit (see `apply_expert_parallel`)
+    name: str = ""  # the module's name in the model, for messages
+    received_tokens: int = field(default=0, compare=False)  # (token, expert) rows computed here
+
+    @classmethod
+    def split(cls, group: dist.ProcessGroup, ep: int, rank: int, num_experts: int, capacity_factor: float,
+              name: str) -> ExpertShard:  # fmt: skip
+        """Rank `rank` of `ep`: experts [rank*E/ep, (rank+1)*E/ep)."""
+        per_rank = num_experts // ep
+        held = range(rank * per_rank, (rank + 1) * per_rank)
+        return cls(group, ep, rank, num_experts, held, capacity_factor, name)
 
     @property
     def per_rank(self) -> int:
-        return self.num_experts // self.ep
+        return len(self.local_experts)
 
-    @property
-    def local_experts(self) -> range:
-        return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+
+def expert_shard(module: nn.Module) -> ExpertShard | None:
+    """The `ExpertShard` of an expert-parallel `Experts` module; None for any other module."""
+    shard = module.__dict__.get(SHARD_ATTRIBUTE) if isinstance(module, Experts) else None
+    return shard if isinstance(shard, ExpertShard) else None
+
+
+def is_expert_parallel(module: nn.Module) -> bool:
+    """Whether `module` is an `Experts` module holding only its share of the experts
+    (`apply_expert_parallel`)."""
+    return expert_shard(module) is not None
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """Forward: rows [N, D] split by `send` (rows to each rank, in rank order) -> the rows every rank sent here
-    [sum(recv), D], in source-rank order. Backward: the same exchange reversed on the gradients."""
+    """Forward: rows [N, D] split by `send` (rows to each rank, in rank order) -> the rows every rank sent
+    here [sum(recv), D], in source-rank order. Backward: the same exchange reversed on the gradients."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -98,13 +124,13 @@ def _exchange(rows: Tensor, send: list[int], recv: list[int], group: dist.Proces
 
 
 def all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
-    """Uneven all-to-all of rows with autograd: rows [sum(send), ...] -> [sum(recv), ...], same dtype. send[r]:
-    rows this rank sends to rank r (consecutive, in rank order); recv[r]: rows it receives from rank r. Every
-    rank of `group` must call it, with matching sizes."""
+    """Uneven all-to-all of rows with autograd: rows [sum(send), ...] -> [sum(recv), ...], same dtype.
+    send[r]: rows this rank sends to rank r (consecutive, in rank order); recv[r]: rows it receives from rank
+    r. Every rank of `group` must call it, with matching sizes."""
     return _AllToAllRows.apply(rows, send, recv, group)
 
 
-def _check_capacity(settings: ExpertParallel, received: Tensor, total: int) -> None:
+def _check_capacity(settings: ExpertShard, received: Tensor, total: int) -> None:
     """received [ep] long: rows each rank would receive; total: all pairs of the exchange. Raises the same
     `ExpertCapacityError` on every rank (all of them hold the same count matrix)."""
     if settings.capacity_factor <= 0 or total == 0:
@@ -114,22 +140,23 @@ def _check_capacity(settings: ExpertParallel, received: Tensor, total: int) -> N
     rows = int(received[busiest])
     if rows > settings.capacity_factor * mean:
         raise ExpertCapacityError(
-            f"expert parallel capacity exceeded in {settings.name}: rank {busiest} of {settings.ep} would receive "
-            f"{rows} rows in one exchange, {rows / mean:.2f}x the mean of {mean:.1f} rows per rank (limit "
-            f"{settings.capacity_factor}x). Lower moe_chunk_tokens, raise ep_capacity_factor, or check the "
-            f"routing balance (expert_bias_speed)."
+            f"expert parallel capacity exceeded in {settings.name}: rank {busiest} of {settings.ep} would "
+            f"receive {rows} rows in one exchange, {rows / mean:.2f}x the mean of {mean:.1f} rows per rank "
+            f"(limit {settings.capacity_factor}x). Lower moe_chunk_tokens, raise ep_capacity_factor, or "
+            f"check the routing balance (expert_bias_speed)."
         )
 
 
 def expert_parallel_forward(
-    module: Experts, settings: ExpertParallel, x: Tensor, expert_ids: Tensor, weights: Tensor
+    module: Experts, settings: ExpertShard, x: Tensor, expert_ids: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor]:
     """`Experts.forward` with the experts spread over the group: x [T, D] (this rank's tokens), expert_ids and
-    weights [T, k] (global ids; fp32 routing) -> (out [T, D] in x's dtype, counts [E] long of this rank's pairs).
+    weights [T, k] (global ids; fp32 routing) -> (out [T, D] in x's dtype, counts [E] long of this rank's
+    pairs).
 
-    Three collectives per call on every rank: one all-gather of the counts, two uneven all-to-alls of rows (one
-    each way); the backward runs the two all-to-alls reversed. Adds the rows computed here to
-    `module.received_tokens` (not during a recompute in the backward pass).
+    Three collectives per call on every rank: one all-gather of the counts, two uneven all-to-alls of rows
+    (one each way); the backward runs the two all-to-alls reversed. Adds the rows computed here to
+    `settings.received_tokens` (not during a recompute in the backward pass).
     """
     ep, per_rank = settings.ep, settings.per_rank
     k = expert_ids.shape[1]
@@ -153,8 +180,8 @@ def expert_parallel_forward(
         y = module.expert_rows(received[by_expert], here.sum(0))
         y_received = y[torch.argsort(by_expert)]  # back to arrival order
     else:
-        # Nothing to compute, but the received rows and the expert weights stay in the graph: the backward must
-        # reach the reverse dispatch (the other ranks wait in it) and give the weights a zero gradient.
+        # Nothing to compute, but the received rows and the expert weights stay in the graph: the backward
+        # must reach the reverse dispatch (the other ranks wait in it) and give the weights a zero gradient.
         weight_sum = module.gate_up_proj.sum() + module.down_proj.sum()
         y_received = received + 0 * weight_sum.to(received.dtype)
     y_sorted = all_to_all_rows(
@@ -162,7 +189,7 @@ def expert_parallel_forward(
     )  # this rank's pairs, sorted as x_sorted
 
     if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass, so not a recompute
-        module.received_tokens += int(received.shape[0])
+        settings.received_tokens += int(received.shape[0])
     y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(y_sorted.dtype)
     out = torch.zeros_like(x).index_add_(0, token_of_pair, y_sorted.to(x.dtype))
     return out, counts
@@ -191,52 +218,51 @@ def apply_expert_parallel(
             )
     changed = []
     for name, module in modules:
-        num_experts = module.num_experts
-        settings = ExpertParallel(
-            group, ep, rank, num_experts, capacity_factor, name or type(module).__name__
+        settings = ExpertShard.split(
+            group, ep, rank, module.num_experts, capacity_factor, name or type(module).__name__
         )
-        previous = module.__dict__.get("expert_parallel")
+        previous = expert_shard(module)
         if previous is None:
             stop, start = settings.local_experts.stop, settings.local_experts.start
             with torch.no_grad():  # new leaves: the full weights' storage is freed once the old ones go
                 module.gate_up_proj = nn.Parameter(module.gate_up_proj[start:stop].clone())
                 module.down_proj = nn.Parameter(module.down_proj[start:stop].clone())
-            module.received_tokens = 0
         elif (previous.ep, previous.rank) != (ep, rank):
             raise ValueError(
-                f"{name} already runs expert parallel as rank {previous.rank} of {previous.ep}; it holds only "
-                f"those experts, so it cannot be re-split as rank {rank} of {ep}"
+                f"{name} already runs expert parallel as rank {previous.rank} of {previous.ep}; it holds "
+                f"only those experts, so it cannot be re-split as rank {rank} of {ep}"
             )
-        module.expert_parallel = settings
-        module.local_experts = settings.local_experts
-        module.ep_size = ep
+        else:
+            settings.received_tokens = previous.received_tokens
+        setattr(module, SHARD_ATTRIBUTE, settings)
         module.forward = functools.partial(expert_parallel_forward, module, settings)
-        _note_path(model, name, ep)
+        _note_route(model, name, ep)
         changed.append(name)
     return changed
 
 
-def _note_path(model: nn.Module, name: str, ep: int) -> None:
-    """Append the EP note to the parent MoE module's `path` (the model's description of each block)."""
+def _note_route(model: nn.Module, name: str, ep: int) -> None:
+    """Append the EP note to the parent MoE module's `route` (the model's description of each block)."""
     if not name:
         return
     parent = model.get_submodule(name.rpartition(".")[0])
-    path = getattr(parent, "path", None)
-    if isinstance(path, str) and PATH_NOTE not in path:
-        parent.path = f"{path}{PATH_NOTE} (ep {ep})"
+    route = getattr(parent, "route", None)
+    if isinstance(route, str) and ROUTE_NOTE not in route:
+        parent.route = f"{route}{ROUTE_NOTE} (ep {ep})"
 
 
 def received_tokens(model: nn.Module, reset: bool = True) -> dict[str, int]:
     """Rows (token, expert pairs) each expert-parallel `Experts` module computed on this rank since the last
-    reset, over all its forward calls (every chunk, every micro-batch), not counting recomputes in the backward
-    pass; module name -> count. With `reset`, the counters restart at 0. The busiest rank is the max over the
-    group of each module's count."""
+    reset, over all its forward calls (every chunk, every micro-batch), not counting recomputes in the
+    backward pass; module name -> count. With `reset`, the counters restart at 0. The busiest rank is the max
+    over the group of each module's count."""
     counts = {}
     for name, module in model.named_modules():
-        if isinstance(module, Experts) and "expert_parallel" in module.__dict__:
-            counts[name] = module.received_tokens
+        shard = expert_shard(module)
+        if shard is not None:
+            counts[name] = shard.received_tokens
             if reset:
-                module.received_tokens = 0
+                shard.received_tokens = 0
     return counts
 
 
@@ -245,7 +271,7 @@ def expert_parallel_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     the owner and must not be summed with the replicated parameters' over the EP group."""
     params = {}
     for name, module in model.named_modules():
-        if isinstance(module, Experts) and "expert_parallel" in module.__dict__:
+        if is_expert_parallel(module):
             prefix = f"{name}." if name else ""
             params[f"{prefix}gate_up_proj"] = module.gate_up_proj
             params[f"{prefix}down_proj"] = module.down_proj

@@ -29,21 +29,14 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from genomelm.model.checkpoint import (
-    CONFIG_FILE,
-    DEFAULT_MAX_SHARD_BYTES,
-    INDEX_FILE,
-    hf_config_dict,
-    layer_of,
-    official_tensors,
-)
+from genomelm.model.checkpoint import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, hf_config_dict
 from genomelm.model.config import ConfigError, ModelConfig, RunOptions
-from genomelm.parallel.sharded_checkpoint import STATE_DIR, is_sharded
-from genomelm.train.checkpoints import STEP_PREFIX, checkpoint_dir
+from genomelm.model.hf_names import layer_of, official_tensors
+from genomelm.model.model import GlmForCausalLM
 
-OLD_MODEL_DIR = "model"  # the Hugging Face folder inside a step folder of the older single-process layout
+from .checkpoint import METADATA_FILE, MODEL_DIR, STATE_DIR, STEP_PREFIX, Checkpointer, is_sharded
+
 MODEL_KEY_PREFIX = "model."  # DCP keys of the model's tensors (optimizer state lives under "optimizer.")
-METADATA_FILE = ".metadata"  # written by dcp.save once every rank has written its shard (see `is_sharded`)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -53,29 +46,18 @@ class ExportError(ValueError):
 
 # -------------------------------------------------------------------------------------- finding the source
 def _is_complete(step: Path) -> bool:
+    """Whether `step` is a sharded checkpoint export can read (its DCP state complete, its config there)."""
     return is_sharded(step) and (step / CONFIG_FILE).is_file()
-
-
-def _steps(run_dir: Path) -> list[Path]:
-    """`step-*` folders of a run, oldest first (temporary `.tmp-*` folders are not `step-*`)."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)]
-    return sorted(
-        (p for p in found if p.name[len(STEP_PREFIX) :].isdigit()),
-        key=lambda p: int(p.name[len(STEP_PREFIX) :]),
-    )
 
 
 def _check_step(step: Path) -> Path:
     """`step` if it is a complete sharded checkpoint, else an `ExportError` saying what it is."""
     if _is_complete(step):
         return step
-    if (step / OLD_MODEL_DIR / CONFIG_FILE).is_file() and not (step / STATE_DIR).exists():
+    if (step / MODEL_DIR / CONFIG_FILE).is_file() and not (step / STATE_DIR).exists():
         raise ExportError(
-            f"{step} is a checkpoint of the single-process layout ({OLD_MODEL_DIR}/ instead of "
-            f"{STATE_DIR}/): it is already in Hugging Face layout at {step / OLD_MODEL_DIR}; load or copy "
+            f"{step} is a checkpoint of the single-process layout ({MODEL_DIR}/ instead of "
+            f"{STATE_DIR}/): it is already in Hugging Face layout at {step / MODEL_DIR}; load or copy "
             "that folder, no export needed"
         )
     if not (step / CONFIG_FILE).is_file():
@@ -96,16 +78,17 @@ def find_checkpoint(path: str | Path) -> Path:
         raise ExportError(
             f"{path} is not a folder; give a run folder (runs/<run>) or one of its checkpoints/step-*"
         )
-    if path.name.startswith(STEP_PREFIX) or (path / STATE_DIR).exists() or (path / OLD_MODEL_DIR).exists():
+    if path.name.startswith(STEP_PREFIX) or (path / STATE_DIR).exists() or (path / MODEL_DIR).exists():
         return _check_step(path)
-    steps = _steps(path)
+    checkpoints = Checkpointer(path)
+    steps = checkpoints.steps()
     complete = [step for step in steps if _is_complete(step)]
     if complete:
         return complete[-1]
-    if steps:  # explain the newest one: old layout, or incomplete
+    if steps:  # explain the newest one: the one-process layout, or incomplete
         return _check_step(steps[-1])
     raise ExportError(
-        f"{path} holds no complete checkpoint ({checkpoint_dir(path)}/{STEP_PREFIX}* with {CONFIG_FILE} and "
+        f"{path} holds no complete checkpoint ({checkpoints.root}/{STEP_PREFIX}* with {CONFIG_FILE} and "
         f"{STATE_DIR}/{METADATA_FILE}); give a run folder that training saved a checkpoint into "
         "(save_every=...), or a step folder"
     )
@@ -177,8 +160,6 @@ def _write_folder(
     staging: Path, step: Path, config: ModelConfig, dtype: torch.dtype, max_shard_bytes: int
 ) -> None:
     """Write the Hugging Face files of the checkpoint `step` into `staging`, one layer at a time."""
-    from genomelm.model.model import GlmForCausalLM  # heavy import, after the arguments are checked
-
     expected = GlmForCausalLM.from_config(config, RunOptions(), dtype, "meta").state_dict()
     state_dir = step / STATE_DIR
     stored = _check_keys(state_dir, expected, step / CONFIG_FILE)

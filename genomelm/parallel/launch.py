@@ -237,8 +237,8 @@ def _run_rank(
     writer: Connection,
     caller: tuple[dict[str, str], str],
 ) -> None:
-    """One rank: the caller's environment and folder plus the rank's variables, stack dumps on SIGUSR1, process
-    group, fn(*args), then one report to the parent."""
+    """One rank: the caller's environment and folder plus the rank's variables, stack dumps on SIGUSR1,
+    process group, fn(*args), then one report to the parent."""
     environment, folder = caller
     os.environ.clear()
     os.environ.update(environment)
@@ -251,8 +251,9 @@ def _run_rank(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    # tqdm's default write lock is a multiprocessing lock whose semaphore a rank leaves to the resource tracker
-    # (a "leaked semaphore" warning at exit); a rank's bars never share a terminal line with another process's
+    # tqdm's default write lock is a multiprocessing lock whose semaphore a rank leaves to the resource
+    # tracker (a "leaked semaphore" warning at exit); a rank's bars never share a terminal line with another
+    # process's, so a thread lock is enough
     tqdm.set_lock(threading.RLock())
     stack_file = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes to it until the process ends
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from genomelm.model.loss import IGNORE_INDEX
+from genomelm.data.vocab import IGNORE_INDEX
 
 ZIGZAG = "zigzag"
 CONTIGUOUS = "contiguous"
@@ -169,7 +169,7 @@ class ContextLayout:
     def shard_window(self, input_ids: Tensor, labels: Tensor | None = None) -> LocalWindow:
         """This rank's tokens, labels and global positions from a whole window input_ids [B, S].
 
-        `labels` [B, S]: the data stage's next-token labels (`WindowDataset` rows); None: made here from
+        `labels` [B, S]: the data stage's next-token labels (`Window.labels`); None: made here from
         input_ids by `next_token_labels`. Either way they are aligned over the whole window before it is cut.
         """
         if labels is None:

@@ -1,9 +1,9 @@
-"""One device mesh for a run: dp x cp ranks, with expert parallelism borrowing them (as torchtitan's ParallelDims).
+"""One device mesh for a run: dp x cp ranks, expert parallelism borrowing them (as torchtitan's ParallelDims).
 
 Rank r sits at (dp_rank, cp_rank) = divmod(r, cp): the ranks of one context-parallel group are neighbours (one
-node's fast links carry the per-layer exchanges). Expert parallelism groups `ep` consecutive ranks: rank r holds
-the experts of expert-parallel rank r % ep, and the dp*cp/ep ranks holding the same experts (every ep-th rank) form
-its expert-data-parallel group, over which FSDP shards those experts and sums their gradients.
+node's fast links carry the per-layer exchanges). Expert parallelism groups `ep` consecutive ranks: rank r
+holds the experts of expert-parallel rank r % ep, and the dp*cp/ep ranks holding the same experts (every ep-th
+rank) form its expert-data-parallel group, over which FSDP shards those experts and sums their gradients.
 
     world = dp * cp;   ep divides world;   the routed expert count divides by ep.
 """
@@ -41,15 +41,15 @@ class ParallelDims:
                 raise ValueError(f"{name}={value}: give a number of ranks >= 1")
         if self.world % self.ep:
             works = [n for n in range(1, self.world + 1) if self.world % n == 0]
-            raise ValueError(f"ep={self.ep} does not divide dp*cp={self.world} (expert parallelism borrows the "
-                             f"dp x cp ranks); ep can be one of {works}")  # fmt: skip
+            raise ValueError(f"ep={self.ep} does not divide dp*cp={self.world} (expert parallelism borrows "
+                             f"the dp x cp ranks); ep can be one of {works}")  # fmt: skip
         if num_experts and num_experts % self.ep:
             works = [n for n in range(1, self.world + 1) if self.world % n == 0 and num_experts % n == 0]
             raise ValueError(f"ep={self.ep} does not divide the model's {num_experts} routed experts; with "
                              f"dp*cp={self.world} ep can be one of {works}")  # fmt: skip
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Rank r's place: dp and cp rank, its expert-parallel rank and its index within its EP group's replicas."""
+        """Rank r's place: dp and cp rank, expert-parallel rank, and index among its EP group's replicas."""
         dp_rank, cp_rank = divmod(rank, self.cp)
         return {"dp": dp_rank, "cp": cp_rank, "ep": rank % self.ep, "edp": rank // self.ep}
 
@@ -69,11 +69,13 @@ class Mesh:
     def build(cls, dims: ParallelDims, device_type: str) -> Mesh:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != dims.world:
-            raise ValueError(f"dp={dims.dp} x cp={dims.cp} needs {dims.world} processes, this group has {world}")
+            raise ValueError(
+                f"dp={dims.dp} x cp={dims.cp} needs {dims.world} processes, this group has {world}"
+            )
         dims.check()
         world_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("world",))
         grid = init_device_mesh(device_type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
-        # expert_mesh[e][j] = j * ep + e: the EP groups are blocks of consecutive ranks, the EDP groups strided
+        # expert_mesh[e][j] = j * ep + e: EP groups are blocks of consecutive ranks, EDP groups strided
         layout = torch.arange(world).reshape(dims.edp, dims.ep).T.contiguous()
         expert_mesh = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "edp"))
         return cls(dims, rank, world_mesh, expert_mesh, grid.get_group("dp"), grid.get_group("cp"))

@@ -3,9 +3,9 @@
 `load_rank_shard(model, folder)` walks the model's parameters and persistent buffers one at a time:
 - an FSDP2 / DTensor parameter (global shape, `Shard` placements on its mesh) gets the block of rows (and
   columns, for 2-D shardings) this rank holds;
-- the routed-expert weights of an `Experts` module that holds a slice of the experts (expert parallelism sets
-  `local_experts: range`, the global expert ids held here) get those experts, and of them, when the slice is
-  also a DTensor, only this rank's;
+- the routed-expert weights of an `Experts` module that holds a slice of the experts (expert parallelism: its
+  `ExpertShard.local_experts`, the global expert ids held here) get those experts, and of them, when the slice
+  is also a DTensor, only this rank's;
 - anything else is copied whole.
 Expert tensors are read expert by expert (`CheckpointReader.read(..., experts=...)`): only this rank's experts
 are ever read. Other tensors are read whole, one at a time: peak memory is one full non-expert tensor.
@@ -23,6 +23,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from genomelm.model.checkpoint import CheckpointError, CheckpointReader
 from genomelm.model.moe import Experts
+
+from .expert import expert_shard
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # [E, ...] tensors of `Experts`, one row per expert
 
@@ -74,10 +76,11 @@ def load_rank_shard(model: nn.Module, folder: str | Path) -> None:
                 continue
             experts = None
             if isinstance(module, Experts) and leaf in EXPERT_WEIGHTS:
-                held = list(getattr(module, "local_experts", range(module.num_experts)))
+                shard = expert_shard(module)
+                held = list(shard.local_experts if shard is not None else range(module.num_experts))
                 if tensor.shape[0] != len(held):
                     raise CheckpointError(
-                        f"{name} holds {tensor.shape[0]} experts but its module's local_experts lists "
+                        f"{name} holds {tensor.shape[0]} experts but its module's expert shard lists "
                         f"{len(held)}"
                     )
                 experts = held[offset[0] : offset[0] + shape[0]]  # rows of the DTensor are experts

@@ -7,15 +7,15 @@ tokens, labels and loss weights (`ContextRun.shard`), and runs the model on them
 token-weighted mean: each rank divides its weighted sum by the weight summed over the group
 (`ContextRun.global_sum`), so the ranks' losses add up to the window's loss and no term is scaled by the
 group size. After the backward pass the parameter gradients (each rank's share) are summed over the group in
-one packed all-reduce (`ContextRun.sum_gradients`), so every rank applies the same update and the replicas stay
-equal.
+one packed all-reduce (`ContextRun.sum_gradients`), so every rank applies the same update and the replicas
+stay equal.
 
 The whole mesh (`ParallelRun`: dp x cp ranks, ep borrowing them): every dp rank reads its own windows of each
 optimizer step (micro-batch g of the step goes to dp rank g % dp), each rank's loss is divided by the step's
-window count (grad_accum * dp), so the gradients summed over all ranks equal one process's with grad_accum * dp
-windows. With `fsdp` (FSDP2 `fully_shard`: every decoder layer and the root over all ranks, the routed experts of
-an expert-parallel run over the ranks holding the same experts) the sum is FSDP's reduce-scatter with a divide
-factor of 1; without it, one packed all-reduce per group (`reduce_gradients`).
+window count (grad_accum * dp), so the gradients summed over all ranks equal one process's with grad_accum *
+dp windows. With `fsdp` (FSDP2 `fully_shard`: every decoder layer and the root over all ranks, the routed
+experts of an expert-parallel run over the ranks holding the same experts) the sum is FSDP's reduce-scatter
+with a divide factor of 1; without it, one packed all-reduce per group (`reduce_gradients`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .context import apply_context_parallel
+from .expert import apply_expert_parallel, expert_parallel_parameters, is_expert_parallel, received_tokens
 from .layout import ZIGZAG, ContextLayout
 from .mesh import Mesh, ParallelDims
 
 
 @dataclass(frozen=True)
 class ContextRun:
-    """This process's place in the context-parallel group (the default process group)."""
+    """This process's place in its context-parallel group (`process_group`; every process when None)."""
 
     cp: int
     rank: int
@@ -73,7 +75,6 @@ class ContextRun:
         sum_packed([p.grad for p in model.parameters() if p.grad is not None], self.group)
 
 
-
 def sum_packed(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
     """Sum tensors over `group` in place, one packed all-reduce per dtype."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -88,13 +89,6 @@ def sum_packed(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
             offset += tensor.numel()
 
 
-def expert_parallel_params(model: nn.Module) -> set[nn.Parameter]:
-    """The routed-expert parameters that `apply_expert_parallel` made rank-local (each rank its own experts)."""
-    from .expert import expert_parallel_parameters
-
-    return set(expert_parallel_parameters(model).values())
-
-
 @dataclass
 class ParallelRun:
     """This rank's place in a dp x cp (x ep) run and what a training step moves across the mesh.
@@ -107,7 +101,9 @@ class ParallelRun:
     fsdp: bool
 
     @classmethod
-    def from_environment(cls, dims: ParallelDims, kind: str, fsdp: bool, device_type: str) -> ParallelRun | None:
+    def from_environment(
+        cls, dims: ParallelDims, kind: str, fsdp: bool, device_type: str
+    ) -> ParallelRun | None:
         """The mesh of the processes a launcher started (None in a single process)."""
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return None
@@ -131,13 +127,11 @@ class ParallelRun:
 
     def prepare(self, model: nn.Module, param_dtype: torch.dtype | None, capacity_factor: float,
                 optimizer_offload: bool = False) -> None:  # fmt: skip
-        """Split `model` over the mesh in place: context parallel over the cp group, expert parallel over the ep
-        group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs), with
-        fp32 gradient reduction; None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU offload
-        (sharded fp32 parameters, gradients and AdamW state in pinned host memory; the step runs on the CPU)."""
-        from .context import apply_context_parallel
-        from .expert import apply_expert_parallel
-
+        """Split `model` over the mesh in place: context parallel over the cp group, expert parallel over the
+        ep group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs),
+        with fp32 gradient reduction; None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU
+        offload (sharded fp32 parameters, gradients and AdamW state in pinned host memory; the step runs on
+        the CPU)."""
         if self.context is not None:
             apply_context_parallel(model, self.context.group, self.context.kind)
         if self.dims.ep > 1:
@@ -152,40 +146,44 @@ class ParallelRun:
         per group). With FSDP the backward's reduce-scatter already did."""
         if self.fsdp:
             return
-        experts = expert_parallel_params(model)
+        experts = set(expert_parallel_parameters(model).values())
         shared = [p.grad for p in model.parameters() if p.grad is not None and p not in experts]
         sum_packed(shared, dist.group.WORLD)
         local = [p.grad for p in experts if p.grad is not None]
         if self.dims.edp > 1:
             sum_packed(local, self.mesh.edp_mesh.get_group())
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
-        """Clip the gradients to a global L2 norm of `max_norm`; returns the norm before clipping.
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> Tensor:
+        """Clip the gradients to a global L2 norm of `max_norm`; returns the norm before clipping (a 0-dim
+        fp64 tensor on the gradients' device: reading it is the caller's one host sync).
 
         Written here because torch's `clip_grad_norm_` cannot mix DTensors of two meshes (the experts live on
         their own): each rank sums the squares of what it alone holds of each gradient, summed over ranks.
         """
-        experts = expert_parallel_params(model)
-        squares = torch.zeros(2, dtype=torch.float64)
+        experts = set(expert_parallel_parameters(model).values())
         grads = []
+        squares = None
         for param in model.parameters():
             if param.grad is None:
                 continue
             grad = param.grad
             local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if squares is None:
+                squares = torch.zeros(2, dtype=torch.float64, device=local.device)
             grads.append(local)
-            squares[1 if param in experts else 0] += float(local.double().pow(2).sum())
+            squares[1 if param in experts else 0] += local.double().pow(2).sum()
+        if squares is None:
+            squares = torch.zeros(2, dtype=torch.float64)
         if self.fsdp:  # every element lives on exactly one rank
             dist.all_reduce(squares)
-            total = float(squares.sum().sqrt())
+            total = squares.sum().sqrt()
         else:  # shared gradients are equal on every rank; an expert's on its EP group's ranks alike
             expert_sq = squares[1:].clone()
             dist.all_reduce(expert_sq, group=self.mesh.ep_group)
-            total = float((squares[0] + expert_sq[0]).sqrt())
-        scale = max_norm / (total + 1e-6)
-        if scale < 1.0:
-            for local in grads:
-                local.mul_(scale)
+            total = (squares[0] + expert_sq[0]).sqrt()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # a factor of 1 leaves a gradient exactly as it is
+        for local in grads:
+            local.mul_(scale)
         return total
 
     def mean_over_data(self, value: float) -> float:
@@ -205,12 +203,11 @@ class ParallelRun:
         return [item for part in parts for item in part]
 
     def expert_rows_by_rank(self, model: nn.Module) -> list[int] | None:
-        """(token, expert) rows each rank's experts computed since the last call, all MoE layers, in rank order
-        (None without expert parallelism). Real DNA routes unevenly: the busiest rank is the one to watch."""
+        """(token, expert) rows each rank's experts computed since the last call, all MoE layers, in rank
+        order (None without expert parallelism). Real DNA routes unevenly: the busiest rank is the one to
+        watch."""
         if self.dims.ep == 1:
             return None
-        from .expert import received_tokens
-
         mine = torch.tensor([float(sum(received_tokens(model).values()))], dtype=torch.float64)
         parts = [torch.zeros_like(mine) for _ in range(self.dims.world)]
         dist.all_gather(parts, mine)
@@ -227,10 +224,10 @@ class ParallelRun:
 
 
 def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None, offload: bool = False) -> None:
-    """FSDP2: the routed experts of an expert-parallel run over their EDP group first, then every decoder layer
-    and the root over all ranks; gradients are summed (divide factor 1: the loss is already normalised by the
-    step's global token weight and window count)."""
-    from torch.distributed.fsdp import (
+    """FSDP2: the routed experts of an expert-parallel run over their EDP group first, then every decoder
+    layer and the root over all ranks; gradients are summed (divide factor 1: the loss is already normalised
+    by the step's global token weight and window count)."""
+    from torch.distributed.fsdp import (  # slow import (~0.6 s), for FSDP runs only
         CPUOffloadPolicy,
         FSDPModule,
         MixedPrecisionPolicy,
@@ -238,25 +235,26 @@ def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None, o
         fully_shard,
     )
 
-    from genomelm.model.moe import Experts
-
     if offload and mesh.world_mesh.device_type != "cuda":
-        raise ValueError("optimizer_offload=true runs on GPUs only (FSDP2's CPU offload moves state off a GPU)")
-    # the loss the root returns is a view; nothing modifies it in place (`window_loss` multiplies out of place)
+        raise ValueError(
+            "optimizer_offload=true runs on GPUs only (FSDP2's CPU offload moves state off a GPU)"
+        )
+    # the loss the root returns is a view, never modified in place (`window_loss` multiplies out of place)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    reduce_dtype = torch.float32 if param_dtype else None
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     settings = {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.layers:
         for module in layer.modules():
-            if isinstance(module, Experts) and hasattr(module, "local_experts"):
+            if is_expert_parallel(module):
                 fully_shard(module, mesh=mesh.edp_mesh, **settings)
         fully_shard(layer, mesh=mesh.world_mesh, **settings)
     fully_shard(model, mesh=mesh.world_mesh, **settings)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            if mesh.world_mesh.device_type != "cuda":  # gloo has no pre-multiplied sum; a factor of 1 needs none
-                module.set_force_sum_reduction_for_comms(True)
+            if mesh.world_mesh.device_type != "cuda":
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum; 1 needs none
 
 
 class ContextParallelScorer(nn.Module):
@@ -275,7 +273,8 @@ class ContextParallelScorer(nn.Module):
         if reduction != "none":
             raise ValueError("ContextParallelScorer gives per-token losses only (reduction='none')")
         model = self.model
-        layout = self.context.layout(input_ids.shape[1], model.options.kda_chunk_size, model.config.index_kpool)
+        seq_len = input_ids.shape[1]
+        layout = self.context.layout(seq_len, model.options.kda_chunk_size, model.config.index_kpool)
         ids, local_labels = self.context.shard(layout, input_ids, labels)
         nll = model(ids, local_labels, reduction="none").contiguous()
         parts = [torch.empty_like(nll) for _ in range(self.context.cp)]

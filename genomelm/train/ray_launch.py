@@ -1,20 +1,24 @@
-"""Run `train(config)` as Ray Train workers, one per rank: `genomelm train launcher=ray cp=N`.
+"""Run `train(config)` as Ray Train workers, one per rank: `genomelm train launcher=ray dp=D cp=C [ep=E]`.
 
-Ray Train's `TorchTrainer` starts `cp` workers (one GPU each on a cluster with GPUs, NCCL; else CPU workers
-sharing the cores, gloo), sets up the default process group, and each worker runs the same `train(config)` as a
-rank of the local launcher: every rank reads the same windows and keeps its shard, rank 0 writes metrics and
-atomic checkpoints under `runs/<run>/checkpoints/` (a temporary folder renamed into place).
+Ray Train's `TorchTrainer` starts dp * cp workers (one GPU each on a cluster with GPUs, NCCL; else CPU
+workers sharing the cores, gloo), sets up the default process group, and each worker runs the same
+`train(config)` as a rank of the local launcher (`genomelm.parallel.launch`): each dp rank reads its own
+windows of every step, the cp ranks of one dp rank each keep their shard of its window, rank 0 writes metrics,
+and each checkpoint under `runs/<run>/checkpoints/` is renamed into place once complete
+(`genomelm.parallel.checkpoint`).
 
 When a worker dies, Ray stops the group and, up to `max_failures` times, starts it again; the restarted ranks
-run `train(config)` with `resume=auto`, so they continue from the newest complete checkpoint (one a killed rank
-left half-written is a temporary folder that is never read and is removed) with the same data order and RNG
-state, and the losses equal those of an uninterrupted run. At the end rank 0 reports the run's last checkpoint
-and summary to Ray (`Result.checkpoint`, `Result.metrics`).
+run `train(config)` with `resume=auto`, so they continue from the newest complete checkpoint (one a killed
+rank left half-written is a temporary folder that is never read and is removed) with the same data order and
+RNG state, and the losses equal those of an uninterrupted run. At the end rank 0 reports the run's last
+checkpoint and summary to Ray (`Result.checkpoint`, `Result.metrics`).
 
-`ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local Ray
-starts with no dashboard and no authentication, and stops when the run ends. The driver's working directory
-(where `runs/`, `data/` and relative paths live) must exist at the same path on every node: a shared file
-system on a cluster.
+`ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local
+Ray starts with no dashboard and no authentication, and stops when the run ends. The driver's working
+directory (where `runs/`, `data/` and relative paths live) must exist at the same path on every node: a shared
+file system on a cluster.
+
+Ray is imported inside the functions: it is slow to import, and `start_ray` sets its environment first.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from genomelm.train.config import TrainConfig
+from genomelm.train.faults import FAULT_ENV
 
 QUIET_ENVIRONMENT = {
     "RAY_AUTH_MODE": "disabled",  # no token prompt for a cluster this process starts on localhost
@@ -41,17 +46,6 @@ QUIET_LOGGERS = {  # Ray modules whose `logger` says what the run does not need 
 
 class RayLaunchError(RuntimeError):
     """A Ray run that could not start or that failed other than by a rank's own exception."""
-
-
-def check_ray_run(config: TrainConfig) -> None:
-    """Refuse, before Ray starts, settings a Ray run cannot honour."""
-    if config.max_failures < 0:
-        raise ValueError(f"max_failures={config.max_failures}: give the number of restarts allowed (>= 0)")
-    if config.max_failures > 0 and config.resume != "auto":
-        raise ValueError(
-            f"max_failures={config.max_failures} with resume={config.resume!r}: a restarted group continues from "
-            f"the run's newest checkpoint, which is resume=auto"
-        )
 
 
 def start_ray(address: str | None = None) -> None:
@@ -77,26 +71,26 @@ def quiet_ray_loggers() -> None:
 def train_with_ray(config: TrainConfig) -> dict[str, Any]:
     """`train(config)` on dp * cp Ray Train workers; rank 0's summary (as `genomelm.train.loop.train`
     returns it). A rank's exception is raised here once the restarts allowed by `max_failures` are spent."""
-    check_ray_run(config)
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     started_here = not ray.is_initialized()
     if started_here:
-        start_ray(config.ray_address)
+        start_ray(config.parallel.ray_address)
     try:
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        workers = config.parallel.world
         trainer = TorchTrainer(
             _worker,
-            train_loop_config={"config": config, "cwd": os.getcwd()},
+            train_loop_config={"config": config, "cwd": os.getcwd(), "environment": _forwarded_environment()},
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            scaling_config=ScalingConfig(num_workers=config.dp * config.cp, use_gpu=use_gpu,
-                                         resources_per_worker=_resources_per_worker(config.dp * config.cp, use_gpu)),
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
+                                         resources_per_worker=_resources_per_worker(workers, use_gpu)),
             run_config=RunConfig(
                 name=config.run,
                 storage_path=str(Path(config.runs_dir).resolve()),
-                failure_config=FailureConfig(max_failures=config.max_failures),
+                failure_config=FailureConfig(max_failures=config.parallel.max_failures),
                 checkpoint_config=CheckpointConfig(num_to_keep=None),  # `keep_checkpoints` prunes them
             ),
         )
@@ -117,8 +111,14 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
     }
 
 
+def _forwarded_environment() -> dict[str, str]:
+    """The driver's variables a worker must see: the test fault hook (`genomelm.train.faults`)."""
+    return {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
+
+
 def _resources_per_worker(workers: int, use_gpu: bool) -> dict[str, float]:
-    """One GPU and that GPU's share of its node's CPUs; on CPUs, each worker an equal share of the cluster's."""
+    """One GPU and that GPU's share of its node's CPUs; on CPUs, each worker an equal share of the
+    cluster's."""
     import ray
 
     if use_gpu:
@@ -136,14 +136,19 @@ def _worker(payload: dict[str, Any]) -> None:
     import torch
     from ray.train import Checkpoint, CheckpointUploadMode
 
-    from genomelm.train.loop import train
+    from genomelm.train.loop import (
+        train,  # the training stack: not in every Ray process the setup hook runs in
+    )
 
     config: TrainConfig = payload["config"]
     folder = Path(payload["cwd"])
     if not folder.is_dir():
-        raise RayLaunchError(f"the driver's working directory {folder} is not on this node: run from a folder "
-                             "every node mounts at the same path (runs/ and data/ live there)")  # fmt: skip
+        raise RayLaunchError(
+            f"the driver's working directory {folder} is not on this node: run from a folder every node "
+            "mounts at the same path (runs/ and data/ live there)"
+        )
     os.chdir(folder)  # Ray starts each worker in its own session folder
+    os.environ.update(payload["environment"])
     quiet_ray_loggers()  # again: Ray Train sets its worker loggers up after the process setup hook
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
     torch.set_num_threads(max(int(cpus), 1))
@@ -163,15 +168,17 @@ def _worker(payload: dict[str, Any]) -> None:
 
 def _rank_error(exc: Exception) -> BaseException:
     """A lost worker (its process died: a kill, out of memory, a crash) as a RayLaunchError naming its rank,
-    since the other ranks' errors only follow from it; else the lowest failed rank's own exception (a DataError
-    stays a DataError)."""
+    since the other ranks' errors only follow from it; else the lowest failed rank's own exception (a
+    DataError stays a DataError)."""
     from ray.train.v2.api.exceptions import RayTrainError
 
     failures: dict[int, Exception] = getattr(exc, "worker_failures", None) or {}
     lost = sorted(rank for rank, error in failures.items() if isinstance(error, RayTrainError))
     if lost:
-        return RayLaunchError(f"Ray Train worker rank {lost[0]} was lost (its process died: killed, out of memory "
-                              f"or crashed) and no restarts were left (max_failures): {failures[lost[0]]}")
+        return RayLaunchError(
+            f"Ray Train worker rank {lost[0]} was lost (its process died: killed, out of memory or crashed) "
+            f"and no restarts were left (max_failures): {failures[lost[0]]}"
+        )
     if failures:
         rank = min(failures)
         failures[rank].add_note(f"raised on Ray Train worker rank {rank}")

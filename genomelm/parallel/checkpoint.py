@@ -1,0 +1,303 @@
+"""The checkpoints of a training run: `Checkpointer(run_dir)` owns the folder `runs/<run>/checkpoints/`.
+
+    checkpoints/
+      step-0000100/                a checkpoint, complete or not (`steps`; the complete ones: `complete`)
+      step-0000200/                the newest complete one (`latest`); `save` prunes to the newest `keep`
+      .tmp-step-0000300[-<pid>]/   a write in progress, or one a kill left behind (`clean_interrupted_writes`)
+
+A step folder holds one of two layouts (`save` and `load` take either):
+- one process (`save` without a mesh): `model/`, the model in Hugging Face layout (`genomelm.model.load_model`
+  and transformers read it), and `trainer.pt`: the caller's trainer state (step, data order, run config,
+  identity, ...) plus the optimizer state and the RNG state;
+- sharded, a run of more than one process (`save` with the run's mesh, collective): `state/`, a
+  torch.distributed.checkpoint (DCP) with keys `model.<name>` (every entry of `GlmForCausalLM.state_dict()`,
+  at its global shape) and `optimizer.*` (AdamW state by parameter name, `get_optimizer_state_dict`). FSDP2
+  parameters are DTensors already; a rank's own routed experts (expert parallel) are described to DCP as
+  shards of the global [E, ...] tensor on the ("ep", "edp") mesh, so a checkpoint saved at one world size, ep
+  or dp loads at another. Beside it `config.json` (the model's Hugging Face config), `trainer.pt` (rank 0:
+  the trainer state plus the mesh dims as "world") and `rng/rank-00000.pt` (each rank's RNG state); after the
+  last step the run adds `model/`, the Hugging Face layout (`genomelm.parallel.export`), which `genomelm
+  eval` reads.
+A step folder is complete when it holds `trainer.pt` and `model/config.json` or `state/.metadata`.
+
+Every write goes to a temporary `.tmp-step-*` folder (one process: suffixed with its pid; sharded: one name,
+which every rank writes into), whose files are fsynced before it is renamed into place, so a kill -9 at any
+moment leaves the previous checkpoint as the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from genomelm.model.checkpoint import CONFIG_FILE, hf_config_dict, save_model
+
+from .expert import expert_shard
+from .mesh import Mesh
+
+CHECKPOINTS_DIR = "checkpoints"  # in the run folder
+STEP_PREFIX = "step-"  # step-0000100: the checkpoint after optimizer step 100
+TMP_PREFIX = ".tmp-"  # a write in progress
+MODEL_DIR = "model"  # the Hugging Face layout
+TRAINER_FILE = "trainer.pt"
+STATE_DIR = "state"  # the DCP checkpoint of a sharded run
+METADATA_FILE = ".metadata"  # written by dcp.save once every rank has written its shard
+RNG_DIR = "rng"  # rank-00000.pt, ... of a sharded run
+
+
+def is_sharded(step_dir: Path) -> bool:
+    """Whether a step folder holds a complete DCP state (the sharded layout)."""
+    return (Path(step_dir) / STATE_DIR / METADATA_FILE).exists()
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a `step-<digits>` folder name; None for any other name."""
+    digits = Path(path).name[len(STEP_PREFIX) :]
+    return int(digits) if Path(path).name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch, numpy, Python (and CUDA, when there is one) random states."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned (the CUDA states only where there are GPUs)."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """The checkpoints of the run in `run_dir` (see the module docstring). `save` and `load` take either
+    layout: the sharded one under a mesh, the one-process one without."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / CHECKPOINTS_DIR
+
+    # ------------------------------------------------------------------------------------------- the folder
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"{STEP_PREFIX}{step:07d}"
+
+    def steps(self) -> list[Path]:
+        """Every `step-<digits>` folder, complete or not, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and step_of(p) is not None]
+        return sorted(found, key=step_of)
+
+    def complete(self) -> list[Path]:
+        """The complete checkpoints of either layout, oldest first."""
+        return [
+            p for p in self.steps()
+            if (p / TRAINER_FILE).exists() and ((p / MODEL_DIR / CONFIG_FILE).exists() or is_sharded(p))
+        ]  # fmt: skip
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        found = self.complete()
+        return found[-1] if found else None
+
+    def clean_interrupted_writes(self) -> list[Path]:
+        """Remove the temporary folders of writes a kill interrupted; returns what was removed. Call it on one
+        process, before any save."""
+        removed = list(self.root.glob(f"{TMP_PREFIX}*")) if self.root.is_dir() else []
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+    def prune(self, keep: int) -> list[Path]:
+        """Remove all but the newest `keep` complete checkpoints (none with keep 0); returns them."""
+        old = self.complete()[:-keep] if keep > 0 else []
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+        return old
+
+    def _publish(self, tmp: Path, final: Path, keep: int) -> None:
+        """fsync every file of `tmp`, rename it to `final` (replacing a checkpoint of the same step: a step
+        run again after a resume), prune to `keep`."""
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        self.prune(keep)
+
+    # ---------------------------------------------------------------------------------- either layout
+    is_sharded = staticmethod(is_sharded)
+
+    @staticmethod
+    def read_trainer_state(step_dir: Path) -> dict[str, Any]:
+        """The `trainer.pt` of a step folder of either layout."""
+        return torch.load(Path(step_dir) / TRAINER_FILE, weights_only=False)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any], mesh: Mesh | None = None, keep: int = 0) -> Path:  # fmt: skip
+        """Write `step-<step>` atomically and prune to the newest `keep` complete checkpoints (0: all);
+        returns the step folder. With a `mesh`, the sharded layout (collective: every rank calls it); without,
+        the one-process layout (that one process calls it)."""
+        if mesh is not None:
+            return self.save_sharded(step, model, optimizer, trainer_state, mesh, keep)
+        return self.save_one_process(step, model, optimizer, trainer_state, keep)
+
+    def load(self, step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any], mesh: Mesh | None = None) -> None:  # fmt: skip
+        """Continue from the checkpoint `step_dir` (`trainer_state`: its `read_trainer_state`): a sharded one
+        fills model and optimizer and this rank's RNG (`load_sharded`; mesh None in one process); a
+        one-process one the optimizer and the RNG, its model being the one read from `step_dir / "model"`."""
+        if is_sharded(step_dir):
+            self.load_sharded(step_dir, model, optimizer, mesh)
+        else:
+            optimizer.load_state_dict(trainer_state["optimizer"])
+            set_rng_state(trainer_state["rng"])
+
+    # ------------------------------------------------------------------------------------- one process
+    def save_one_process(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                         trainer_state: dict[str, Any], keep: int = 0) -> Path:  # fmt: skip
+        """The one-process layout: the model, and `trainer_state` plus the optimizer state ("optimizer") and
+        this process's RNG state ("rng")."""
+        state = trainer_state | {"optimizer": optimizer.state_dict(), "rng": rng_state()}
+        return self._write_one_process(step, model, state, keep)
+
+    def _write_one_process(self, step: int, model: nn.Module, state: dict[str, Any], keep: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.step_dir(step)
+        tmp = self.root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_model(model, tmp / MODEL_DIR)
+        torch.save(state, tmp / TRAINER_FILE)
+        self._publish(tmp, final, keep)
+        return final
+
+    # ------------------------------------------------------------------------------------------ sharded
+    def save_sharded(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     trainer_state: dict[str, Any], mesh: Mesh, keep: int = 0) -> Path:  # fmt: skip
+        """The sharded layout, from every rank (collective: all must call it); rank 0 renames it into place
+        once every rank has written its files."""
+        final = self.step_dir(step)
+        tmp = self.root / f"{TMP_PREFIX}{final.name}"
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / RNG_DIR).mkdir(parents=True)
+        dist.barrier()
+        _, _, seen = _described(model, optimizer, mesh)
+        dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
+        torch.save(rng_state(), tmp / RNG_DIR / f"rank-{rank:05d}.pt")
+        if rank == 0:
+            config = hf_config_dict(model.config, torch.float32)
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            torch.save(trainer_state | {"world": mesh.dims.__dict__}, tmp / TRAINER_FILE)
+        dist.barrier()  # every rank's files are written
+        if rank == 0:
+            self._publish(tmp, final, keep)
+        dist.barrier()
+        return final
+
+    @staticmethod
+    def load_sharded(step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     mesh: Mesh | None) -> None:  # fmt: skip
+        """Fill model and optimizer (already split over this run's mesh, or one process: mesh None) from a
+        sharded checkpoint saved at any world size, and restore this rank's RNG (rank 0's for a rank the save
+        did not have)."""
+        step_dir = Path(step_dir)
+        model_state, optim_state, seen = _described(model, optimizer, mesh)
+        # a fresh optimizer's template has state for every parameter; the saved one only for those that ever
+        # had a gradient (e.g. the indexer's when it is not trained): those keep their fresh state (AdamW
+        # skips them)
+        saved = dcp.FileSystemReader(step_dir / STATE_DIR).read_metadata().state_dict_metadata
+        seen["optimizer"]["state"] = {
+            name: entry for name, entry in seen["optimizer"]["state"].items()
+            if all(f"optimizer.state.{name}.{key}" in saved for key in entry)
+        }  # fmt: skip
+        dcp.load(seen, checkpoint_id=step_dir / STATE_DIR, no_dist=mesh is None)
+        shapes = _expert_shapes(model) if mesh is not None else {}
+        for name in shapes:  # the global views alias the local rows; copy in case a view was not in place
+            _local(model_state[name]).copy_(seen["model"][name].to_local())
+            for key, value in optim_state["state"].get(name, {}).items():
+                if isinstance(value, Tensor) and value.ndim:
+                    _local(value).copy_(seen["optimizer"]["state"][name][key].to_local())
+        for name, value in seen["model"].items():
+            if name not in shapes:
+                model_state[name] = value
+        for name, entry in seen["optimizer"]["state"].items():
+            if name not in shapes:
+                optim_state["state"][name] = entry
+        set_model_state_dict(model, model_state)
+        set_optimizer_state_dict(model, optimizer, optim_state)
+        rank = dist.get_rank() if mesh is not None else 0
+        rng = step_dir / RNG_DIR / f"rank-{rank:05d}.pt"
+        if not rng.exists():
+            rng = step_dir / RNG_DIR / "rank-00000.pt"
+        set_rng_state(torch.load(rng, weights_only=False))
+
+
+# --------------------------------------------------------------------------- DCP's view of a sharded model
+def _expert_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Global shapes [E, ...] of the expert-parallel parameters, by state-dict name."""
+    shapes = {}
+    for name, module in model.named_modules():
+        shard = expert_shard(module)
+        if shard is not None:
+            for param_name, param in module.named_parameters(recurse=False):
+                shapes[f"{name}.{param_name}"] = (shard.num_experts, *param.shape[1:])
+    return shapes
+
+
+def _as_global(value: Tensor, shape: tuple[int, ...], mesh: Mesh) -> DTensor:
+    """A rank's expert rows (its own experts; FSDP's share of them when sharded) as a DTensor of the global
+    shape on the ("ep", "edp") mesh. Shares storage with `value`, so DCP reads into it in place."""
+    sharded = isinstance(value, DTensor)
+    local = value.to_local() if sharded else value
+    placements = [Shard(0), Shard(0) if sharded else Replicate()]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh.expert_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)  # fmt: skip
+
+
+def _described(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | None
+               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """(model state, optimizer state, what DCP sees): the last with the expert entries as global DTensors."""
+    model_state = get_model_state_dict(model)
+    optim_state = get_optimizer_state_dict(model, optimizer)
+    shapes = _expert_shapes(model) if mesh is not None else {}
+    seen_model = {k: _as_global(v, shapes[k], mesh) if k in shapes else v for k, v in model_state.items()}
+    seen_state = {}
+    for name, entry in optim_state["state"].items():
+        if name in shapes:
+            entry = {k: _as_global(v, shapes[name], mesh) if isinstance(v, Tensor) and v.ndim else v
+                     for k, v in entry.items()}  # fmt: skip
+        seen_state[name] = entry
+    seen_optim = {"state": seen_state, "param_groups": optim_state["param_groups"]}
+    seen = {"model": seen_model, "optimizer": seen_optim}
+    return model_state, optim_state, seen
+
+
+def _local(value: Tensor) -> Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value

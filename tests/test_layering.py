@@ -1,0 +1,104 @@
+"""The packages import one way: data <- model <- parallel <- train <- eval <- cli (`genomelm/__init__.py`).
+
+Every module under genomelm/ is parsed (not imported) and every import in it is checked, at module level and
+inside functions alike: a deferred import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "genomelm"
+
+# package -> (what it must not import, the exceptions to that)
+ABOVE_DATA = ("genomelm.model", "genomelm.parallel", "genomelm.train", "genomelm.eval", "genomelm.cli")
+FORBIDDEN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "genomelm.data": (ABOVE_DATA, ()),
+    "genomelm.model": (("genomelm.data", *ABOVE_DATA[1:]), ("genomelm.data.vocab",)),
+    "genomelm.parallel": (("genomelm.train", "genomelm.eval", "genomelm.cli"), ()),
+    "genomelm.train": (("genomelm.eval", "genomelm.cli"), ()),
+}
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: Path, root: Path = PACKAGE) -> list[tuple[int, str, str]]:
+    """(line, dotted name, the statement) of every import in the file; `from a import b` gives `a.b` (b may be
+    a module or a name in `a`), relative imports resolved against the file's package."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append((node.lineno, alias.name, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                found.append((node.lineno, f"{base}.{alias.name}", ast.unparse(node)))
+    return found
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(path: Path, root: Path = PACKAGE) -> list[str]:
+    module = module_name(path, root)
+    rules = [rule for package, rule in FORBIDDEN.items() if within(module, package)]
+    found = []
+    for line, name, statement in imported_names(path, root):
+        for forbidden, allowed in rules:
+            if any(within(name, f) for f in forbidden) and not any(within(name, a) for a in allowed):
+                found.append(f"{path.relative_to(root.parent)}:{line}: {statement}")
+    return found
+
+
+def test_packages_import_one_way() -> None:
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 40  # the walk found the package
+    problems = [problem for path in files for problem in violations(path)]
+    rules = "; ".join(f"{package} must not import {', '.join(forbidden)}"
+                      + (f" (except {', '.join(allowed)})" if allowed else "")
+                      for package, (forbidden, allowed) in FORBIDDEN.items())  # fmt: skip
+    assert not problems, f"imports against the layering ({rules}):\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "where", "expected"),
+    [
+        ("from genomelm.train import checkpoints\n", "parallel/x.py", ["genomelm.train.checkpoints"]),
+        ("def f():\n    import genomelm.eval.score\n", "parallel/x.py", ["genomelm.eval.score"]),
+        ("from ..train.loop import train\n", "parallel/x.py", ["genomelm.train.loop.train"]),
+        ("from . import mesh\n", "parallel/__init__.py", ["genomelm.parallel.mesh"]),
+        ("from .vocab import IGNORE_INDEX\n", "data/x.py", ["genomelm.data.vocab.IGNORE_INDEX"]),
+    ],
+)
+def test_imports_are_resolved(tmp_path, source: str, where: str, expected: list[str]) -> None:
+    """Module-level, function-level and relative imports all count."""
+    root = tmp_path / "genomelm"
+    path = root / where
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    assert [name for _, name, _ in imported_names(path, root)] == expected
+
+
+def test_a_violation_names_the_file_line_and_import(tmp_path) -> None:
+    root = tmp_path / "genomelm"
+    (root / "model").mkdir(parents=True)
+    (root / "model" / "x.py").write_text(
+        "from genomelm.data.vocab import IGNORE_INDEX\nfrom genomelm.data.augment import labels_for\n"
+    )
+    assert violations(root / "model" / "x.py", root) == [
+        "genomelm/model/x.py:2: from genomelm.data.augment import labels_for"
+    ]
