@@ -4,7 +4,7 @@
 #   make test                         the test suite
 #   make data GENOME=hg38 SEQ=512k    hg38 chr1+chr2 (train) and chr22 (held out) as 512k-token windows
 #   make data FASTA=my.fa.gz TRAIN=chrA,chrB HELDOUT=chrC SEQ=1M OUT=dir
-#   make train SEQ=512k [STEPS=...] [MODEL=...] [DP=N] [CP=N] [EP=N] [LAUNCHER=local|ray] [ARGS="key=value ..."]
+#   make train SEQ=512k [STEPS=...] [MODEL=...] [DP=N] [CP=N] [EP=N] [LAUNCHER=local|ray] [CLUSTER=b200x64] [ARGS="key=value ..."]
 #   make eval-buckets SEQ=512k [BUCKET=32768] [HELDOUT=dirA,dirB]
 #   make probe SEQ=512k [ARGS="probe_distances=1k,4k,16k probe_windows=4"]
 
@@ -12,6 +12,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pinned: `ruff format --check` must agree with the formatter every developer runs
+RUFF_VERSION := 0.17.6
 
 GENOME ?= hg38
 SEQ ?= 512k
@@ -20,6 +22,8 @@ SEQ_NAME := $(shell echo $(SEQ) | tr A-Z a-z)
 CONFIG ?= $(firstword $(wildcard configs/train/$(GENOME)-$(SEQ_NAME).yaml configs/train/$(GENOME).yaml) \
                       configs/train/hg38-512k.yaml)
 DEMO_CONFIG := configs/train/demo.yaml
+# CLUSTER=b200x64: configs/cluster/b200x64.yaml's settings on top of the run config (launcher, Ray, GPUs)
+CLUSTER_CONFIG := $(if $(CLUSTER),configs/cluster/$(CLUSTER).yaml)
 
 # make variables that become `key=value` overrides for train/eval (only when given)
 OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
@@ -45,13 +49,13 @@ data: $(STAMP)
 	  $(if $(OUT),--out $(OUT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
 
 train: $(STAMP)
-	$(BIN)/genomelm train $(CONFIG) $(OVERRIDES)
+	$(BIN)/genomelm train $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES)
 
 eval-buckets: $(STAMP)
-	$(BIN)/genomelm eval $(CONFIG) $(OVERRIDES) $(if $(HELDOUT),heldout=$(HELDOUT))
+	$(BIN)/genomelm eval $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(HELDOUT),heldout=$(HELDOUT))
 
 probe: $(STAMP)
-	$(BIN)/genomelm probe $(CONFIG) $(OVERRIDES)
+	$(BIN)/genomelm probe $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES)
 
 # CPU runs: glibc keeps freed memory instead of mapping fresh pages for every large temporary
 # (benchmarks/model_step.py: 64k-token step 72 s -> 45 s on 2 cores, for more resident memory)
@@ -66,8 +70,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/python -m pip install -q ruff
+	$(BIN)/python -m pip install -q ruff==$(RUFF_VERSION)
 	$(BIN)/ruff check genomelm tests benchmarks
+	$(BIN)/ruff format --check genomelm tests benchmarks
 
 clean:
 	rm -rf $(VENV) data/prepared results runs wandb .pytest_cache build *.egg-info

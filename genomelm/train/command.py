@@ -31,10 +31,10 @@ def main(argv: list[str]) -> int:
         return 0
     from genomelm.model.checkpoint import CheckpointError
     from genomelm.model.config import ConfigError
-    from genomelm.parallel.ray_launch import RayLaunchError
     from genomelm.train.guards import RunMismatch
     from genomelm.train.loop import NonFiniteLoss
     from genomelm.train.plan import PlanError
+    from genomelm.train.ray_launch import RayLaunchError
 
     try:
         summary = launch_training(config)
@@ -63,52 +63,45 @@ def launch_training(config: TrainConfig) -> dict:
 
     # a run on GPUs (here, or on the Ray cluster at ray_address), or one planned for GPUs (gpus=N), is planned
     # first and refused if it cannot fit
-    if torch.cuda.is_available() or (config.launcher == "ray" and config.ray_address) or config.gpus:
+    if torch.cuda.is_available() or (config.parallel.launcher == "ray" and config.parallel.ray_address) or config.plan.gpus:
         from genomelm.train.plan import check_fits
 
         check_fits(config)
-    if config.launcher == "ray":
-        from genomelm.parallel.ray_launch import check_ray_run, train_with_ray
+    if config.parallel.launcher == "ray":
+        from genomelm.train.ray_launch import train_with_ray
 
-        check_ray_run(config)
         check_context_parallel(config)
         return train_with_ray(config)
-    if config.launcher != "local":
-        raise ValueError(f"launcher={config.launcher!r}: give local (processes on this machine) or ray")
-    return train(config) if config.dp * config.cp == 1 else train_context_parallel(config)
+    return train(config) if config.parallel.world == 1 else train_context_parallel(config)
 
 
 def check_context_parallel(config: TrainConfig) -> None:
     """Refuse, before any process starts, a dp x cp x ep layout that cannot run: ep not dividing dp*cp or the
     expert count, or a cp the run's windows (and warm-up crops) cannot split into."""
     from genomelm.data.augment import crop_length
-    from genomelm.model import ModelConfig, RunOptions
+    from genomelm.model import ModelConfig
     from genomelm.model.config import MOE
     from genomelm.parallel.layout import ContextLayout
     from genomelm.parallel.mesh import ParallelDims
-    from genomelm.train.checkpoints import is_preset
+    from genomelm.model.config import is_preset
 
-    if config.cp < 1:
-        raise ValueError(f"cp={config.cp}: give the number of processes to split each window over (>= 1)")
     kpool, experts = 4, None
     if config.model and (is_preset(config.model) or Path(config.model, "config.json").exists()):
         model = ModelConfig.preset(config.model) if is_preset(config.model) else ModelConfig.from_file(config.model)
         kpool = model.index_kpool if model.dsa_layers else 1
         experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
-    ParallelDims(config.dp, config.cp, config.ep).check(experts)
-    if config.optimizer_offload:
+    ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep).check(experts)
+    if config.parallel.optimizer_offload:
         import torch
 
-        if not config.fsdp or config.dp * config.cp == 1:
-            raise ValueError("optimizer_offload=true is FSDP2's CPU offload: it needs fsdp=true and dp*cp > 1")
-        if not torch.cuda.is_available() and not (config.launcher == "ray" and config.ray_address):
+        if not torch.cuda.is_available() and not (config.parallel.launcher == "ray" and config.parallel.ray_address):
             raise ValueError("optimizer_offload=true runs on GPUs only (FSDP2's CPUOffloadPolicy moves state off a "
                              "GPU); on this machine leave it false")  # fmt: skip
-    steps = range(max(config.seq_warmup_steps, 0) + 1)
-    lengths = sorted({crop_length(step, config.seq_warmup_steps, config.seq_len, config.seq_warmup_start)
+    steps = range(max(config.data_options.seq_warmup_steps, 0) + 1)
+    lengths = sorted({crop_length(step, config.data_options.seq_warmup_steps, config.seq_len, config.data_options.seq_warmup_start)
                       for step in steps})  # fmt: skip
     for length in lengths:
-        ContextLayout(length, config.cp, 0, config.cp_layout, kda_chunk=RunOptions().kda_chunk_size, kpool=kpool)
+        ContextLayout(length, config.parallel.cp, 0, config.parallel.cp_layout, kda_chunk=config.model_options.kda_chunk_size, kpool=kpool)
 
 
 def _train_on_rank(config: TrainConfig, threads: int) -> dict:
@@ -131,9 +124,9 @@ def train_context_parallel(config: TrainConfig) -> dict:
 
     check_context_parallel(config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    world = config.dp * config.cp
+    world = config.parallel.world
     if device == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"dp={config.dp} x cp={config.cp} needs {world} GPUs on this machine, found "
+        raise ValueError(f"dp={config.parallel.dp} x cp={config.parallel.cp} needs {world} GPUs on this machine, found "
                          f"{torch.cuda.device_count()}")  # fmt: skip
     threads = max(1, (os.cpu_count() or 1) // world)
     return launch(_train_on_rank, world, config, threads, device=device)[0]

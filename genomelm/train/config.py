@@ -1,7 +1,24 @@
-"""Run configuration shared by `genomelm train` and `genomelm eval`.
+"""Run configuration shared by `genomelm train`, `genomelm eval`, `genomelm probe` and `genomelm plan`.
 
-A run is described by a YAML file in `configs/train/` plus `key=value` overrides from the command line
-(`genomelm train configs/train/hg38-512k.yaml steps=10 seq=1M`). Every run writes under
+A run is a YAML file in `configs/train/` plus `key=value` overrides from the command line
+(`genomelm train configs/train/hg38-512k.yaml steps=10 seq=1M`). The settings are grouped by the part of the
+program that owns them, one small dataclass each, which checks its own values:
+
+| group | owner | settings |
+|---|---|---|
+| (top level) | the run | run, genome, seq, data, model, allow_random_init, dry_run, runs_dir, results_dir |
+| `optim` | the optimizer and its step | steps, epochs, lr, schedule, clipping, accumulation, seed, expert bias |
+| `data_options` | the training feed | reverse-complement, soft-mask weight, length warm-up |
+| `memory` | what a step keeps, and its precision | recompute, offload, kept selection, chunk recompute, precision |
+| `model_options` | the model (`genomelm.model.RunOptions`) | chunk sizes, block backends, indexer training |
+| `parallel` | the mesh and its launcher | dp, cp, ep, layout, FSDP, capacity, launcher, Ray |
+| `checkpoint` | the checkpointer | save_every, keep_checkpoints, resume |
+| `log` | metrics | log_every, wandb, track_memory |
+| `eval`, `probe` | the evaluator and the copy probe | buckets, held-out sets, probe distances |
+| `plan` | the planner | GPUs, GPU kind, search, force, and its assumptions |
+
+A YAML file gives the groups as sections (`optim: {lr: 1e-5}`); flat keys work too. Overrides are the setting's
+own name (`lr=1e-5`: every name is unique across groups) or dotted (`optim.lr=1e-5`). Every run writes under
 `runs/<run>/` (checkpoints, metrics) and `results/<run>/` (evaluation tables and figures).
 """
 
@@ -11,90 +28,234 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
+from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
+from genomelm.model.config import RunOptions
+from genomelm.parallel.mesh import ParallelDims
+from genomelm.train.precision import PRECISIONS
+
+CP_LAYOUTS = ("zigzag", "contiguous")
+LAUNCHERS = ("local", "ray")
+WANDB_MODES = ("offline", "online", "disabled")
+GPU_KINDS = ("b200", "h200")
+
+
+def _require(ok: bool, message: str) -> None:
+    """A setting's check: ValueError(message), which names the setting and what to give, unless `ok`."""
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    _require(value in choices, f"{name} must be one of {', '.join(map(str, choices))}, not {value!r}")
 
 
 @dataclass
-class TrainConfig:
-    """Everything a training or evaluation run needs. Token counts are per window (one micro-batch row)."""
+class OptimConfig:
+    """AdamW over fp32 master weights, warmup then cosine, accumulation, clipping, expert balancing."""
 
-    run: str = "run"  # name: runs/<run>/ and results/<run>/
-    genome: str = "hg38"  # prepared data lives in data/prepared/<genome>-<seq>/ unless `data` is set
-    seq: str = "512k"
-    data: str | None = None  # prepared-data folder, or a weighted blend of several: dirA:0.7,dirB:0.3
-    model: str | None = "glm-5.3-flash"  # checkpoint folder or preset name (the hg38 configs need a folder)
-    allow_random_init: bool = False  # allow a preset of over 1B parameters (random weights: benchmarks only)
-    # optimisation
     steps: int = 0  # optimizer steps; 0: from `epochs`
     epochs: float = 1.0  # passes over the training windows when steps = 0
-    lr: float = 1e-5
+    lr: float = 1e-5  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    grad_accum: int = 1  # windows per optimizer step
-    seed: int = 1234
-    # parallelism and launch
-    cp: int = 1  # context parallel: ranks one window is split over
-    cp_layout: str = "zigzag"  # "zigzag" (balanced indexer work) or "contiguous"
+    warmup_steps: int = 50  # linear warmup, then cosine
+    weight_decay: float = 0.1  # AdamW, on matrices only (not on norms, biases, gates, decays)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW
+    grad_clip: float = 1.0  # global L2 norm the gradients are clipped to
+    grad_accum: int = 1  # windows per optimizer step (per dp rank)
+    seed: int = 1234  # data order, augmentation draws and initialisation
+    expert_bias_speed: float = 1e-3  # auxiliary-loss-free expert balancing per step (DeepSeek-V3); 0 = off
+    max_bad_steps: int = 5  # stop after this many non-finite steps in a row
+
+    def validate(self) -> None:
+        _require(self.steps >= 0, f"steps={self.steps}: give steps >= 1, or 0 to size the run from epochs")
+        _require(self.epochs > 0, f"epochs={self.epochs}: give a number of passes > 0")
+        _require(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: give windows per step >= 1")
+        _require(self.lr >= 0 and self.warmup_steps >= 0, f"lr={self.lr}, warmup_steps={self.warmup_steps}: give "
+                 "lr >= 0 and warmup_steps >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: give a ratio in [0, 1]")
+        _require(self.grad_clip > 0, f"grad_clip={self.grad_clip}: give a gradient norm > 0")
+        _require(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps}: give a number of steps >= 1")
+
+
+@dataclass
+class DataOptions:
+    """How training windows are drawn (each choice a function of seed, step and micro-batch)."""
+
+    rc_aug: float = 0.0  # probability of training on a window's reverse complement
+    softmask_weight: float = 1.0  # loss weight of soft-masked (lowercase, repeat) bases; eval is unweighted
+    seq_warmup_steps: int = 0  # train on shorter crops first, doubling up to seq over this many steps
+    seq_warmup_start: int = 1024  # tokens of the first crops of the warm-up
+
+    def validate(self) -> None:
+        _require(0 <= self.rc_aug <= 1, f"rc_aug={self.rc_aug}: give a probability in [0, 1]")
+        _require(self.softmask_weight >= 0, f"softmask_weight={self.softmask_weight}: give a loss weight >= 0")
+        _require(self.seq_warmup_steps >= 0, f"seq_warmup_steps={self.seq_warmup_steps}: give steps >= 0")
+        _require(self.seq_warmup_start >= 1, f"seq_warmup_start={self.seq_warmup_start}: give tokens >= 1")
+
+
+@dataclass
+class MemoryConfig:
+    """What a step keeps between its forward and backward, and the precision it computes in. No switch changes
+    the numbers (tested); each trades memory for time."""
+
+    recompute: bool = True  # full activation recompute per layer
+    offload: bool = True  # CPU offload of each layer's saved input
+    keep_selection: bool = True  # keep DSA top-k selections for the recompute (the indexer runs once)
+    recompute_chunks: bool = False  # also recompute each MoE / MLP / indexer-KL chunk on its own (less memory)
+    precision: str = "auto"  # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on CUDA, else fp32
+
+    def validate(self) -> None:
+        _check_choice("precision", self.precision, PRECISIONS)
+
+
+@dataclass
+class ParallelConfig:
+    """The dp x cp mesh (ep borrowing its ranks), its sharding, and the launcher that starts its processes."""
+
     dp: int = 1  # data parallel: each of dp replicas reads its own windows (processes: dp * cp)
+    cp: int = 1  # context parallel: ranks one window is split over
     ep: int = 1  # expert parallel: the routed experts split over ep of the dp * cp ranks (ep divides dp * cp)
+    cp_layout: str = "zigzag"  # "zigzag" (balanced indexer work) or "contiguous"
     fsdp: bool = True  # with more than one process: FSDP2 shards parameters, gradients and optimizer state
     optimizer_offload: bool = False  # AdamW state and fp32 master weights in host memory (FSDP2, GPUs only)
     ep_capacity_factor: float = 8.0  # refuse an MoE exchange giving a rank more than this x the mean tokens
     launcher: str = "local"  # "local" (processes on this machine) or "ray" (Ray Train workers)
     ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://host:10001"); none: a local Ray
     max_failures: int = 0  # worker failures Ray restarts the group after (from the last checkpoint)
-    fault_at_step: int = 0  # test knob: rank `fault_rank` exits hard after this step, once per run (0 = off)
-    fault_rank: int = 0
-    # planning (`genomelm plan`)
-    gpus: int = 0  # GPUs to plan for (0: dp * cp * ... of the run)
-    gpu: str = "b200"  # "b200" (178 GiB usable) or "h200" (139 GiB)
-    search: bool = False  # plan every layout that fits and rank them by projected tokens/s
-    force: bool = False  # train even when the plan says the run does not fit
-    track_memory: bool = False  # log `peak_tracked_gb`: torch's MemTracker on each real step (the planner's tool)
-    # memory stack (each a switch; none changes the numbers)
-    recompute: bool = True  # full activation recompute per layer
-    offload: bool = True  # CPU offload of each layer's saved input
-    keep_selection: bool = True  # keep DSA top-k selections for the recompute (the indexer runs once)
-    recompute_chunks: bool = False  # also recompute each MoE / MLP / indexer-KL chunk on its own (less memory)
-    expert_bias_speed: float = 1e-3  # auxiliary-loss-free expert balancing per step (DeepSeek-V3); 0 = off
-    moe_chunk_tokens: int = 16384
-    indexer_query_block: int = 128
-    attention_query_block: int = 128
-    loss_chunk_tokens: int = 8192
-    train_indexer: bool = False
-    precision: str = "auto"  # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on CUDA, fp32 on CPU
-    # training data options
-    rc_aug: float = 0.0  # probability of training on a window's reverse complement
-    softmask_weight: float = 1.0  # loss weight of soft-masked (lowercase, repeat) bases; eval is always unweighted
-    seq_warmup_steps: int = 0  # train on shorter crops first, doubling up to seq over this many steps
-    seq_warmup_start: int = 1024  # tokens of the first crops of the warm-up
-    # checkpoints and logging
-    save_every: int = 100
-    keep_checkpoints: int = 2
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp
+
+    def validate(self) -> None:
+        ParallelDims(self.dp, self.cp, self.ep).check()  # the model's expert count is checked at launch
+        _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
+        _check_choice("launcher", self.launcher, LAUNCHERS)
+        _require(self.ep_capacity_factor > 1,
+                 f"ep_capacity_factor={self.ep_capacity_factor}: give a multiple of the mean (> 1)")
+        _require(not self.optimizer_offload or (self.fsdp and self.world > 1),
+                 "optimizer_offload=true is FSDP2's CPU offload: it needs fsdp=true and dp*cp > 1")
+        _require(self.max_failures >= 0, f"max_failures={self.max_failures}: give the number of restarts (>= 0)")
+        _require(self.max_failures == 0 or self.launcher == "ray",
+                 f"max_failures={self.max_failures}: restarts are Ray's (launcher=ray)")
+
+
+@dataclass
+class CheckpointConfig:
+    """When the checkpointer writes, how many it keeps, and where a run continues from."""
+
+    save_every: int = 100  # optimizer steps between checkpoints (and at the last step)
+    keep_checkpoints: int = 2  # newest complete checkpoints kept (0: all)
     resume: str = "auto"  # "auto" (newest checkpoint of this run, if any), "never", or a checkpoint folder
-    log_every: int = 1
+
+    def validate(self) -> None:
+        _require(self.save_every >= 1, f"save_every={self.save_every}: give a number of steps >= 1")
+        _require(self.keep_checkpoints >= 0, f"keep_checkpoints={self.keep_checkpoints}: give >= 0 (0 keeps all)")
+        _require(bool(self.resume), "resume is empty: give auto, never or a checkpoint folder")
+
+
+@dataclass
+class LogConfig:
+    """Metrics: `runs/<run>/metrics.jsonl`, the progress bar and Weights & Biases."""
+
+    log_every: int = 1  # optimizer steps between metrics rows
     wandb: str = "offline"  # "offline", "online" or "disabled"
-    max_bad_steps: int = 5  # stop after this many non-finite steps in a row
-    dry_run: bool = False
-    # evaluation
+    track_memory: bool = False  # log `peak_tracked_gb`: torch's MemTracker on each real step (the planner's tool)
+
+    def validate(self) -> None:
+        _check_choice("wandb", self.wandb, WANDB_MODES)
+        _require(self.log_every >= 1, f"log_every={self.log_every}: give a number of steps >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """`genomelm eval`: held-out loss per position bucket."""
+
     bucket: int = 32768  # tokens per position bucket
     eval_windows: int = 0  # held-out windows to score (0 = all)
     context_cut: bool = True  # also score the last bucket with only the preceding bucket as context
     heldout: str | None = None  # prepared folders to evaluate, comma separated (default: the run's data)
-    # copy probe (`genomelm probe`)
+
+    def validate(self) -> None:
+        _require(self.bucket >= 1, f"bucket={self.bucket}: give tokens per bucket >= 1")
+        _require(self.eval_windows >= 0, f"eval_windows={self.eval_windows}: give windows >= 0 (0 = all)")
+
+
+@dataclass
+class ProbeConfig:
+    """`genomelm probe`: the copy probe."""
+
     probe_length: int = 200  # bases per planted segment
     probe_distances: str = "1k,4k,16k,64k,256k,1M"  # distances from the first copy to the second (<= seq)
     probe_windows: int = 4  # held-out windows probed (0 = all)
-    runs_dir: str = "runs"
-    results_dir: str = "results"
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def validate(self) -> None:
+        _require(self.probe_length >= 2, f"probe_length={self.probe_length}: give at least 2 bases")
+        _require(self.probe_windows >= 0, f"probe_windows={self.probe_windows}: give windows >= 0 (0 = all)")
+
+
+@dataclass
+class PlanConfig:
+    """`genomelm plan` and the plan a GPU run is checked against before it starts."""
+
+    gpus: int = 0  # GPUs to plan for (0: dp * cp of the run)
+    gpu: str = "b200"  # "b200" (178 GiB usable) or "h200" (139 GiB)
+    search: bool = False  # plan every layout that fits and rank them by projected tokens/s
+    force: bool = False  # train even when the plan says the run does not fit
+    # what the projection assumes
+    mfu: float = 0.35  # achieved fraction of the GPU's dense bf16 peak
+    tflops: float = 0.0  # the GPU's dense bf16 peak, TFLOP/s (0: from `gpu`)
+    nvlink_gbs: float = 0.0  # per GPU per direction inside a node, GB/s (0: from `gpu`)
+    ib_gbs: float = 50.0  # per GPU per direction between nodes (400 Gb/s NICs), GB/s
+    pcie_gbs: float = 50.0  # per GPU per direction to host memory (offload copies), GB/s
+    gpus_per_node: int = 8  # GPUs sharing a node (NVLink inside, InfiniBand between)
+    host_gib: float = 2048.0  # host memory per node (DGX B200 / H200: 2 TiB); a layout needing more does not fit
+    imbalance: float = 0.0  # busiest EP rank's tokens over the mean; 0: from the run's metrics, else 4
+    trace_tokens: int = 2048  # most tokens per rank traced; more are extrapolated
+
+    def validate(self) -> None:
+        _check_choice("gpu", self.gpu, GPU_KINDS)
+        _require(self.gpus >= 0, f"gpus={self.gpus}: give the number of GPUs to plan for (0: the run's dp * cp)")
+        _require(0 < self.mfu <= 1, f"mfu={self.mfu}: give a fraction of peak in (0, 1]")
+        _require(self.imbalance >= 0, f"imbalance={self.imbalance}: give >= 0 (0: measured from the run)")
+        _require(self.trace_tokens >= 1 and self.gpus_per_node >= 1, f"trace_tokens={self.trace_tokens}, "
+                 f"gpus_per_node={self.gpus_per_node}: give each >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training or evaluation run needs: the run's identity at the top level, the rest in groups
+    (see the module docstring). Token counts are per window (one micro-batch row)."""
+
+    run: str = "run"  # name: runs/<run>/ and results/<run>/
+    genome: str = "hg38"  # prepared data lives in data/prepared/<genome>-<seq>/ unless `data` is set
+    seq: str = "512k"  # tokens per window: 16k, 512k, 1M (= 1,048,576) or any integer
+    data: str | None = None  # prepared-data folder, or a weighted blend of several: dirA:0.7,dirB:0.3
+    model: str | None = "glm-5.3-flash"  # checkpoint folder or preset name (the hg38 configs need a folder)
+    allow_random_init: bool = False  # allow a preset of over 1B parameters (random weights: benchmarks only)
+    dry_run: bool = False  # print the model's layer routes and memory switches, train nothing
+    runs_dir: str = "runs"  # where runs/<run>/ (checkpoints, metrics) lives
+    results_dir: str = "results"  # where results/<run>/ (evaluation tables, figures) lives
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data_options: DataOptions = field(default_factory=DataOptions)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    model_options: RunOptions = field(default_factory=RunOptions)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    GROUPS: ClassVar[tuple[str, ...]] = (
+        "optim", "data_options", "memory", "model_options", "parallel", "checkpoint", "log", "eval", "probe",
+        "plan",
+    )  # fmt: skip
 
     @property
     def seq_len(self) -> int:
@@ -102,9 +263,9 @@ class TrainConfig:
 
     def total_steps(self, n_windows: int) -> int:
         """`steps` if set, else enough optimizer steps for `epochs` passes over `n_windows` training windows."""
-        if self.steps > 0:
-            return self.steps
-        return max(1, math.ceil(self.epochs * n_windows / self.grad_accum))
+        if self.optim.steps > 0:
+            return self.optim.steps
+        return max(1, math.ceil(self.optim.epochs * n_windows / self.optim.grad_accum))
 
     @property
     def data_blend(self) -> list[tuple[str, float]]:
@@ -128,55 +289,132 @@ class TrainConfig:
     def results_path(self) -> Path:
         return Path(self.results_dir) / self.run
 
+    def validate(self) -> TrainConfig:
+        """Check every group's values (ValueError naming the setting); returns self."""
+        try:
+            parse_seq(self.seq)
+        except DataError:
+            raise ValueError(f"seq={self.seq!r}: give a positive token count such as 16k, 512k, 1M or 4096") from None
+        if not self.run or "/" in self.run:
+            raise ValueError(f"run={self.run!r}: give a folder name (runs/<run>/), without '/'")
+        for group in self.GROUPS:
+            check = getattr(getattr(self, group), "validate", None)
+            if check is not None:
+                check()
+        if self.parallel.max_failures > 0 and self.checkpoint.resume != "auto":
+            raise ValueError(
+                f"max_failures={self.parallel.max_failures} with resume={self.checkpoint.resume!r}: a restarted "
+                "group continues from the run's newest checkpoint, which is resume=auto"
+            )
+        return self
+
+    def replace(self, **settings: Any) -> TrainConfig:
+        """A copy with settings changed by name (`steps=3`, `cp=2`: each name finds its group)."""
+        top = {k: v for k, v in settings.items() if k in _TOP_LEVEL}
+        groups: dict[str, dict[str, Any]] = {}
+        for key, value in settings.items():
+            if key in top:
+                continue
+            if key not in _SETTING_GROUP:
+                raise ValueError(f"unknown run setting {key!r}")
+            groups.setdefault(_SETTING_GROUP[key], {})[key] = value
+        parts = {group: dataclasses.replace(getattr(self, group), **values) for group, values in groups.items()}
+        return dataclasses.replace(self, **top, **parts)
+
     @classmethod
-    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-        """Read a YAML run config and apply `key=value` overrides (values parsed as YAML scalars)."""
-        raw: dict[str, Any] = {}
-        if path is not None:
-            path = Path(path)
-            if not path.exists():
-                raise FileNotFoundError(f"no run config at {path}; the presets are in configs/train/")
-            raw = yaml.safe_load(path.read_text()) or {}
+    def load(cls, paths: str | Path | list[str | Path] | None, overrides: list[str] = ()) -> TrainConfig:
+        """Read YAML run configs (sections or flat keys; a later file overrides an earlier one) and apply
+        `key=value` overrides (values parsed as YAML scalars; keys flat or dotted)."""
+        if paths is None:
+            paths = []
+        elif isinstance(paths, (str, Path)):
+            paths = [paths]
+        settings: dict[str, Any] = {}
+        for path in map(Path, paths):
+            settings.update(_read_yaml(path, cls.GROUPS))
         for item in overrides:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not key=value (for example steps=10)")
             key, value = item.split("=", 1)
-            raw[key.strip()] = yaml.safe_load(value) if value else ""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in raw if k not in fields)
-        if unknown:
-            raise ValueError(f"unknown run setting(s) {unknown}; known: {sorted(k for k in fields if k != 'extra')}")
-        for key, value in raw.items():
-            raw[key] = _coerce(key, value, fields[key].default)
-        config = cls(**raw)
-        parse_seq(config.seq)
-        from genomelm.train.precision import PRECISIONS
-
-        if config.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, not {config.precision!r}")
-        if config.steps < 0 or config.epochs <= 0 or config.grad_accum < 1:
-            raise ValueError(f"steps={config.steps}, epochs={config.epochs}, grad_accum={config.grad_accum}: "
-                             "give steps >= 1 (or 0 to size from epochs > 0) and grad_accum >= 1")  # fmt: skip
-        if config.wandb not in ("offline", "online", "disabled"):
-            raise ValueError(f"wandb must be offline, online or disabled, not {config.wandb!r}")
-        return config
+            settings[_flat_key(key.strip(), None)] = yaml.safe_load(value) if value else ""
+        coerced = {key: _coerce(key, value, _DEFAULTS[key]) for key, value in settings.items()}
+        return cls().replace(**coerced).validate()
 
     @classmethod
     def from_args(cls, items: list[str]) -> TrainConfig:
-        """`[CONFIG.yaml] [key=value ...]` as typed after `genomelm train` / `genomelm eval`."""
-        if items and "=" not in items[0]:
-            return cls.load(items[0], items[1:])
-        return cls.load(None, items)
+        """`[CONFIG.yaml ...] [key=value ...]` as typed after `genomelm train` / `genomelm eval`."""
+        paths = [item for item in items if "=" not in item]
+        return cls.load(paths, [item for item in items if "=" in item])
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as the YAML sections would give them."""
         out = dataclasses.asdict(self)
-        out.pop("extra")
-        out["betas"] = list(self.betas)
+        out["optim"]["betas"] = list(self.optim.betas)
         return out
+
+
+def _group_fields() -> dict[str, tuple[str, Any]]:
+    """Every grouped setting's name -> (group, default)."""
+    out: dict[str, tuple[str, Any]] = {}
+    defaults = TrainConfig()
+    for group in TrainConfig.GROUPS:
+        for f in dataclasses.fields(getattr(defaults, group)):
+            out[f.name] = (group, getattr(getattr(defaults, group), f.name))
+    return out
+
+
+_TOP_LEVEL = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name not in TrainConfig.GROUPS}
+_SETTING_GROUP = {name: group for name, (group, _) in _group_fields().items()}
+_DEFAULTS = _TOP_LEVEL | {name: default for name, (_, default) in _group_fields().items()}
+_OPTIONAL = {  # settings that take null / none
+    f.name
+    for owner in (TrainConfig(), *(getattr(TrainConfig(), group) for group in TrainConfig.GROUPS))
+    for f in dataclasses.fields(owner)
+    if "None" in str(f.type)
+}
+
+
+def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
+    """A run config file's settings by flat name."""
+    if not path.exists():
+        raise FileNotFoundError(f"no run config at {path}; the presets are in configs/train/ (clusters: configs/cluster/)")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a run config is a mapping of settings (key: value)")
+    settings: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in groups:
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: section {key!r} must be a mapping of its settings")
+            settings.update({_flat_key(f"{key}.{k}", path): v for k, v in value.items()})
+        else:
+            settings[_flat_key(key, path)] = value
+    return settings
+
+
+def setting_names() -> dict[str, str]:
+    """Every setting's flat name -> its group ("" for the top level), in declaration order."""
+    return {name: "" for name in _TOP_LEVEL} | dict(_SETTING_GROUP)
+
+
+def _flat_key(key: str, source: Path | None) -> str:
+    """A setting's flat name from `name` or `group.name`; an error names the known settings."""
+    group, _, name = key.rpartition(".")
+    if (not group and name in _DEFAULTS) or (group and _SETTING_GROUP.get(name) == group):
+        return name
+    where = f"{source}: " if source is not None else ""
+    raise ValueError(
+        f"{where}unknown run setting {key!r}; known: {sorted(_DEFAULTS)} (flat, or dotted as group.name; the "
+        "README's settings table lists them)"
+    )
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Give a YAML/command-line value the type of the setting's default (YAML reads `3e-3` as a string)."""
+    if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+        if key in _OPTIONAL:
+            return None
+        raise ValueError(f"setting {key}={value!r}: expected a value like {default!r}")
     try:
         if isinstance(default, bool):
             if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
@@ -192,6 +430,6 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             return int(value)
         if isinstance(default, tuple):
             return tuple(float(v) for v in value)
-        return None if value is None else str(value)
+        return str(value)
     except (TypeError, ValueError):
         raise ValueError(f"setting {key}={value!r}: expected a value like {default!r}") from None

@@ -42,12 +42,12 @@ class MetricsLog:
                     if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.wandb_run = None
-        if config.wandb != "disabled":
+        if config.log.wandb != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
             self.wandb_run = wandb.init(
-                project="genomelm", name=config.run, dir=str(config.run_dir), mode=config.wandb,
+                project="genomelm", name=config.run, dir=str(config.run_dir), mode=config.log.wandb,
                 config=config.to_dict(), resume="allow", id=f"{config.run}",
             )
 

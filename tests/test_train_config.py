@@ -1,0 +1,89 @@
+"""Run settings: groups by owner, flat and dotted keys, YAML sections, one set of defaults, validation."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from genomelm.model import RunOptions
+from genomelm.train.config import TrainConfig, setting_names
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flat_and_dotted_keys_reach_the_same_group() -> None:
+    flat = TrainConfig.from_args(["lr=2e-5", "cp=2", "moe_chunk_tokens=512", "kda_backend=torch"])
+    dotted = TrainConfig.from_args(["optim.lr=2e-5", "parallel.cp=2", "model_options.moe_chunk_tokens=512",
+                                    "model_options.kda_backend=torch"])  # fmt: skip
+    assert flat == dotted
+    assert flat.optim.lr == 2e-5 and flat.parallel.cp == 2 and flat.model_options.moe_chunk_tokens == 512
+    with pytest.raises(ValueError, match="unknown run setting 'optim.cp'"):
+        TrainConfig.from_args(["optim.cp=2"])
+    with pytest.raises(ValueError, match="unknown run setting 'fault_at_step'"):
+        TrainConfig.from_args(["fault_at_step=3"])
+
+
+def test_yaml_sections_flat_keys_and_later_files_override(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text("run: r\noptim:\n  lr: 3.0e-3\n  steps: 4\nmemory:\n  offload: false\nsave_every: 7\n")
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("parallel:\n  launcher: ray\noptim:\n  steps: 9\n")
+    config = TrainConfig.from_args([str(base), str(extra), "warmup_steps=2"])
+    assert (config.run, config.optim.lr, config.optim.steps, config.optim.warmup_steps) == ("r", 3e-3, 9, 2)
+    assert not config.memory.offload and config.checkpoint.save_every == 7 and config.parallel.launcher == "ray"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  recompute: true\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown run setting 'optim.recompute'"):
+        TrainConfig.load(bad)
+
+
+def test_chunk_sizes_have_one_set_of_defaults() -> None:
+    """The trainer's chunk sizes are the model's `RunOptions`: no second set of defaults to bridge."""
+    assert TrainConfig().model_options == RunOptions()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("precision=fp16", "precision must be one of auto, bf16, fp32"),
+        ("wandb=yes", "wandb must be one of offline, online, disabled"),
+        ("cp_layout=spiral", "cp_layout must be one of zigzag, contiguous"),
+        ("grad_accum=0", "grad_accum=0"),
+        ("ep=3", r"ep=3 does not divide dp\*cp=1"),
+        ("optimizer_offload=true", "needs fsdp=true and dp\\*cp > 1"),
+        ("max_failures=1", "restarts are Ray's"),
+        ("gpu=a100", "gpu must be one of b200, h200"),
+        ("bucket=0", "bucket=0"),
+        ("save_every=0", "save_every=0"),
+        ("run=a/b", "without '/'"),
+        ("seq=12q", "12q"),
+    ],
+)
+def test_each_group_validates_itself(setting: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_args([setting])
+
+
+def test_replace_finds_each_settings_group() -> None:
+    config = TrainConfig().replace(steps=3, cp=2, bucket=8, run="x")
+    assert (config.optim.steps, config.parallel.cp, config.eval.bucket, config.run) == (3, 2, 8, "x")
+    assert TrainConfig().optim.steps == 0  # a copy, not a change
+    with pytest.raises(ValueError, match="unknown run setting 'nonsense'"):
+        TrainConfig().replace(nonsense=1)
+
+
+def test_shipped_run_configs_load() -> None:
+    for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
+        TrainConfig.load(path)
+    cluster = TrainConfig.load([ROOT / "configs/train/hg38-1m.yaml", ROOT / "configs/cluster/b200x64.yaml"])
+    assert (cluster.parallel.dp, cluster.parallel.cp, cluster.parallel.ep) == (4, 16, 8)
+    assert cluster.parallel.launcher == "ray" and cluster.plan.gpus == 64
+
+
+def test_readme_settings_table_lists_every_setting() -> None:
+    readme = (ROOT / "README.md").read_text()
+    rows = {name: group for group, name in re.findall(r"^\| (\S+) \| `(\w+)` \|", readme, flags=re.M)}
+    expected = {name: group or "(top)" for name, group in setting_names().items()}
+    assert rows == expected
