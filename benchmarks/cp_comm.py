@@ -54,7 +54,7 @@ def measure_rank() -> dict:
     from genomelm.model import load_model
     from genomelm.parallel.context import apply_context_parallel
     from genomelm.parallel.training import ContextRun
-    from genomelm.train.loop import window_loss
+    from genomelm.train.step import window_loss
     from genomelm.train.memory import LayerRunner
 
     cp = dist.get_world_size()

@@ -15,7 +15,7 @@ import torch
 
 from genomelm.data.command import main as data_main
 from genomelm.model import load_model
-from genomelm.train import checkpoints
+from genomelm.parallel.checkpoint import TMP_PREFIX, Checkpointer
 from genomelm.train.config import TrainConfig
 from genomelm.train.loop import NonFiniteLoss, train
 from genomelm.train.memory import LayerRunner
@@ -45,14 +45,19 @@ def many_windows(tmp_path_factory) -> Path:
     return prepare(tmp_path_factory.mktemp("data") / "many", "NC_004353.4:300001-304096", 128)
 
 
-def config(tmp_path: Path, data: Path, **overrides) -> TrainConfig:
+def settings(tmp_path: Path, data: Path, **overrides) -> list[str]:
+    """The run's `key=value` settings, as `genomelm train` takes them."""
     settings = {
         "run": "t", "model": "tiny", "data": str(data), "seq": str(overrides.pop("seq", 128)), "steps": 6,
         "lr": 3e-3, "warmup_steps": 2, "save_every": 3, "wandb": "disabled", "runs_dir": str(tmp_path / "runs"),
         "results_dir": str(tmp_path / "results"),
     }
     settings.update(overrides)
-    return TrainConfig.load(None, [f"{k}={v}" for k, v in settings.items()])
+    return [f"{k}={v}" for k, v in settings.items()]
+
+
+def config(tmp_path: Path, data: Path, **overrides) -> TrainConfig:
+    return TrainConfig.load(None, settings(tmp_path, data, **overrides))
 
 
 def metrics(cfg: TrainConfig) -> list[dict]:
@@ -72,17 +77,17 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, many_windows, monkeypa
     reference = train(whole, progress=False)["losses"]
 
     interrupted = config(tmp_path / "b", many_windows)
-    real_save = checkpoints.save_checkpoint
+    real_save = Checkpointer.save
 
     def save_then_interrupt(*args, **kwargs):
         real_save(*args, **kwargs)
         raise KeyboardInterrupt  # Ctrl-C right after the step-3 checkpoint
 
-    monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_interrupt)
+    monkeypatch.setattr(Checkpointer, "save", save_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         train(interrupted, progress=False)
-    monkeypatch.setattr(checkpoints, "save_checkpoint", real_save)
-    assert checkpoints.latest_checkpoint(interrupted.run_dir).name == "step-0000003"
+    monkeypatch.setattr(Checkpointer, "save", real_save)
+    assert Checkpointer(interrupted.run_dir).latest().name == "step-0000003"
 
     resumed = train(interrupted, progress=False)
     assert resumed["start_step"] == 3
@@ -92,12 +97,13 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, many_windows, monkeypa
 
 
 def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, many_windows):
-    cfg = config(tmp_path, many_windows, steps=10_000, save_every=1, keep_checkpoints=2)
-    overrides = [f"{k}={v}" for k, v in cfg.to_dict().items() if k not in ("betas",)]
-    root = checkpoints.checkpoint_dir(cfg.run_dir)
+    overrides = settings(tmp_path, many_windows, steps=10_000, save_every=1, keep_checkpoints=2)
+    cfg = TrainConfig.load(None, overrides)
+    checkpointer = Checkpointer(cfg.run_dir)
+    root = checkpointer.root
 
     def half_written() -> bool:
-        return root.is_dir() and any(p.name.startswith(checkpoints.TMP_PREFIX) for p in root.iterdir())
+        return root.is_dir() and any(p.name.startswith(TMP_PREFIX) for p in root.iterdir())
 
     for _attempt in range(5):  # the kill can land just after a rename; then try again
         proc = subprocess.Popen([sys.executable, "-m", "genomelm.cli", "train", *overrides],
@@ -105,7 +111,7 @@ def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, 
         deadline = time.monotonic() + 300
         try:
             # wait for one complete checkpoint, then kill while the next one is being written
-            while checkpoints.latest_checkpoint(cfg.run_dir) is None or not half_written():
+            while checkpointer.latest() is None or not half_written():
                 assert proc.poll() is None and time.monotonic() < deadline, "training wrote no checkpoint"
                 time.sleep(0.0005)
             os.kill(proc.pid, signal.SIGKILL)
@@ -114,18 +120,17 @@ def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, 
             proc.wait()
         if half_written():
             break
-    assert any(p.name.startswith(checkpoints.TMP_PREFIX) for p in root.iterdir())
-    last = checkpoints.latest_checkpoint(cfg.run_dir)
+    assert any(p.name.startswith(TMP_PREFIX) for p in root.iterdir())
+    last = checkpointer.latest()
     assert last is not None
     model = load_model(str(last / "model"))
     state = torch.load(last / "trainer.pt", weights_only=False)
     assert state["step"] == int(last.name.split("-")[1])
     assert sum(p.numel() for p in model.parameters()) > 0
     # a resumed run removes the half-written folder and continues from the last good step
-    resumed = train(TrainConfig.load(None, [f"{k}={v}" for k, v in {**cfg.to_dict(), "steps": state["step"] + 1}.items()
-                                             if k != "betas"]), progress=False)
+    resumed = train(cfg.replace(steps=state["step"] + 1), progress=False)
     assert resumed["start_step"] == state["step"]
-    assert not any(p.name.startswith(checkpoints.TMP_PREFIX) for p in root.iterdir())
+    assert not any(p.name.startswith(TMP_PREFIX) for p in root.iterdir())
 
 
 @pytest.mark.parametrize(
@@ -169,7 +174,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, many_windows, monkeypa
         train(cfg, progress=False)
     rows = metrics(cfg)
     assert [row["skipped"] for row in rows] == [True, True, True]
-    assert checkpoints.latest_checkpoint(cfg.run_dir) is None
+    assert Checkpointer(cfg.run_dir).latest() is None
 
 
 def test_trained_checkpoint_loads_in_transformers(tmp_path, many_windows):
@@ -201,5 +206,6 @@ def test_dry_run_full_model_without_gpu():
     assert len(layer_rows) == 45
     assert "dense S x S" not in text
     assert "recompute: full, per layer" in text and "offload of saved layer inputs: on" in text
-    # the plan of the run's own layout (one process, replicated parameters): 313B parameters cannot fit one GPU
-    assert "DOES NOT FIT" in text and "traced 3 of 45 layers" in text and "FLOPs per token" in text
+    # the plan of the run's own layout, the one the planner recommends for 64 B200
+    assert "64 x B200 (dp 8 x cp 8, ep 8" in text and "FITS" in text and "DOES NOT FIT" not in text
+    assert "traced 3 of 45 layers" in text and "FLOPs per token" in text

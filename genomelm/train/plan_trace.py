@@ -1,7 +1,8 @@
 """One rank's share of a real training step, traced with torch's own tools (the measuring half of the planner).
 
-`trace_step` runs the trainer's code (`window_loss` with the `LayerRunner`, context parallelism through
-`apply_context_parallel` and `ContextRun`, the gradient sum, clipping and the AdamW step) and records:
+`trace_step` runs the trainer's own step (`genomelm.train.step.TrainStep.run`: `window_loss` with the
+`LayerRunner`, context parallelism through `ParallelRun`, the gradient sum, clipping and the AdamW step) and
+records:
 - device memory by category with `torch.distributed._tools.mem_tracker.MemTracker` (the forward/backward peak
   and, unless `optimizer=False`, the optimizer-step peak, separately), what each decoder layer leaves live
   between its forward and its backward, and each module's transient peak;
@@ -36,10 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from genomelm.model import GlmForCausalLM, ModelConfig
-from genomelm.parallel.context import apply_context_parallel
-from genomelm.parallel.training import ContextRun
+from genomelm.parallel.mesh import ParallelDims
+from genomelm.parallel.training import ParallelRun
 from genomelm.train.config import TrainConfig
 from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
+from genomelm.train.step import StepPhases, TrainStep, make_optimizer
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
@@ -70,9 +72,6 @@ class StepTrace:
     def optimizer_peak_total(self) -> int:
         return sum(self.optimizer_peak.values())
 
-    @property
-    def peak_total(self) -> int:
-        return max(self.step_peak_total, self.optimizer_peak_total)
 
 
 class _ExpertCountShape(TorchDispatchMode):
@@ -228,47 +227,49 @@ def trace_step(
     optimizer: bool = True,
 ) -> StepTrace:
     """Run one training step of one rank (`run`'s switches, bf16 autocast, window = cp x tokens_per_rank) over
-    `layers` of the model (None: all) and measure it. With `fake`, cp > 1 sets up a fake process group of
-    run.cp ranks and traces its last rank; without, cp > 1 must run inside a real group of run.cp ranks.
-    `optimizer=False` leaves out the optimizer phase (its bytes do not depend on the tokens)."""
-    from genomelm.train.loop import make_optimizer, run_options, window_loss
-
+    `layers` of the model (None: all) and measure it. The step is the trainer's own (`TrainStep.run` with the
+    `ParallelRun` of a dp=1 x cp mesh without FSDP, whose sharding the planner adds by arithmetic). With
+    `fake`, cp > 1 sets up a fake process group of run.cp ranks and traces its last rank; without, cp > 1 must
+    run inside a real group of run.cp ranks. `optimizer=False` leaves the update phase untracked (its bytes do
+    not depend on the tokens)."""
     layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
     config = sub_config(model_config, layers)
-    device = torch.device("cpu")
+    cp = run.parallel.cp
     with ExitStack() as stack:
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
-            if run.cp > 1 and not dist.is_initialized():
-                stack.enter_context(fake_process_group(run.cp, run.cp - 1))
+            if cp > 1 and not dist.is_initialized():
+                stack.enter_context(fake_process_group(cp, cp - 1))
+        # the mesh is built from real rank numbers, before any fake tensor exists
+        parallel = ParallelRun.from_environment(ParallelDims(1, cp, 1), run.parallel.cp_layout, False, "cpu")
+        if fake:
             stack.enter_context(FakeTensorMode())
             stack.enter_context(_ExpertCountShape())
-        options = dataclasses.replace(run_options(run), kda_backend="torch")
-        model = GlmForCausalLM.from_config(config, options=options, device=device)
-        set_chunk_recompute(model, run.recompute_chunks)
-        context = ContextRun.from_environment(run.cp_layout)
-        if context is not None:
-            apply_context_parallel(model, context.group, context.kind)
+        model = GlmForCausalLM.from_config(config, options=dataclasses.replace(run.model_options, kda_backend="torch"))
+        set_chunk_recompute(model, run.memory.recompute_chunks)
+        if parallel is not None:
+            parallel.prepare(model, None, run.parallel.ep_capacity_factor)
         model.train()
-        runner = LayerRunner(recompute=run.recompute, offload=run.offload, keep_selection=run.keep_selection,
-                             recompute_chunks=run.recompute_chunks)
+        runner = LayerRunner(recompute=run.memory.recompute, offload=run.memory.offload,
+                             keep_selection=run.memory.keep_selection,
+                             recompute_chunks=run.memory.recompute_chunks)  # fmt: skip
         if runner.copier is not None and fake:
             runner.copier = _MetaHostCopier()
-        opt = make_optimizer(model, run, device)
-        window = tokens_per_rank * (context.cp if context is not None else 1)
+        window = tokens_per_rank * cp
         rows = [torch.zeros(1, window, dtype=torch.long), torch.zeros(1, window, dtype=torch.long),
-                torch.ones(1, window)]
+                torch.ones(1, window)]  # fmt: skip
         if not fake:
             rows[0] = torch.randint(0, min(config.vocab_size, 5), (1, window))
             rows[1] = torch.roll(rows[0], -1, dims=1)
-        return _measure(model, opt, rows, runner, context, run, layers, tokens_per_rank, window_loss, device,
-                        optimizer)
+        return _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
 
 
-def _measure(model: GlmForCausalLM, opt: torch.optim.Optimizer, rows: list[torch.Tensor], runner: LayerRunner,
-             context: ContextRun | None, run: TrainConfig, layers: list[int], tokens_per_rank: int, window_loss: Any,
-             device: torch.device, optimizer: bool) -> StepTrace:
+def _measure(model: GlmForCausalLM, rows: list[torch.Tensor], runner: LayerRunner, parallel: ParallelRun | None,
+             run: TrainConfig, layers: list[int], tokens_per_rank: int, optimizer: bool) -> StepTrace:  # fmt: skip
+    """`TrainStep.run` of one window with the trackers around its two phases (forward + backward; the update)."""
+    device = torch.device("cpu")
+    opt = make_optimizer(model, run.optim, device)
     names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
     tracker = _Tracker()
     tracker.track_external(model, opt)
@@ -283,7 +284,11 @@ def _measure(model: GlmForCausalLM, opt: torch.optim.Optimizer, rows: list[torch
         mark()
         return runner(layer, hidden, selection)
 
-    handle = model.norm.register_forward_pre_hook(lambda _module, _args: mark())
+    def end_of_forward(_module: nn.Module, _args: Any) -> None:
+        mark()
+        in_forward[0] = False  # the final norm starts: what follows is the head, the loss and the backward
+
+    handle = model.norm.register_forward_pre_hook(end_of_forward)
 
     def where() -> str:
         for parent in tracker._mod_tracker.parents:
@@ -293,36 +298,41 @@ def _measure(model: GlmForCausalLM, opt: torch.optim.Optimizer, rows: list[torch
         return "rest"
 
     counter = _Counter(where)
-    with tracker, counter, torch.autocast(device.type, dtype=torch.bfloat16):
-        loss, _ = window_loss(model, rows, counting_runner, context)
-        in_forward[0] = False
-        loss.backward()
-    step_peak = _categories(tracker.get_tracker_snapshot("peak").get(device, {}))
+    opt_tracker = _Tracker()
+
+    @contextmanager
+    def forward_backward() -> Iterator[None]:
+        with tracker, counter:
+            yield
+
+    @contextmanager
+    def update() -> Iterator[None]:  # the gradient sum (cp > 1), clipping and the AdamW step, tracked apart
+        if not optimizer:  # runs untraced: its bytes and collectives do not depend on the tokens
+            yield
+            return
+        opt_tracker.track_external(model, opt)  # after the backward: the gradients exist
+        with opt_tracker, counter:
+            yield
+
+    step = TrainStep(model, opt, counting_runner, parallel, run.optim,
+                     lambda: torch.autocast(device.type, dtype=torch.bfloat16), run.optim.grad_accum)  # fmt: skip
+    step.run(run.optim.lr, [rows], StepPhases(forward_backward, update, assume_finite=True))
     handle.remove()
+    step_peak = _categories(tracker.get_tracker_snapshot("peak").get(device, {}))
     kept = {layers[i]: marks[i + 1] - marks[i] for i in range(len(layers))}
     host = tracker.get_tracker_snapshot("peak").get(torch.device("meta"), {}).get("Total", 0)
     if runner.copier is not None and not isinstance(runner.copier, _MetaHostCopier):
         host = runner.copier.bytes_offloaded
-    transients = _transients(tracker, device, names)
-    optimizer_peak: dict[str, int] = {}
-    if optimizer:  # the gradient sum (cp > 1), clipping and the AdamW step, tracked on their own
-        opt_tracker = _Tracker()
-        opt_tracker.track_external(model, opt)
-        with opt_tracker, counter:
-            if context is not None:
-                context.sum_gradients(model)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
-            opt.step()
-        optimizer_peak = _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {}))
+    optimizer_peak = _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {})) if optimizer else {}
     return StepTrace(
         tokens_per_rank=tokens_per_rank,
-        cp=context.cp if context is not None else 1,
+        cp=parallel.dims.cp if parallel is not None else 1,
         layers=layers,
         param_numel=_numel_by_part(model, names),
         step_peak=step_peak,
         optimizer_peak=optimizer_peak,
         kept=kept,
-        transients=transients,
+        transients=_transients(tracker, device, names),
         flops=_flops_by_part(counter, names),
         comm=counter.bytes,
         expert_flops=counter.expert_flops,
