@@ -1,5 +1,5 @@
-"""`genomelm plan`: a step traced on fake tensors holds what the same step holds on real tensors, and the plan
-scaled from one layer of each kind predicts the measured peak of the whole model at 1, 2 and 4 ranks."""
+"""`genomelm plan`: a step traced on fake tensors holds what the same step holds on real tensors, and the
+plan scaled from one layer of each kind predicts the measured peak of the whole model at 1, 2 and 4 ranks."""
 
 from __future__ import annotations
 
@@ -16,21 +16,12 @@ from data_fixtures import fly_windows
 from genomelm.model import ModelConfig
 from genomelm.train import plan as planner
 from genomelm.train.config import TrainConfig
-from genomelm.train.plan import (
-    GIB,
-    Assumptions,
-    PlanError,
-    _extrapolate,
-    _quadratic,
-    _Traces,
-    check_fits,
-    load_assumptions,
-    make_plan,
-    model_numel,
-    plan_layout,
-    refusal,
-)
+from genomelm.train.plan import PlanError, check_fits, make_plan
+from genomelm.train.plan_memory import TraceCache, extrapolate_line, extrapolate_quadratic, model_numel
+from genomelm.train.plan_report import refusal
+from genomelm.train.plan_search import plan_layout, rank
 from genomelm.train.plan_trace import StepTrace, _grouped_mm_flops, reduced_layers, sub_config, trace_step
+from genomelm.train.plan_types import GIB, Assumptions, load_assumptions
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_CHUNKS = ["offload=false", "moe_chunk_tokens=64", "loss_chunk_tokens=64", "indexer_query_block=32",
@@ -48,28 +39,34 @@ def test_reduced_layers_cover_every_kind():
 
 
 def test_extrapolation_is_exact_on_lines_and_quadratics():
-    line = lambda t: 3 * t + 7
-    assert _extrapolate(line(1024), line(2048), 1024, 2048, 65536) == pytest.approx(line(65536))
-    quad = lambda t: 5 * t + 0.25 * t * t
-    assert _quadratic(quad(1024), quad(2048), 1024, 2048, 65536) == pytest.approx(quad(65536))
+    def line(t: int) -> float:
+        return 3 * t + 7
+
+    def quad(t: int) -> float:
+        return 5 * t + 0.25 * t * t
+
+    assert extrapolate_line(line(1024), line(2048), 1024, 2048, 65536) == pytest.approx(line(65536))
+    assert extrapolate_quadratic(quad(1024), quad(2048), 1024, 2048, 65536) == pytest.approx(quad(65536))
 
 
 def test_grouped_mm_flops_match_the_sliced_matmuls():
     tokens, dim, out, groups = 96, 16, 24, 4
     x, w = torch.randn(tokens, dim), torch.randn(groups, out, dim)
-    assert _grouped_mm_flops(x.shape, w.transpose(-2, -1).shape, out_shape=(tokens, out)) == 2 * tokens * dim * out
+    forward = _grouped_mm_flops(x.shape, w.transpose(-2, -1).shape, out_shape=(tokens, out))
+    assert forward == 2 * tokens * dim * out
     # weight gradient: [dim, T] x [T, out] -> [groups, dim, out]; each token's column once
-    assert _grouped_mm_flops((dim, tokens), (tokens, out), out_shape=(groups, dim, out)) == 2 * dim * out * tokens
+    weight_grad = _grouped_mm_flops((dim, tokens), (tokens, out), out_shape=(groups, dim, out))
+    assert weight_grad == 2 * dim * out * tokens
 
 
 def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
-    config = TrainConfig(run="r", runs_dir=str(tmp_path), extra={"mfu": "0.5", "imbalance": "2"})
+    config = TrainConfig().replace(run="r", runs_dir=str(tmp_path), mfu=0.5, imbalance=2.0)
     assumptions = load_assumptions(config)
     assert assumptions.mfu == 0.5 and assumptions.imbalance == 2.0 and assumptions.imbalance_source == "set"
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "router/3/max_over_mean": 2.5, "router/4/max_over_mean": 3.25}) + "\n")
-    measured = load_assumptions(dataclasses.replace(config, extra={"mfu": "0.5"}))
+    measured = load_assumptions(config.replace(imbalance=0.0))
     assert measured.imbalance == 3.25 and "measured" in measured.imbalance_source
 
 
@@ -94,8 +91,8 @@ def _real_step(config: TrainConfig, preset: str, tokens: int):
 @pytest.mark.parametrize(("preset", "seq", "cp"), [("tiny", 512, 1), ("tiny", 1024, 2), ("tiny", 2048, 4),
                                                    ("small", 2048, 1)])
 def test_planned_peak_equals_measured_peak(preset, seq, cp):
-    """The plan (one layer of each kind traced on fake tensors, scaled to all layers) against the whole model's
-    real step, measured with the same tracker on every rank."""
+    """The plan (one layer of each kind traced on fake tensors, scaled to all layers) against the whole
+    model's real step, measured with the same tracker on every rank."""
     from genomelm.parallel.launch import launch
 
     config = TrainConfig.from_args([f"model={preset}", f"seq={seq}", f"cp={cp}", "fsdp=false", *SMALL_CHUNKS])
@@ -106,7 +103,8 @@ def test_planned_peak_equals_measured_peak(preset, seq, cp):
     else:
         measured = launch(_real_step, cp, config, preset, seq // cp, timeout_s=600)
     # steady state: from the second step on, AdamW's state is live through the forward and backward too
-    peak = max(max(m.step_peak_total + m.optimizer_peak.get("Optstate", 0), m.optimizer_peak_total) for m in measured)
+    peak = max(max(m.step_peak_total + m.optimizer_peak.get("Optstate", 0), m.optimizer_peak_total)
+               for m in measured)
     assert abs(plan.peak_gib_per_rank * GIB - peak) <= 0.10 * peak, (plan.peak_gib_per_rank * GIB, peak)
     if cp > 1:
         traced = sum(sum(c.values()) for c in measured[-1].comm.values())
@@ -118,10 +116,10 @@ def test_planned_peak_equals_measured_peak(preset, seq, cp):
 def test_check_fits_refuses_with_the_layouts_it_tried_unless_forced():
     config = TrainConfig.from_args(["model=glm-5.3-flash", "seq=4096", "gpus=1",
                                     "moe_chunk_tokens=256", "loss_chunk_tokens=256"])
-    config = dataclasses.replace(config, extra={"trace_tokens": "256"})
+    config = config.replace(trace_tokens=256)
     with pytest.raises(PlanError, match="does not fit.*no layout of 1 x B200 fits.*force=true"):
         check_fits(config)
-    plan = check_fits(dataclasses.replace(config, force=True))
+    plan = check_fits(config.replace(force=True))
     assert not plan.fits and plan.peak_gib_per_rank > 178
 
 
@@ -141,8 +139,9 @@ def test_plan_command_full_model_on_the_cpu(tmp_path):
     assert plan["gpus"] == 64 and plan["peak_gib_per_rank"] > 0 and plan["tokens_per_s_projected"] > 0
 
 
-class _StubTraces(_Traces):
-    """One synthetic trace (no tracing): 1 MiB per traced layer kept, 1 MiB host per layer, 100 FLOPs per token."""
+class _StubTraces(TraceCache):
+    """One synthetic trace (no tracing): 8 MiB of activations, 1 MiB kept and 1 MiB offloaded per traced
+    layer, no FLOPs."""
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
@@ -152,7 +151,8 @@ class _StubTraces(_Traces):
         self.trace = StepTrace(
             tokens_per_rank=0, cp=1, layers=layers,
             param_numel={**{f"layers.{i}": numel[f"layers.{i}"] for i in layers}, "rest": numel["rest"]},
-            step_peak={"Activation": 8 << 20}, optimizer_peak={"Optstate": 1}, kept={i: 1 << 20 for i in layers},
+            step_peak={"Activation": 8 << 20}, optimizer_peak={"Optstate": 1},
+            kept={i: 1 << 20 for i in layers},
             transients={"lm_head": 0}, flops={**{f"layers.{i}": 0 for i in layers}, "rest": 0},
             host_bytes=len(layers) << 20)
 
@@ -160,11 +160,12 @@ class _StubTraces(_Traces):
         pass
 
     def get(self, run, model_config, tokens, layers, optimizer=False) -> StepTrace:
-        return dataclasses.replace(self.trace, tokens_per_rank=tokens, cp=run.cp)
+        return dataclasses.replace(self.trace, tokens_per_rank=tokens, cp=run.parallel.cp)
 
 
-def _stub_plan(*args: str, dp: int = 2, cp: int = 2, ep: int = 2):
-    config = TrainConfig.from_args(["model=tiny", "seq=1024", *args])
+def _stub_plan(dp: int = 2, cp: int = 2, ep: int = 2, **settings):
+    """The plan of dp x cp x ep (given apart from the run's settings, as the layout search does)."""
+    config = TrainConfig.from_args(["model=tiny", "seq=1024"]).replace(**settings)
     model_config = ModelConfig.preset("tiny")
     numel = model_numel(model_config)
     plan = plan_layout(config, dp, cp, ep, Assumptions(), _StubTraces(model_config), model_config, numel)
@@ -184,33 +185,35 @@ def test_fsdp_and_expert_sharding_arithmetic():
     assert dev["optimizer state (AdamW, 2 x fp32)"] == pytest.approx(8 * total / 4)
     sparse = [i for i, t in enumerate(model_config.mlp_layer_types) if t == "sparse"]
     per_layer = experts / len(sparse)
-    largest = max(numel[f"layers.{i}"] - per_layer / 2 * (i in sparse) for i in range(model_config.num_hidden_layers))
+    layers = range(model_config.num_hidden_layers)
+    largest = max(numel[f"layers.{i}"] - per_layer / 2 * (i in sparse) for i in layers)
     assert dev["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] == pytest.approx(10 * largest)
-    replicated, _, _ = _stub_plan("fsdp=false")
+    replicated, _, _ = _stub_plan(fsdp=False)
     assert replicated.device_gib["parameters (fp32)"] * GIB == pytest.approx(4 * (total - experts / 2))
     assert replicated.device_gib["optimizer step peak (separate phase)"] > 0
-    # expert parallel all-to-all: tokens x top-k x hidden x 2 B each way, forward + recompute + backward, x imbalance
+    # expert parallel all-to-all: tokens x top-k x hidden x 2 B each way, forward + recompute + backward,
+    # x imbalance
     a2a = next(v for k, v in plan.comm_bytes_per_step.items() if k.startswith("ep all_to_all"))
     tokens = 1024 // 2
-    assert a2a == pytest.approx(tokens * model_config.num_experts_per_tok * model_config.hidden_size * 2 / 2 * 2 * 3
-                                * len(sparse) * 4.0)
+    rows = tokens * model_config.num_experts_per_tok
+    assert a2a == pytest.approx(rows * model_config.hidden_size * 2 / 2 * 2 * 3 * len(sparse) * 4.0)
     assert plan.assumptions["sharding"].startswith("bytes per rank") and plan.assumptions["imbalance"] == 4.0
 
 
 def test_optimizer_offload_and_layer_input_offload_move_bytes_to_the_host():
-    plan, _, numel = _stub_plan("optimizer_offload=true")
+    plan, _, numel = _stub_plan(optimizer_offload=True)
     total = sum(v for k, v in numel.items() if k != "experts")
     assert plan.optimizer_offload and plan.device_gib["optimizer state (AdamW, 2 x fp32)"] == 0
     assert plan.device_gib["parameters (fp32)"] == 0 and plan.device_gib["gradients (fp32)"] == 0
     host = plan.host_gib_per_node["optimizer offload: fp32 parameters, gradients, AdamW (pinned)"] * GIB
     assert host == pytest.approx(16 * total / 4 * 4)  # 4 ranks on the node
-    on, _, _ = _stub_plan("offload=true")
-    off, _, _ = _stub_plan("offload=false")
+    on, _, _ = _stub_plan(offload=True)
+    off, _, _ = _stub_plan(offload=False)
     inputs = on.host_gib_per_node["offloaded layer inputs (pinned)"] / 4  # per rank
     assert "offloaded layer inputs (pinned)" not in off.host_gib_per_node
     assert off.device_gib["saved activations (all layers)"] == pytest.approx(
         on.device_gib["saved activations (all layers)"] + inputs)
-    single, _, _ = _stub_plan("optimizer_offload=true", dp=1, cp=1, ep=1)
+    single, _, _ = _stub_plan(dp=1, cp=1, ep=1, optimizer_offload=True)
     assert not single.optimizer_offload and not single.fsdp and "ignored" in single.notes[0]
 
 
@@ -222,7 +225,7 @@ def test_refusal_names_the_best_fitting_layout(monkeypatch):
     fast = dataclasses.replace(plan, dp=1, cp=4, ep=2, offload=False, tokens_per_s_projected=20.0,
                                peak_gib_per_rank=120.0)
     config = TrainConfig.from_args(["model=tiny", "seq=1024", "dp=2", "cp=2", "ep=2"])
-    message = refusal(config, too_big, planner.rank([too_big, slow, fast]))
+    message = refusal(config, too_big, rank([too_big, slow, fast]))
     assert message.startswith("run ") and "250.0 GiB per rank > 178 GiB usable on B200" in message
     assert "best layout that fits 4 x B200: dp=1 cp=4 ep=2 offload=false optimizer_offload=false" in message
     assert message.endswith("force=true trains anyway")
@@ -231,22 +234,23 @@ def test_refusal_names_the_best_fitting_layout(monkeypatch):
     with pytest.raises(PlanError) as raised:
         check_fits(config)
     assert str(raised.value) == refusal(config, too_big, [too_big, slow, fast])
-    assert check_fits(dataclasses.replace(config, force=True)) is too_big
+    assert check_fits(config.replace(force=True)) is too_big
     assert planner.describe_run(config).endswith("\n\n" + refusal(config, too_big, [too_big, slow, fast]))
     assert "no layout of 4 x B200 fits (best: 250.0 GiB" in refusal(config, too_big, [too_big])
 
 
 @pytest.mark.slow
 def test_trainer_logs_tracked_peak_next_to_the_plan(tmp_path):
-    """`track_memory=true`: the trainer logs `peak_tracked_gb` (MemTracker on the real step) and the host peak RSS;
-    at the second step (AdamW state live) the tracked peak is within 10% of the plan for the same run."""
+    """`track_memory=true`: the trainer logs `peak_tracked_gb` (MemTracker on the real step) and the host peak
+    RSS; at the second step (AdamW state live) the tracked peak is within 10% of the plan for the same run."""
     from genomelm.train.command import main as train_main
 
     data = fly_windows(tmp_path / "fly", "1-2048", 512, heldout="200001-200512")
-    settings = [f"data={data}", "seq=512", "model=tiny", "run=tracked", f"runs_dir={tmp_path / 'runs'}", "steps=2",
-                "warmup_steps=1", "wandb=disabled", "track_memory=true", *SMALL_CHUNKS]  # fmt: skip
+    settings = [f"data={data}", "seq=512", "model=tiny", "run=tracked", f"runs_dir={tmp_path / 'runs'}",
+                "steps=2", "warmup_steps=1", "wandb=disabled", "track_memory=true", *SMALL_CHUNKS]
     assert train_main(settings) == 0
-    rows = [json.loads(row) for row in (tmp_path / "runs" / "tracked" / "metrics.jsonl").read_text().splitlines()]
+    metrics = tmp_path / "runs" / "tracked" / "metrics.jsonl"
+    rows = [json.loads(row) for row in metrics.read_text().splitlines()]
     assert all(row["peak_tracked_gb"] > 0 and row["host_peak_rss_gb"] > 0 for row in rows)
     planned = make_plan(TrainConfig.from_args(settings)).peak_gib_per_rank
     assert abs(rows[-1]["peak_tracked_gb"] - planned) <= 0.10 * rows[-1]["peak_tracked_gb"], (rows, planned)

@@ -1,0 +1,299 @@
+"""Bytes per rank: the traced step (one decoder layer of each kind, cached per cp) read at the rank's tokens
+and scaled to every layer, plus the parameters, gradients and AdamW state by the sharding rules below."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from genomelm.model import GlmForCausalLM, ModelConfig
+from genomelm.model.config import is_preset
+from genomelm.train.config import TrainConfig
+from genomelm.train.models import model_config_of
+from genomelm.train.plan_trace import StepTrace, layer_kind, reduced_layers, trace_step
+from genomelm.train.plan_types import GIB, GPUS, Assumptions, Layout
+
+SHARDING_RULE = (
+    "bytes per rank from the model's parameter count (meta device), W = dp*cp ranks: with FSDP2 (fsdp=true, "
+    "W > 1) every parameter, its fp32 gradient and its AdamW state (2 x fp32) are sharded over all W ranks; "
+    "the routed experts are split over ep ranks (E/ep each) and sharded again over the W/ep ranks holding "
+    "the same experts, so each rank holds (all parameters) / W x (4 + 4 + 8) B; FSDP gathers one decoder "
+    "layer in bf16 while it prefetches the next (2 x 2 B per parameter of the largest layer, its experts / "
+    "ep) and reduce-scatters its gradient from a bf16 + fp32 copy (6 B); without FSDP each rank holds every "
+    "parameter (experts / ep) x 16 B; optimizer_offload=true keeps the fp32 parameters, gradients and AdamW "
+    "state in pinned host memory (FSDP2 CPUOffloadPolicy), leaving the gathered bf16 layers on the GPU"
+)
+MOE_RULE = (
+    "expert parallelism: the busiest rank receives `imbalance` x the mean routed rows (its expert FLOPs and "
+    "its all-to-all bytes scale by it); with FSDP or EP the MoE transient is the busiest rank's rows of one "
+    "moe_chunk_tokens chunk: rows x (2 hidden + 3 moe_intermediate) x 2 B (the dispatched rows, gate/up, "
+    "SwiGLU and output in bf16) x 2 (their gradients), the expert weights' bf16 copies and gradients being "
+    "the FSDP buffers; all-to-all bytes: tokens x top-k x hidden x 2 B each way (dispatch, combine) per MoE "
+    "layer, in the forward, the recompute and the backward"
+)
+OFFLOAD_RULE = (
+    "traced with offload=true (with recompute, offload moves only each layer's saved input to the host); "
+    "offload=false adds those bytes back to the device"
+)
+
+
+def resolve_model_config(config: TrainConfig) -> ModelConfig:
+    """The run's architecture; without a model set, the GLM-5.3-Flash architecture the hg38 configs train."""
+    if not config.model:
+        return ModelConfig.preset("glm-5.3-flash")
+    if not is_preset(config.model) and not Path(config.model).exists():
+        raise FileNotFoundError(f"model {config.model!r} is neither a preset in configs/model/ nor a folder")
+    return model_config_of(config.model)
+
+
+def model_numel(model_config: ModelConfig) -> dict[str, int]:
+    """Parameters per decoder layer ("layers.<i>") and of the rest, counted on the meta device; "experts": the
+    routed experts' share of the total."""
+    model = GlmForCausalLM.from_config(model_config, device="meta")
+    out = {f"layers.{i}": sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(model.layers)}
+    out["rest"] = sum(p.numel() for p in model.parameters()) - sum(out.values())
+    out["experts"] = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    return out
+
+
+def extrapolate_line(a: float, b: float, t1: int, t2: int, t: int) -> float:
+    """The line through (t1, a) and (t2, b) at t."""
+    return b if t == t2 or t1 == t2 else b + (b - a) * (t - t2) / (t2 - t1)
+
+
+def extrapolate_quadratic(a: float, b: float, t1: int, t2: int, t: int) -> float:
+    """c1*t + c2*t^2 through (t1, a) and (t2, b), at t."""
+    if t == t2:
+        return b
+    c2 = (b / t2 - a / t1) / (t2 - t1)
+    c1 = a / t1 - c2 * t1
+    return c1 * t + c2 * t * t
+
+
+def trace_token_counts(tokens: int, a: Assumptions) -> tuple[int, int]:
+    """The token counts a rank's share is traced at: itself, or trace_tokens/2 and trace_tokens (read off the
+    line or the quadratic through the two)."""
+    t2 = min(tokens, a.trace_tokens)
+    return (t2 // 2 if tokens > t2 else t2), t2
+
+
+class TraceCache:
+    """Traces at one or two token counts per context-parallel size, cached across layouts: dp, ep, FSDP and
+    optimizer offload change bytes in known proportion (computed), and offload only where the saved layer
+    inputs live (with recompute), so one pair of traces per cp serves every layout with that cp."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple, StepTrace] = {}
+
+    @staticmethod
+    def traced_run(run: TrainConfig) -> TrainConfig:
+        """The run as traced: with recompute, offload on (`OFFLOAD_RULE`)."""
+        return run.replace(offload=True) if run.memory.recompute else run
+
+    def _key(self, run: TrainConfig, tokens: int, layers: list[int]) -> tuple:
+        memory, options = run.memory, run.model_options
+        return (run.parallel.cp, memory.recompute, memory.offload, memory.recompute_chunks,
+                memory.keep_selection, options.moe_chunk_tokens, options.loss_chunk_tokens,
+                options.indexer_query_block, options.attention_query_block, tokens, tuple(layers))
+
+    def get(self, run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int],
+            optimizer: bool = False) -> StepTrace:
+        run = self.traced_run(run)
+        key = self._key(run, tokens, layers)
+        cached = self.cache.get(key)
+        if cached is None or (optimizer and not cached.optimizer_peak):
+            cached = self.cache[key] = self._trace(run, model_config, tokens, layers, optimizer)
+        return cached
+
+    def prefetch(self, requests: list[tuple[TrainConfig, int, bool]], model_config: ModelConfig,
+                 layers: list[int]) -> None:
+        """Trace (run, tokens, optimizer) requests not cached yet, in parallel processes (one per CPU core, at
+        most 4): each trace is single-threaded Python (fake tensors compute nothing)."""
+        todo, seen = [], set()
+        for run, tokens, optimizer in requests:
+            run = self.traced_run(run)
+            key = self._key(run, tokens, layers)
+            cached = self.cache.get(key)
+            if key not in seen and (cached is None or (optimizer and not cached.optimizer_peak)):
+                seen.add(key)
+                todo.append((key, run, tokens, optimizer))
+        workers = min(len(todo), os.cpu_count() or 1, 4)
+        if workers < 2 or multiprocessing.parent_process() is not None:
+            for key, run, tokens, optimizer in todo:
+                self.cache[key] = self._trace(run, model_config, tokens, layers, optimizer)
+            return
+        todo.sort(key=lambda item: -item[1].parallel.cp * item[2])  # the slowest first
+        # what trace_step imports when it runs: imported once here, not in every forked worker
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {key: pool.submit(trace_step, run, model_config, tokens, layers, True, optimizer)
+                       for key, run, tokens, optimizer in todo}
+            for key, future in futures.items():
+                self.cache[key] = future.result()
+
+    @staticmethod
+    def _trace(run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int],
+               optimizer: bool) -> StepTrace:
+        return trace_step(run, model_config, tokens, layers, fake=True, optimizer=optimizer)
+
+
+@dataclass
+class ScaledTraces:
+    """One rank's step traced at t1 and t2 tokens (`lo`, `hi`; the same trace when t1 == t2) over one decoder
+    layer of each kind, read at the rank's `tokens`."""
+
+    lo: StepTrace
+    hi: StepTrace
+    t1: int
+    t2: int
+    tokens: int
+    layers: list[int]  # the traced layers
+    rep_of: dict[int, int]  # every layer of the model -> the traced layer of its kind
+
+    def line(self, at_t1: float, at_t2: float, tokens: int | None = None) -> float:
+        """Bytes at `tokens` (default: the rank's) on the line through the two traces."""
+        return extrapolate_line(at_t1, at_t2, self.t1, self.t2, self.tokens if tokens is None else tokens)
+
+    def quadratic(self, at_t1: float, at_t2: float) -> float:
+        """FLOPs at the rank's tokens on a*t + b*t^2 through the two traces."""
+        return extrapolate_quadratic(at_t1, at_t2, self.t1, self.t2, self.tokens)
+
+
+def scaled_traces(config: TrainConfig, model_config: ModelConfig, cp: int, a: Assumptions, traces: TraceCache,
+                  optimizer: bool) -> ScaledTraces:
+    """The traces of one rank of `cp` (from `traces`, tracing what is missing), with the optimizer phase
+    traced when `optimizer` (a layout without FSDP: its optimizer bytes are traced, not computed)."""
+    tokens = config.seq_len // cp
+    run = config.replace(cp=cp, dp=1, ep=1)
+    layers = reduced_layers(model_config)
+    t1, t2 = trace_token_counts(tokens, a)
+    traces.prefetch([(run, t2, optimizer), (run, t1, False)], model_config, layers)
+    hi = traces.get(run, model_config, t2, layers, optimizer=optimizer)
+    lo = traces.get(run, model_config, t1, layers) if t1 != t2 else hi
+    representative = {layer_kind(model_config, i): i for i in layers}
+    rep_of = {i: representative[layer_kind(model_config, i)] for i in range(model_config.num_hidden_layers)}
+    return ScaledTraces(lo, hi, t1, t2, tokens, layers, rep_of)
+
+
+@dataclass(frozen=True)
+class ParameterShare:
+    """The model's parameter counts (`model_numel`) and what one rank of a layout holds of them."""
+
+    numel: dict[str, int]
+    total: int  # every parameter
+    experts: int  # the routed experts' share of `total`
+    local: float  # one rank's: total / dp*cp with FSDP2, else every parameter with the experts / ep
+
+    @classmethod
+    def of(cls, numel: dict[str, int], layout: Layout) -> ParameterShare:
+        total = sum(v for k, v in numel.items() if k != "experts")
+        experts = numel["experts"]
+        local = total / layout.world if layout.sharded else total - experts + experts / layout.ep
+        return cls(numel, total, experts, local)
+
+
+@dataclass
+class RankMemory:
+    """Bytes of one rank of a layout (device, by category and module) and of its node's host memory."""
+
+    device: dict[str, float]  # by category; the last, the optimizer step's own peak (a separate phase)
+    transients: dict[str, float]  # by module: its peak over what was live when it started
+    host: dict[str, float]  # pinned host memory of the node's ranks, by what it holds
+    host_inputs: float  # bytes of the saved layer inputs one rank offloads per window
+    peak: float  # the larger of the forward/backward peak and the optimizer step's
+    usable: float  # GiB of the GPU
+
+    def fits(self, a: Assumptions) -> bool:
+        return self.peak <= self.usable * GIB and sum(self.host.values()) <= a.host_gib * GIB
+
+
+def module_transients(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces,
+                      a: Assumptions) -> dict[str, float]:
+    """Each traced module's transient at the rank's tokens: the chunked modules (feed-forward:
+    moe_chunk_tokens, loss head: loss_chunk_tokens) only up to their chunk; the MoE layers by `MOE_RULE` with
+    FSDP or EP."""
+    lo, hi, tokens = steps.lo, steps.hi, steps.tokens
+    options = config.model_options
+    chunk = {"mlp": options.moe_chunk_tokens, "lm_head": options.loss_chunk_tokens}
+    transients = {
+        k: max(0.0, steps.line(lo.transients.get(k, 0), v, min(tokens, chunk.get(k.split(".")[-1], tokens))))
+        for k, v in hi.transients.items()
+    }
+    if layout.ep > 1 or layout.sharded:  # the busiest rank's rows of one chunk
+        rows = ((a.imbalance if layout.ep > 1 else 1.0) * min(tokens, options.moe_chunk_tokens)
+                * model_config.num_experts_per_tok)
+        per_row = (2 * model_config.hidden_size + 3 * model_config.moe_intermediate_size) * 2 * 2
+        for k in transients:
+            if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == "sparse":
+                transients[k] = rows * per_row
+    return transients
+
+
+def saved_activations(config: TrainConfig, model_config: ModelConfig, steps: ScaledTraces,
+                      host_inputs: float) -> float:
+    """Bytes the forward leaves for the backward: the traced layers' at the peak, plus what each untraced
+    layer keeps until its backward, plus the layer inputs when traced offloaded but run with offload=false."""
+    lo, hi = steps.lo, steps.hi
+    untraced = [i for i in range(model_config.num_hidden_layers) if i not in steps.layers]
+    kept_more = sum(steps.line(lo.kept[steps.rep_of[i]], hi.kept[steps.rep_of[i]]) for i in untraced)
+
+    def live(trace: StepTrace) -> float:
+        return _categories(trace, "Activation", "Temp", "Other") - max(trace.transients.values(), default=0)
+
+    saved = steps.line(live(lo), live(hi)) + kept_more
+    if TraceCache.traced_run(config).memory.offload and not config.memory.offload:
+        saved += host_inputs  # the layer inputs stay on the device
+    return saved
+
+
+def rank_memory(config: TrainConfig, model_config: ModelConfig, layout: Layout, params: ParameterShare,
+                steps: ScaledTraces, a: Assumptions) -> RankMemory:
+    """One rank's device bytes by category and its node's host bytes (`SHARDING_RULE`, `OFFLOAD_RULE`)."""
+    hi, opt_offload = steps.hi, layout.optimizer_offload
+    transients = module_transients(config, model_config, layout, steps, a)
+    host_inputs = (steps.line(steps.lo.host_bytes, hi.host_bytes) * model_config.num_hidden_layers
+                   / len(steps.layers))
+    device = {
+        "parameters (fp32)": 0.0 if opt_offload else 4 * params.local,
+        "buffers": _categories(hi, "Buffer") * params.total / sum(hi.param_numel.values()),
+        "gradients (fp32)": 0.0 if opt_offload else 4 * params.local,
+        "optimizer state (AdamW, 2 x fp32)": 0.0 if opt_offload else 8 * params.local,
+        "saved activations (all layers)": saved_activations(config, model_config, steps, host_inputs),
+        "largest transient (module below)": max(transients.values(), default=0.0),
+    }
+    if layout.sharded:
+        device["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] = (
+            _largest_layer(model_config, layout, params) * (2 * 2 + 2 + 4))
+        opt_phase = sum(device[k] for k in ("parameters (fp32)", "buffers", "gradients (fp32)",
+                                            "optimizer state (AdamW, 2 x fp32)"))
+    else:  # traced: the gradient sum, clipping and AdamW (its temporaries), per parameter
+        opt_phase = hi.optimizer_peak_total * params.local / sum(hi.param_numel.values())
+    peak = max(sum(device.values()), opt_phase)
+    device["optimizer step peak (separate phase)"] = opt_phase
+    ranks_per_node = min(a.gpus_per_node, layout.world)
+    host = {}
+    if config.memory.offload:
+        host["offloaded layer inputs (pinned)"] = host_inputs * ranks_per_node
+    if opt_offload:
+        optimizer = "optimizer offload: fp32 parameters, gradients, AdamW (pinned)"
+        host[optimizer] = 16 * params.local * ranks_per_node
+    return RankMemory(device, transients, host, host_inputs, peak, GPUS[config.plan.gpu][0])
+
+
+def _largest_layer(model_config: ModelConfig, layout: Layout, params: ParameterShare) -> float:
+    """Parameters of the largest decoder layer as FSDP gathers it (its routed experts / ep)."""
+    layers = range(model_config.num_hidden_layers)
+    sparse = [i for i in layers if model_config.mlp_layer_types[i] == "sparse"]
+    experts_per_layer = params.experts / max(1, len(sparse))
+    not_local = experts_per_layer - experts_per_layer / layout.ep  # the experts of the other ep ranks
+    return max(params.numel[f"layers.{i}"] - not_local * (i in sparse) for i in layers)
+
+
+def _categories(trace: StepTrace, *names: str) -> int:
+    """Bytes of these MemTracker categories at the step's peak."""
+    return sum(trace.step_peak.get(n, 0) for n in names)

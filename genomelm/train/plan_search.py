@@ -1,0 +1,146 @@
+"""Layouts: the plan of one dp x cp x ep layout (memory and time put together), every layout of the GPUs, and
+their ranking."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from genomelm.model import ModelConfig
+from genomelm.train.config import TrainConfig
+from genomelm.train.plan_memory import (
+    MOE_RULE,
+    OFFLOAD_RULE,
+    SHARDING_RULE,
+    ParameterShare,
+    RankMemory,
+    ScaledTraces,
+    TraceCache,
+    model_numel,
+    rank_memory,
+    resolve_model_config,
+    scaled_traces,
+    trace_token_counts,
+)
+from genomelm.train.plan_time import StepTime, step_time
+from genomelm.train.plan_trace import reduced_layers
+from genomelm.train.plan_types import GIB, Assumptions, Layout, Plan, load_assumptions
+
+
+def check_layout(config: TrainConfig, model_config: ModelConfig, dp: int, cp: int, ep: int) -> Layout:
+    """The layout of dp x cp ranks with the experts over ep, for `config`'s window, fsdp and
+    optimizer_offload; ValueError when the window or the experts do not split so."""
+    seq, world = config.seq_len, dp * cp
+    if not splits(seq, cp):
+        raise ValueError(f"seq {seq:,} does not split into cp={cp} shards of whole 128-token pieces")
+    if world % ep or model_config.n_routed_experts % ep:
+        raise ValueError(
+            f"ep={ep} must divide dp*cp={world} and the {model_config.n_routed_experts} routed experts")
+    sharded = config.parallel.fsdp and world > 1
+    return Layout(dp, cp, ep, sharded, config.parallel.optimizer_offload and sharded)
+
+
+def splits(seq: int, cp: int) -> bool:
+    """Whether a window of `seq` tokens splits into cp shards of whole 128-token pieces."""
+    return not (seq % cp or (seq // cp) % 128)
+
+
+def plan_layout(config: TrainConfig, dp: int, cp: int, ep: int, assumptions: Assumptions,
+                traces: TraceCache | None = None, model_config: ModelConfig | None = None,
+                numel: dict[str, int] | None = None) -> Plan:
+    """The plan of one layout (dp x cp ranks, experts over ep) for `config`'s window and switches (fsdp,
+    offload, optimizer_offload)."""
+    model_config = model_config or resolve_model_config(config)
+    numel = numel or model_numel(model_config)
+    traces = traces or TraceCache()
+    a = assumptions.resolved(config.plan.gpu)
+    layout = check_layout(config, model_config, dp, cp, ep)
+    steps = scaled_traces(config, model_config, cp, a, traces, optimizer=not layout.sharded)
+    params = ParameterShare.of(numel, layout)
+    memory = rank_memory(config, model_config, layout, params, steps, a)
+    time = step_time(config, model_config, layout, params, steps, memory.host_inputs, a)
+    return _plan(config, layout, a, memory, time, _notes(config, model_config, layout, steps))
+
+
+def _plan(config: TrainConfig, layout: Layout, a: Assumptions, memory: RankMemory, time: StepTime,
+          notes: list[str]) -> Plan:
+    """The layout's `Plan`: GiB, totals per optimizer step, and for plan.json the assumptions and rules."""
+    seq, accum = config.seq_len, config.optim.grad_accum
+    tokens = seq // layout.cp
+    return Plan(
+        run=config.run, seq=seq, gpus=layout.world, gpu=config.plan.gpu, dp=layout.dp, cp=layout.cp,
+        ep=layout.ep, recompute=config.memory.recompute, offload=config.memory.offload,
+        optimizer_offload=layout.optimizer_offload, fsdp=layout.sharded, fits=memory.fits(a),
+        usable_gib=memory.usable, peak_gib_per_rank=memory.peak / GIB,
+        device_gib={k: v / GIB for k, v in memory.device.items()},
+        transients_gib={k: v / GIB for k, v in memory.transients.items()},
+        host_gib_per_node={k: v / GIB for k, v in memory.host.items()},
+        flops_per_token=time.rank_flops / tokens,
+        comm_bytes_per_step={k: v * accum for k, v in time.comm.items()},
+        step_s=time.step_s * accum,
+        tokens_per_s_projected=layout.dp * seq / max(time.step_s, 1e-9),
+        assumptions=dataclasses.asdict(a) | {
+            "compute_s": time.compute_s, "comm_s": time.comm_s, "host_copy_s": time.host_s,
+            "busiest_rank_flops_per_token": time.busiest_flops / tokens,
+            "overlap": "none: compute, every collective and the offload copies add up",
+            "sharding": SHARDING_RULE, "moe": MOE_RULE, "offload": OFFLOAD_RULE,
+        },
+        notes=notes,
+    )
+
+
+def _notes(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces) -> list[str]:
+    """What the plan ignored, and how it was traced and scaled."""
+    notes = []
+    if config.parallel.optimizer_offload and not layout.sharded:
+        notes.append("optimizer_offload needs FSDP over more than one rank (fsdp=true, dp*cp > 1): ignored")
+    traced = f"traced {len(steps.layers)} of {model_config.num_hidden_layers} layers"
+    if steps.t1 != steps.t2:
+        notes.append(f"{traced} at {steps.t1:,} and {steps.t2:,} tokens per rank; bytes extrapolated "
+                     f"linearly to {steps.tokens:,}, FLOPs as a*t + b*t^2")
+    else:
+        notes.append(f"{traced} at {steps.tokens:,} tokens per rank, scaled by the layer counts")
+    return notes
+
+
+def search(config: TrainConfig, assumptions: Assumptions | None = None,
+           traces: TraceCache | None = None) -> list[Plan]:
+    """Every dp x cp x ep layout of `config.plan.gpus` (64 if unset), with offload and optimizer_offload on
+    and off, ranked (`rank`). One pair of traces per cp (see `TraceCache`), traced first, in parallel."""
+    assumptions = assumptions or load_assumptions(config)
+    model_config = resolve_model_config(config)
+    numel = model_numel(model_config)
+    traces = traces or TraceCache()
+    gpus = config.plan.gpus or 64
+    a = assumptions.resolved(config.plan.gpu)
+    cps = [cp for cp in powers_of_two(gpus) if splits(config.seq_len, cp)]
+    sharded = config.parallel.fsdp and gpus > 1
+    opt_offloads = (False, True) if sharded else (False,)  # optimizer offload is FSDP2's
+    requests = []
+    for cp in cps:
+        run = config.replace(cp=cp, dp=1, ep=1)
+        t1, t2 = trace_token_counts(config.seq_len // cp, a)
+        requests += [(run, t1, t1 == t2 and not sharded), (run, t2, not sharded)]
+    traces.prefetch(requests, model_config, reduced_layers(model_config))
+    plans = []
+    for cp in cps:
+        for ep in powers_of_two(gpus):
+            if model_config.n_routed_experts % ep:
+                continue
+            for offload in (True, False):
+                for opt_offload in opt_offloads:
+                    run = config.replace(offload=offload, optimizer_offload=opt_offload)
+                    plan = plan_layout(run, gpus // cp, cp, ep, assumptions, traces, model_config, numel)
+                    plans.append(plan)
+    return rank(plans)
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """Fitting first; then by projected tokens/s; at equal speed the smaller peak, then less host memory."""
+    return sorted(plans, key=lambda p: (not p.fits, -round(p.tokens_per_s_projected), p.peak_gib_per_rank,
+                                        p.host_gib_total))
+
+
+def powers_of_two(n: int) -> list[int]:
+    """The powers of two that divide n, from 1."""
+    return [2**k for k in range(int(math.log2(n)) + 1) if n % 2**k == 0]

@@ -1,0 +1,121 @@
+"""The planner's types: the GPUs it knows, what its projection assumes (from the run's settings and
+metrics), a layout of the GPUs and its verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from genomelm.train.config import PlanConfig, TrainConfig
+
+GIB = 2**30
+GPUS = {  # usable device memory (GiB), dense bf16 peak (TFLOP/s), NVLink per GPU per direction (GB/s)
+    "b200": (178.0, 2250.0, 900.0),
+    "h200": (139.0, 989.0, 450.0),
+}
+ASSUMED_IMBALANCE = 4.0  # busiest expert-parallel rank's tokens over the mean when neither set nor measured
+# the `plan` settings the projection takes as given (`imbalance` is set, measured or assumed)
+SETTINGS = ("mfu", "tflops", "nvlink_gbs", "ib_gbs", "pcie_gbs", "gpus_per_node", "host_gib", "trace_tokens")
+
+
+@dataclass
+class Assumptions:
+    """What the projection assumes: the run's `plan` settings (`PlanConfig` has the defaults and their
+    meaning), `imbalance` set, measured from the run's metrics or assumed (`load_assumptions`)."""
+
+    mfu: float = PlanConfig.mfu
+    tflops: float = PlanConfig.tflops  # 0: from the GPU (`resolved`)
+    nvlink_gbs: float = PlanConfig.nvlink_gbs  # 0: from the GPU (`resolved`)
+    ib_gbs: float = PlanConfig.ib_gbs
+    pcie_gbs: float = PlanConfig.pcie_gbs
+    gpus_per_node: int = PlanConfig.gpus_per_node
+    host_gib: float = PlanConfig.host_gib
+    imbalance: float = ASSUMED_IMBALANCE
+    imbalance_source: str = "assumed (4x the mean)"
+    trace_tokens: int = PlanConfig.trace_tokens
+
+    def resolved(self, gpu: str) -> Assumptions:
+        """A copy with the GPU's own peak and NVLink speed where these are 0."""
+        if gpu not in GPUS:
+            raise ValueError(f"gpu must be one of {sorted(GPUS)}, not {gpu!r}")
+        _, tflops, nvlink = GPUS[gpu]
+        return dataclasses.replace(self, tflops=self.tflops or tflops, nvlink_gbs=self.nvlink_gbs or nvlink)
+
+
+def load_assumptions(config: TrainConfig) -> Assumptions:
+    """Assumptions from the run's `plan` settings and, unless `imbalance` is set, the run's metrics."""
+    settings = config.plan
+    values: dict[str, Any] = {name: getattr(settings, name) for name in SETTINGS}
+    if settings.imbalance > 0:
+        values |= {"imbalance": settings.imbalance, "imbalance_source": "set"}
+    elif (measured := measured_imbalance(config)) is not None:
+        source = f"measured (runs/{config.run}/metrics.jsonl, router max_over_mean)"
+        values |= {"imbalance": measured, "imbalance_source": source}
+    return Assumptions(**values)
+
+
+def measured_imbalance(config: TrainConfig) -> float | None:
+    """The largest router/*/max_over_mean in runs/<run>/metrics.jsonl, or None without a run."""
+    path = config.run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    ratios = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        ratios += [v for k, v in record.items() if k.startswith("router/") and k.endswith("/max_over_mean")]
+    return max(ratios) if ratios else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """dp x cp ranks, the routed experts split over ep of them, and what FSDP2 does over the dp*cp ranks."""
+
+    dp: int
+    cp: int
+    ep: int
+    sharded: bool  # FSDP2 shards parameters, gradients and AdamW state over dp*cp > 1 ranks (fsdp=true)
+    optimizer_offload: bool  # FSDP2 keeps the fp32 parameters, gradients and AdamW state in host memory
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp
+
+
+@dataclass
+class Plan:
+    """One layout's verdict (bytes per rank, per node; FLOPs; projected speed)."""
+
+    run: str
+    seq: int
+    gpus: int
+    gpu: str
+    dp: int
+    cp: int
+    ep: int
+    recompute: bool
+    offload: bool
+    optimizer_offload: bool
+    fsdp: bool
+    fits: bool
+    usable_gib: float
+    peak_gib_per_rank: float
+    device_gib: dict[str, float]
+    transients_gib: dict[str, float]
+    host_gib_per_node: dict[str, float]
+    flops_per_token: float
+    comm_bytes_per_step: dict[str, float]
+    step_s: float
+    tokens_per_s_projected: float
+    assumptions: dict[str, Any]  # `Assumptions` as resolved, the step time's parts and the rules (plan.json)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_gib_total(self) -> float:
+        return sum(self.host_gib_per_node.values())
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["host_gib_per_node"] = {**self.host_gib_per_node, "total": self.host_gib_total}
+        return out
