@@ -18,6 +18,7 @@ from genomelm.data.augment import (
     crop_length,
     labels_for,
     parse_blend,
+    predicted_softmask,
     reverse_complement,
 )
 
@@ -53,11 +54,17 @@ def test_reverse_complement_matches_biopython(dmel: Path) -> None:
     for split in ("train", "heldout"):
         ds = WindowDataset(dmel, split)
         for i in range(len(ds)):
-            row, letters = ds[i], ds.letters(i)
-            ids, mask = reverse_complement(row["input_ids"], row["softmask"], ds.vocab)
+            window, letters = ds[i], ds.letters(i)
+            ids, mask = reverse_complement(window.ids, window.softmask, ds.vocab)
             assert letters_of(ids, mask, ds.vocab) == bio_reverse_complement(letters)  # case = soft-mask
             assert torch.equal(labels_for(ids, ds.vocab), torch.tensor(expected_labels(letters_of(ids, mask,
                                ds.vocab), ds.vocab)))  # fmt: skip
+            other = window.reverse_complement()
+            assert other.strand == "-" and other.reverse and not window.reverse
+            assert torch.equal(other.input_ids, ids) and torch.equal(other.softmask, mask)
+            assert torch.equal(other.labels, labels_for(ids, ds.vocab))
+            back = other.reverse_complement()
+            assert back.strand == "+" and torch.equal(back.ids, window.ids)
     train = WindowDataset(dmel, "train")
     assert Counter(train.letters(1).upper())["N"] > 1000 and any(c.islower() for c in train.letters(0))
 
@@ -65,22 +72,43 @@ def test_reverse_complement_matches_biopython(dmel: Path) -> None:
 def test_reverse_complement_twice_is_identity_and_leaves_input(dmel: Path) -> None:
     ds = WindowDataset(dmel, "train")
     for i in range(len(ds)):
-        row = ds[i]
-        original = row["input_ids"].clone(), row["softmask"].clone()
-        once = reverse_complement(row["input_ids"], row["softmask"], ds.vocab)
+        window = ds[i]
+        original = window.ids.clone(), window.softmask.clone()
+        once = reverse_complement(window.ids, window.softmask, ds.vocab)
         twice = reverse_complement(*once, ds.vocab)
         assert torch.equal(twice[0], original[0]) and torch.equal(twice[1], original[1])
         assert not torch.equal(once[0], original[0])
-        assert torch.equal(row["input_ids"], original[0])  # the input is not modified
+        assert torch.equal(window.ids, original[0])  # the input is not modified
 
 
 def test_labels_rebuilt_as_the_dataset_builds_them(dmel: Path) -> None:
     for split in ("train", "heldout"):
         ds = WindowDataset(dmel, split)
         for i in range(len(ds)):
-            row = ds[i]
-            assert row["labels"].tolist() == expected_labels(ds.letters(i), ds.vocab)
-            assert torch.equal(labels_for(row["input_ids"], ds.vocab), row["labels"])
+            window = ds[i]
+            assert window.labels.tolist() == expected_labels(ds.letters(i), ds.vocab)
+            assert torch.equal(labels_for(window.input_ids, ds.vocab), window.labels)
+
+
+def test_window_crop_predicted_softmask_and_weights(dmel: Path) -> None:
+    window = WindowDataset(dmel, "train")[0]
+    soft = window.softmask
+    assert soft.any() and not soft.all()
+    predicted = predicted_softmask(soft)
+    assert torch.equal(predicted[:-1], soft[1:]) and not predicted[-1]  # position t predicts base t + 1
+    assert torch.equal(window.predicted_softmask, predicted)
+    crop = window.cropped(128, 64)
+    assert torch.equal(crop.input_ids, window.ids[128:192])
+    assert torch.equal(crop.labels, window.labels[128:192]) and crop.labels[-1] == window.ids[192]  # no -100
+    assert torch.equal(crop.predicted_softmask, predicted[128:192])
+    assert torch.equal(window.cropped(4000).input_ids, window.ids[4000:])
+    valid = window.labels != -100
+    assert torch.equal(window.loss_weights(), valid.float())  # softmask_weight 1: every real base weighs the same
+    expected = torch.where(predicted, 0.25, 1.0).masked_fill(~valid, 0.0)
+    torch.testing.assert_close(window.loss_weights(0.25), expected)
+    torch.testing.assert_close(window.cropped(128, 64).loss_weights(0.25), expected[128:192])
+    with pytest.raises(ValueError, match="ids of shape"):
+        window.with_ids(window.ids[:10])
 
 
 def test_padding_stays_at_the_end_and_tokenizer_ids(tmp_path: Path) -> None:
@@ -109,8 +137,9 @@ def test_parse_blend() -> None:
     assert parse_blend("dirA:0.7,dirB:0.3") == [("dirA", pytest.approx(0.7)), ("dirB", pytest.approx(0.3))]
     assert parse_blend("data/prepared/x") == [("data/prepared/x", 1.0)]
     assert parse_blend("a:3, b") == [("a", 0.75), ("b", 0.25)]
-    for bad, message in (("", "empty folder"), ("a,,b", "empty folder"), ("a:x", "'x' of 'a:x' is not a number"),
-                         ("a:0", "positive"), ("a:-1,b", "positive"), ("a:nan", "positive"),
+    for bad, message in (("", "empty folder"), ("a,,b", "empty folder"),
+                         ("a:x", "'x' of 'a:x' is not a number"), ("a:0", "positive"),
+                         ("a:-1,b", "positive"), ("a:nan", "positive"),
                          (":0.5", "no folder"), ("a:1,a:2", "given twice")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             parse_blend(bad)
@@ -173,7 +202,8 @@ def test_check_compatible_names_both_folders(dmel: Path, tmp_path: Path) -> None
         tmp_path / "tok"
     )
     other_vocab, _ = build(tmp_path, DMEL, name="tok_ids", seq=4096, train=[f"{DMEL_RECORD}:1-8192"],
-                           heldout=[f"{DMEL_RECORD}:8193-16384"], tokenizer=str(tmp_path / "tok"))  # fmt: skip
+                           heldout=[f"{DMEL_RECORD}:8193-16384"],
+                           tokenizer=str(tmp_path / "tok"))  # fmt: skip
     with pytest.raises(DataError, match="different vocabularies") as err:
         check_compatible([same, other_vocab])
     assert str(same) in str(err.value) and str(other_vocab) in str(err.value)

@@ -53,7 +53,7 @@ def test_windows_match_biopython(hg38_variants: dict) -> None:
         expected = [
             (n, s) for n in names for s in expected_windows(records[n], 0, len(records[n]), 4096, 3000, 0.5)
         ]
-        assert [(ds[i]["record"], ds[i]["start"]) for i in range(len(ds))] == expected
+        assert [(ds[i].record, ds[i].start) for i in range(len(ds))] == expected
         windows = ds.manifest["splits"][split]["windows"]
         for i, (name, start) in enumerate(expected):
             source = records[name][start : start + 4096]
@@ -62,7 +62,7 @@ def test_windows_match_biopython(hg38_variants: dict) -> None:
             assert [counts[c] for c in (1, 2, 3, 4, 5)] == [source.upper().count(b) for b in "ACGTN"]
             assert windows["n"][i] == source.upper().count("N")
             assert windows["softmasked"][i] == sum(ch.islower() for ch in source)
-            assert ds[i]["end"] == start + 4096
+            assert ds[i].end == start + 4096
 
 
 def test_demo_regions_n_run_and_report(tmp_path) -> None:
@@ -79,7 +79,7 @@ def test_demo_regions_n_run_and_report(tmp_path) -> None:
     assert manifest["report"] in logs and "dropped N" in manifest["report"]
     ds = WindowDataset(out, "heldout")
     for i in range(len(ds)):
-        assert ds.letters(i) == seq[ds[i]["start"] : ds[i]["end"]]
+        assert ds.letters(i) == seq[ds[i].start : ds[i].end]
 
 
 def test_iupac_becomes_n_and_is_counted(tmp_path) -> None:
@@ -104,10 +104,10 @@ def test_allow_short_pads_and_default_train(tmp_path) -> None:
     fasta = write_fasta(tmp_path / "short.fa", {"long": dna, "tiny": dna[:700], "held": dna[1000:3000]})
     out, _ = build(tmp_path, fasta, seq=2048, heldout=["held"], allow_short=True)
     train = WindowDataset(out, "train")
-    assert [train[i]["record"] for i in range(len(train))] == ["long", "long", "tiny"]
+    assert [train[i].record for i in range(len(train))] == ["long", "long", "tiny"]
     tiny = train[2]
-    assert (tiny["start"], tiny["end"]) == (0, 700)
+    assert (tiny.start, tiny.end) == (0, 700)
     assert train.letters(2) == dna[:700] + "-" * (2048 - 700)
-    assert (tiny["labels"][699:] == -100).all()
+    assert (tiny.labels[699:] == -100).all()
     assert train.manifest["splits"]["train"]["stats"]["padded_short"] == 1
-    assert WindowDataset(out, "heldout")[0]["end"] == 2000
+    assert WindowDataset(out, "heldout")[0].end == 2000

@@ -1,4 +1,4 @@
-"""WindowDataset / as_hf_dataset: rows, labels and -100 rules, vocabulary map, memory-mapping."""
+"""WindowDataset / as_hf_dataset: windows and rows, labels and -100 rules, vocabulary map, memory-mapping."""
 
 from __future__ import annotations
 
@@ -28,20 +28,21 @@ def test_item_fields_and_labels(with_n: Path) -> None:
     ds = WindowDataset(with_n, "train")
     assert len(ds) == 2 and ds.seq_len == 1024 and ds.vocab.code_to_id == (0, 1, 2, 3, 4, 5)
     item = ds[0]
-    assert item["input_ids"].dtype == torch.long and item["input_ids"].shape == (1024,)
-    assert item["softmask"].dtype == torch.bool
-    assert torch.equal(item["position"], torch.arange(1024))
-    assert (item["record"], item["start"], item["end"]) == ("a", 0, 1024)
-    ids, labels = item["input_ids"], item["labels"]
+    assert item.input_ids.dtype == torch.long and item.input_ids.shape == (1024,)
+    assert torch.equal(item.input_ids, item.ids)  # the whole window
+    assert item.softmask.dtype == torch.bool
+    assert (item.source, item.index, item.strand, item.vocab) == (with_n.name, 0, "+", ds.vocab)
+    assert (item.record, item.start, item.end) == ("a", 0, 1024)
+    ids, labels = item.input_ids, item.labels
     assert labels[-1] == -100
     next_is_n = ids[1:] == 5
     assert torch.equal(labels[:-1][~next_is_n], ids[1:][~next_is_n])
     assert (labels[:-1][next_is_n] == -100).all() and int(next_is_n.sum()) == 40
     assert (labels[499:539] == -100).all() and labels[539] == ids[540]
     second = ds[1]  # the soft-masked 'n' at 1-based 1501 is N too, and soft-masked
-    assert second["labels"][1499 - 1024] == -100 and second["softmask"][1500 - 1024]
+    assert second.labels[1499 - 1024] == -100 and second.softmask[1500 - 1024]
     letters = ds.letters(0)
-    assert torch.equal(item["softmask"], torch.tensor([c.islower() for c in letters]))
+    assert torch.equal(item.softmask, torch.tensor([c.islower() for c in letters]))
 
 
 def test_hf_dataset_rows_agree(with_n: Path, tmp_path: Path) -> None:
@@ -51,9 +52,10 @@ def test_hf_dataset_rows_agree(with_n: Path, tmp_path: Path) -> None:
         assert len(hf) == len(ds)
         for i, row in enumerate(hf):
             item = ds[i]
-            for key in ("input_ids", "labels", "softmask", "position"):
-                assert row[key] == item[key].tolist(), key
-            assert (row["record"], row["start"], row["end"]) == (item["record"], item["start"], item["end"])
+            for key in ("input_ids", "labels", "softmask"):
+                assert row[key] == getattr(item, key).tolist(), key
+            assert row["position"] == list(range(ds.seq_len))
+            assert (row["record"], row["start"], row["end"]) == (item.record, item.start, item.end)
 
 
 def test_tokenizer_vocabulary_map(tmp_path: Path) -> None:
@@ -73,7 +75,7 @@ def test_tokenizer_vocabulary_map(tmp_path: Path) -> None:
     ds = WindowDataset(out, "train")
     assert ds.vocab.code_to_id == (0, 7, 8, 9, 10, 11) and ds.manifest["vocab"]["tokenizer"] == str(full)
     expected = torch.tensor([{"A": 7, "C": 8, "G": 9, "T": 10, "N": 11}[c] for c in FRAG[:1024].upper()])
-    assert torch.equal(ds[0]["input_ids"], expected)
+    assert torch.equal(ds[0].input_ids, expected)
     assert ds.codes(0).dtype == np.uint8  # on disk it stays base codes
     no_n = save({"<pad>": 0, "<unk>": 1, "A": 7, "C": 8, "G": 9, "T": 10}, "no_n")
     with pytest.raises(DataError, match="no single-letter token for N"):

@@ -10,19 +10,22 @@ import numpy as np
 import pytest
 import torch
 
+from genomelm.data.vocab import BUILTIN, N
+from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucketed_loss, compare
 from genomelm.eval.command import (
     EvalError,
+    HeldoutSet,
     check_bucket,
-    evaluate,
+    evaluate_sets,
     main,
     pick_windows,
-    resolve_models,
     write_outputs,
 )
 from genomelm.eval.report import format_table
 from genomelm.eval.score import score_windows
 from genomelm.train.config import TrainConfig
+from genomelm.train.models import ModelChoiceError, model_pair
 
 # W=2 windows of S=5 positions, buckets of 2: [0, 2), [2, 4) and the uneven last one [4, 5)
 LOSS = np.array([[1, 2, 3, 4, 5], [3, 6, 1, 9, 7]], dtype=np.float32)
@@ -113,51 +116,59 @@ class EmaUnigram(torch.nn.Module):
         return torch.where(labels == -100, torch.zeros_like(nll), nll)
 
 
-def make_windows(n: int, seq: int, seed: int = 0) -> list[dict]:
-    """Synthetic held-out windows as `WindowDataset` yields them (4 token ids, some N targets)."""
+VOCAB = len(BUILTIN.code_to_id)  # token ids of the built-in vocabulary: pad, A, C, G, T, N
+
+
+def make_windows(n: int, seq: int, seed: int = 0) -> list[Window]:
+    """Synthetic held-out windows of the built-in vocabulary (bases A C G T, some N)."""
     g = torch.Generator().manual_seed(seed)
     windows = []
     for i in range(n):
-        ids = torch.randint(0, 4, (seq,), generator=g)
-        ids[: seq // 3] = 0  # a long run of one base early: long-memory models carry it forward
-        labels = torch.full_like(ids, -100)
-        labels[:-1] = ids[1:]
-        labels[torch.rand(seq, generator=g) < 0.1] = -100  # N bases
+        ids = torch.randint(1, 5, (seq,), generator=g)
+        ids[: seq // 3] = 1  # a long run of one base early: long-memory models carry it forward
+        ids[torch.rand(seq, generator=g) < 0.1] = N
         soft = torch.rand(seq, generator=g) < 0.4
-        windows.append({"input_ids": ids, "labels": labels, "softmask": soft, "position": torch.arange(seq),
-                        "record": "chrT", "start": i * seq, "end": (i + 1) * seq})  # fmt: skip
+        windows.append(Window("synthetic", i, "chrT", i * seq, (i + 1) * seq, ids, soft, BUILTIN))
     return windows
 
 
+def evaluate(config: TrainConfig, windows: list[Window], models: dict, provenance: dict) -> dict:
+    """The one-folder result of `windows` scored with models["before"] and models["after"]."""
+    return evaluate_sets(config, [HeldoutSet("synthetic", windows, provenance)], models.__getitem__, "before",
+                         "after")  # fmt: skip
+
+
 def test_score_windows_full_context() -> None:
-    model, windows = EmaUnigram(4, decay=0.9), make_windows(3, 10)
+    model, windows = EmaUnigram(VOCAB, decay=0.9), make_windows(3, 10)
     scores = score_windows(model, windows, bucket=4, context_cut=False)
     assert scores.loss.dtype == np.float32 and scores.loss.shape == (3, 10) and scores.cut_loss is None
     for i, w in enumerate(windows):
-        expected = model.loss(w["input_ids"][None], w["labels"][None])[0].detach().numpy()
+        expected = model.loss(w.input_ids[None], w.labels[None])[0].detach().numpy()
         np.testing.assert_allclose(scores.loss[i], expected, rtol=1e-6)
-        np.testing.assert_array_equal(scores.valid[i], (w["labels"] != -100).numpy())
-        np.testing.assert_array_equal(scores.softmask[i, :-1], w["softmask"][1:].numpy())  # the target's flag
+        np.testing.assert_array_equal(scores.valid[i], (w.labels != -100).numpy())
+        np.testing.assert_array_equal(scores.softmask[i, :-1], w.softmask[1:].numpy())  # the target's flag
+        assert not scores.softmask[i, -1]
         assert np.all(scores.loss[i][~scores.valid[i]] == 0)
+    assert not scores.valid.all()  # some next bases are N
 
 
 def test_context_cut_scores_last_bucket_from_preceding_bucket_only() -> None:
     # S=10, bucket 4: buckets [0,4) [4,8) [8,10); the cut scores positions 8, 9 from input_ids[4:10]
-    model, windows = EmaUnigram(4, decay=1.0), make_windows(2, 10)
+    model, windows = EmaUnigram(VOCAB, decay=1.0), make_windows(2, 10)
     scores = score_windows(model, windows, bucket=4, context_cut=True)
     assert scores.cut_start == 8 and scores.cut_loss.shape == (2, 2)
     for i, w in enumerate(windows):
-        part = model.loss(w["input_ids"][None, 4:], w["labels"][None, 4:])[0, 4:].detach().numpy()
+        part = model.loss(w.input_ids[None, 4:], w.labels[None, 4:])[0, 4:].detach().numpy()
         np.testing.assert_allclose(scores.cut_loss[i], part, rtol=1e-6)
     valid = scores.valid[:, 8:]
     assert not np.allclose(scores.cut_loss[valid], scores.loss[:, 8:][valid])  # long memory: the cut matters
-    short = score_windows(EmaUnigram(4, decay=0.0), windows, bucket=4, context_cut=True)
+    short = score_windows(EmaUnigram(VOCAB, decay=0.0), windows, bucket=4, context_cut=True)
     np.testing.assert_allclose(short.cut_loss, short.loss[:, 8:], rtol=1e-6)  # no memory: it does not
 
 
 def test_context_cut_needs_two_buckets() -> None:
     with pytest.raises(ValueError, match="2 buckets"):
-        score_windows(EmaUnigram(4, 0.5), make_windows(1, 8), bucket=8, context_cut=True)
+        score_windows(EmaUnigram(VOCAB, 0.5), make_windows(1, 8), bucket=8, context_cut=True)
 
 
 def test_check_bucket_and_pick_windows() -> None:
@@ -178,20 +189,20 @@ def test_main_rejects_bucket_larger_than_seq(tmp_path, capsys) -> None:
 
 
 def test_missing_checkpoint_says_to_train_first(tmp_path) -> None:
-    config = TrainConfig(run="t", runs_dir=str(tmp_path))
-    with pytest.raises(EvalError, match="make train"):
-        resolve_models(config, before="base", after=None)
+    config = TrainConfig().replace(run="t", runs_dir=str(tmp_path))
+    with pytest.raises(ModelChoiceError, match="make train"):
+        model_pair(config, before="base", after=None)
 
 
 def run_synthetic_eval(folder, seq: int = 12, bucket: int = 4) -> dict:
     """A full before/after evaluation of synthetic windows with two tiny models; writes into `folder`."""
-    models = {"before": EmaUnigram(4, decay=0.0), "after": EmaUnigram(4, decay=0.95)}
-    config = TrainConfig(run="synthetic", seq=str(seq), bucket=bucket, context_cut=True)
+    models = {"before": EmaUnigram(VOCAB, decay=0.0), "after": EmaUnigram(VOCAB, decay=0.95)}
+    config = TrainConfig().replace(run="synthetic", seq=str(seq), bucket=bucket, context_cut=True)
     windows = make_windows(4, seq)
     provenance = {"data_dir": "synthetic", "manifest": "synthetic/manifest.json",
-                  "windows": [{"index": i, "record": w["record"], "start": w["start"], "end": w["end"]}
-                              for i, w in enumerate(windows)]}  # fmt: skip
-    result = evaluate(config, windows, models.__getitem__, "before", "after", provenance)
+                  "windows": [{"index": w.index, "record": w.record, "start": w.start, "end": w.end}
+                              for w in windows]}  # fmt: skip
+    result = evaluate(config, windows, models, provenance)
     write_outputs(result, folder)
     return result
 

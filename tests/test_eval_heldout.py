@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 from data_fixtures import HG38_FRAGMENTS, HG38_RECORDS
-from test_eval_buckets import EmaUnigram, make_windows
+from test_eval_buckets import VOCAB, EmaUnigram, make_windows
 
 from genomelm.data.command import main as data_main
 from genomelm.eval.command import (
     EvalError,
     HeldoutSet,
-    evaluate,
     evaluate_sets,
     heldout_folders,
+    load_heldout,
     main,
     write_outputs,
 )
@@ -38,20 +38,20 @@ def without_timestamps(result: dict) -> dict:
 
 
 def test_several_sets_side_by_side_each_as_alone(tmp_path: Path, capsys) -> None:
-    models = {"before": EmaUnigram(4, decay=0.0), "after": EmaUnigram(4, decay=0.95)}
+    models = {"before": EmaUnigram(VOCAB, decay=0.0), "after": EmaUnigram(VOCAB, decay=0.95)}
     loads: list[str] = []
 
     def load(name: str) -> EmaUnigram:
         loads.append(name)
         return models[name]
 
-    config = TrainConfig(run="two", seq="12", bucket=4)
+    config = TrainConfig().replace(run="two", seq="12", bucket=4)
     sets = synthetic_sets()
     result = evaluate_sets(config, sets, load, "before", "after")
     assert loads == ["before", "after"]  # each model loaded once for all sets
     assert result["settings"]["heldout"] == ["fly", "human"] and len(result["sets"]) == 2
     for heldout, (name, one) in zip(sets, result_sets(result)):
-        alone = evaluate(config, heldout.windows, models.__getitem__, "before", "after", heldout.provenance)
+        alone = evaluate_sets(config, [heldout], models.__getitem__, "before", "after")
         assert name == heldout.name and one["name"] == name
         assert without_timestamps({k: v for k, v in one.items() if k != "name"}) == without_timestamps(alone)
     assert result["sets"][0]["settings"]["windows"] == 4 and result["sets"][1]["settings"]["windows"] == 3
@@ -61,7 +61,8 @@ def test_several_sets_side_by_side_each_as_alone(tmp_path: Path, capsys) -> None
     assert [s["name"] for s in saved["sets"]] == ["fly", "human"]
     with open(paths["csv"], newline="") as handle:
         rows = list(csv.DictReader(handle))
-    assert [(r["heldout"], r["bucket"]) for r in rows] == [(n, str(b)) for n in ("fly", "human") for b in range(3)]
+    expected = [(n, str(b)) for n in ("fly", "human") for b in range(3)]
+    assert [(r["heldout"], r["bucket"]) for r in rows] == expected
     assert float(rows[4]["after_loss"]) == pytest.approx(saved["sets"][1]["buckets"][1]["after"]["loss"])
     assert paths["figure"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(saved).splitlines()
@@ -75,12 +76,13 @@ def test_several_sets_side_by_side_each_as_alone(tmp_path: Path, capsys) -> None
 
 
 def test_heldout_folders() -> None:
-    assert heldout_folders(TrainConfig(genome="demo", seq="16k")) == [Path("data/prepared/demo-16k")]
-    assert heldout_folders(TrainConfig(heldout="a, b/c")) == [Path("a"), Path("b/c")]
+    demo = TrainConfig().replace(genome="demo", seq="16k")
+    assert heldout_folders(demo) == [Path("data/prepared/demo-16k")]
+    assert heldout_folders(TrainConfig().replace(heldout="a, b/c")) == [Path("a"), Path("b/c")]
     with pytest.raises(EvalError, match="empty folder name"):
-        heldout_folders(TrainConfig(heldout="a,,b"))
+        heldout_folders(TrainConfig().replace(heldout="a,,b"))
     with pytest.raises(EvalError, match="a given twice"):
-        heldout_folders(TrainConfig(heldout="a,b,a"))
+        heldout_folders(TrainConfig().replace(heldout="a,b,a"))
 
 
 def test_eval_command_on_two_genomes(demo_outputs, tmp_path: Path, capsys) -> None:
@@ -90,6 +92,12 @@ def test_eval_command_on_two_genomes(demo_outputs, tmp_path: Path, capsys) -> No
     for out, seq in ((human, "128"), (human_256, "256")):
         argv = ["--fasta", str(HG38_FRAGMENTS), "--seq", seq, "--heldout", HG38_RECORDS[1], "--out", str(out)]
         assert data_main([*argv, "--no-progress"]) == 0
+    picked = load_heldout(human, 2)
+    assert picked.name == "human" and len(picked.windows) == 2
+    assert picked.provenance["data_dir"] == str(human) and len(picked.provenance["windows"]) == 2
+    for window, where in zip((picked.windows[0], picked.windows[1]), picked.provenance["windows"]):
+        assert (window.index, window.record, window.start, window.end) == tuple(where.values())
+        assert window.record == HG38_RECORDS[1] and window.source == "human" and window.strand == "+"
     run = ["run=demo", "seq=128", "model=tiny", "bucket=16", "eval_windows=3", f"results_dir={tmp_path}",
            "--before", provenance["before_model"], "--after", provenance["after_model"]]  # fmt: skip
     assert main([*run, f"heldout={fly},{human}"]) == 0

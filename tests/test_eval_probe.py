@@ -14,7 +14,8 @@ from data_fixtures import DMEL, DMEL_RECORD, read_records
 
 from genomelm.cli import main as cli_main
 from genomelm.data import BUILTIN
-from genomelm.data.augment import labels_for
+from genomelm.data.windows import Window
+from genomelm.eval.command import HeldoutSet
 from genomelm.eval.probe import (
     ProbeError,
     ProbeSite,
@@ -32,18 +33,15 @@ FLY = read_records(DMEL)[DMEL_RECORD]
 CODE = {"A": 1, "C": 2, "G": 3, "T": 4, "N": 5}
 
 
-def window(letters: str) -> dict:
-    """A held-out window as `WindowDataset` gives it (built-in ids), from sequence text."""
+def window(letters: str) -> Window:
+    """A held-out window of the built-in ids, from sequence text."""
     ids = torch.tensor([CODE[c] for c in letters.upper()])
-    return {
-        "input_ids": ids,
-        "labels": labels_for(ids, BUILTIN),
-        "softmask": torch.zeros(len(ids), dtype=torch.bool),
-    }
+    return Window("fly", 0, DMEL_RECORD, 0, len(ids), ids, torch.zeros(len(ids), dtype=torch.bool), BUILTIN)
 
 
 class Recorder(torch.nn.Module):
-    """Remembers every (input_ids, labels) it scores; its loss at position t is t (0 where the label is -100)."""
+    """Remembers every (input_ids, labels) it scores; its loss at position t is t (0 where the label is
+    -100)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -71,8 +69,9 @@ def test_probe_construction_by_hand() -> None:
         35, 39
     )  # positions 35..38 predict tokens 36..39
 
-    ids, labels = plant(w["input_ids"], sites[0], BUILTIN)
-    original = w["input_ids"]
+    planted = plant(w, sites[0])
+    ids, labels = planted.input_ids, planted.labels
+    original = w.input_ids
     assert torch.equal(ids[25:30], original[35:40])  # the copy, 10 tokens before the target
     keep = torch.ones(40, dtype=torch.bool)
     keep[25:30] = False
@@ -80,13 +79,13 @@ def test_probe_construction_by_hand() -> None:
     copied = original[35:40].tolist()
     copied[2] = -100  # the copied N (token 27) is no label
     assert labels[24:29].tolist() == copied and labels[29] == original[30]
-    assert torch.equal(labels[35:39], w["labels"][35:39])  # the scored labels are the window's own
+    assert torch.equal(labels[35:39], w.labels[35:39])  # the scored labels are the window's own
 
     model = Recorder()
-    scores = score_probe(model, [w], length=5, distances=[10, 30], vocab=BUILTIN)
+    scores = score_probe(model, [w], length=5, distances=[10, 30])
     (base_ids, base_labels), (ids10, _), (ids30, _) = model.calls
     assert torch.equal(base_ids, original) and torch.equal(
-        base_labels, w["labels"]
+        base_labels, w.labels
     )  # the baseline is untouched
     assert torch.equal(ids10, ids) and torch.equal(ids30[5:10], original[35:40])
     assert not torch.equal(original[5:10], original[35:40]) and not torch.equal(
@@ -95,12 +94,12 @@ def test_probe_construction_by_hand() -> None:
     # scored: positions 35, 37, 38 (36 predicts the N): loss t summed, in both windows
     assert scores.tokens.tolist() == [[3, 3]]
     assert scores.planted.tolist() == [[110.0, 110.0]] and scores.baseline.tolist() == [[110.0, 110.0]]
-    assert torch.equal(w["input_ids"], original)  # the window itself is never modified
+    assert torch.equal(w.input_ids, original)  # the window itself is never modified
 
 
 class ReachModel(torch.nn.Module):
-    """Sees back exactly ``reach`` tokens: predicts base t+1 perfectly (loss 0) when the ``k`` bases ending at t
-    occurred before and the base that followed them is at most ``reach`` tokens back; else loss log 4."""
+    """Sees back exactly ``reach`` tokens: predicts base t+1 perfectly (loss 0) when the ``k`` bases ending at
+    t occurred before and the base that followed them is at most ``reach`` tokens back; else loss log 4."""
 
     def __init__(self, reach: int, k: int = 12) -> None:
         super().__init__()
@@ -123,10 +122,10 @@ class ReachModel(torch.nn.Module):
 def test_model_with_known_reach_shows_gap_up_to_it_and_none_beyond(tmp_path: Path, capsys) -> None:
     seq = 10_240
     windows = [window(FLY[start : start + seq]) for start in (100_000, 400_000, 700_000)]
-    config = TrainConfig(run="reach", probe_length=200, probe_distances="1k,2k,4k,6k,8k,16k")
+    config = TrainConfig().replace(run="reach", probe_length=200, probe_distances="1k,2k,4k,6k,8k,16k")
     models = {"short": ReachModel(1024), "long": ReachModel(4096)}
     provenance = {"data_dir": "fly", "windows": [{"index": i} for i in range(3)]}
-    result = run_probe(config, windows, models.__getitem__, "short", "long", BUILTIN, provenance)
+    result = run_probe(config, HeldoutSet("fly", windows, provenance), models.__getitem__, "short", "long")
     settings = result["settings"]
     assert settings["distances"] == [1024, 2048, 4096, 6144, 8192]
     assert [s["distance"] for s in settings["skipped"]] == [16384] and settings["targets"] == [seq - 200] * 3
@@ -155,11 +154,10 @@ def test_parse_distances_and_nothing_fits() -> None:
     assert parse_distances(" 4k, 1k,4096") == [1024, 4096]
     with pytest.raises(ProbeError, match="'2x' is not a distance"):
         parse_distances("1k,2x")
-    config = TrainConfig(probe_length=200, probe_distances="64k,1M")
+    config = TrainConfig().replace(probe_length=200, probe_distances="64k,1M")
     with pytest.raises(ProbeError, match="no distance of probe_distances=64k,1M fits windows of 1,000 bases"):
-        run_probe(
-            config, [window(FLY[:1000])], lambda path: pytest.fail("loaded a model"), "a", "b", BUILTIN, {}
-        )
+        heldout = HeldoutSet("fly", [window(FLY[:1000])], {})
+        run_probe(config, heldout, lambda path: pytest.fail("loaded a model"), "a", "b")
 
 
 def test_probe_command_end_to_end(demo_outputs, tmp_path: Path, capsys) -> None:
@@ -183,3 +181,24 @@ def test_probe_command_end_to_end(demo_outputs, tmp_path: Path, capsys) -> None:
     assert len((tmp_path / "demo" / "copy_probe.csv").read_text().splitlines()) == 4
     assert cli_main(["probe", *run, "probe_distances=1k,abc"]) == 1
     assert "'abc' is not a distance" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_probe_cp2_equals_cp1(demo_outputs, tmp_path: Path, capsys) -> None:
+    """`cp=2`: each window split over two local processes, through the launch `genomelm eval cp=2` uses."""
+    provenance = json.loads(demo_outputs[0].read_text())["provenance"]
+    results = {}
+    for cp in (1, 2):
+        run = ["run=demo", "seq=128", "model=tiny", f"data={provenance['data_dir']}",
+               f"results_dir={tmp_path / str(cp)}", "probe_length=16", "probe_distances=16,64",
+               "probe_windows=2", f"cp={cp}", "cp_layout=contiguous",
+               "--before", provenance["before_model"], "--after", provenance["after_model"]]  # fmt: skip
+        assert cli_main(["probe", *run]) == 0
+        results[cp] = json.loads((tmp_path / str(cp) / "demo" / "copy_probe.json").read_text())
+    capsys.readouterr()
+    one, two = results[1], results[2]
+    assert two["settings"] == one["settings"] and two["settings"]["distances"] == [16, 64]
+    for row_one, row_two in zip(one["distances"], two["distances"], strict=True):
+        assert (row_two["windows"], row_two["tokens"]) == (row_one["windows"], row_one["tokens"]) == (2, 30)
+        for name in ("before", "after"):
+            assert row_two[name] == pytest.approx(row_one[name], rel=1e-5, abs=1e-6), (row_one, row_two)

@@ -11,7 +11,7 @@ import torch
 
 from genomelm.data.command import main as data_main
 from genomelm.data.errors import DataError
-from genomelm.train import checkpoints
+from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.train.config import TrainConfig
 from genomelm.train.feed import TrainingData
 from genomelm.train.loop import train
@@ -56,7 +56,7 @@ def test_reverse_complement_windows(tmp_path, folders) -> None:
     data = TrainingData(settings(tmp_path, data=folders["a"], rc_aug=1.0))
     window = data.next(0, 0)
     plain = data.datasets[0][window.index]
-    ids, _ = reverse_complement(plain["input_ids"], plain["softmask"], data.vocab)
+    ids, _ = reverse_complement(plain.ids, plain.softmask, data.vocab)
     assert window.reverse and torch.equal(window.input_ids, ids)
     assert torch.equal(window.labels[:-1], ids[1:]) and window.labels[-1] == -100
     never = TrainingData(settings(tmp_path, data=folders["a"], rc_aug=0.0))
@@ -71,14 +71,15 @@ def test_softmask_weights(tmp_path, folders) -> None:
     for step in range(8):  # a window with both repeats and unique sequence
         window = data.next(step, 0)
         row = data.datasets[0][window.index]
-        if row["softmask"][1:].any() and not row["softmask"][1:].all():
+        if row.softmask[1:].any() and not row.softmask[1:].all():
             break
-    predicted_masked = row["softmask"][1:]
-    valid = row["labels"][:-1] != -100
+    predicted_masked = row.softmask[1:]
+    valid = row.labels[:-1] != -100
     expected = torch.where(predicted_masked, 0.1, 1.0).masked_fill(~valid, 0.0)
     assert predicted_masked.any() and (~predicted_masked).any()
-    torch.testing.assert_close(window.weights[:-1], expected)
-    assert window.weights[-1] == 0
+    weights = window.loss_weights(data.config.data_options.softmask_weight)
+    torch.testing.assert_close(weights[:-1], expected)
+    assert weights[-1] == 0
 
 
 def test_weighted_loss_is_logged_beside_the_unweighted(tmp_path, folders) -> None:
@@ -91,9 +92,9 @@ def test_weighted_loss_is_logged_beside_the_unweighted(tmp_path, folders) -> Non
     window = TrainingData(cfg).next(0, 0)
     with torch.no_grad():
         nll = model(window.input_ids[None], window.labels[None], reduction="none")[0]
-    valid = window.labels != -100
+    valid, weights = window.labels != -100, window.loss_weights(0.1)
     assert row["loss_weighted"]
-    assert row["loss"] == pytest.approx(float((nll * window.weights).sum() / window.weights.sum()), rel=1e-5)
+    assert row["loss"] == pytest.approx(float((nll * weights).sum() / weights.sum()), rel=1e-5)
     assert row["loss_unweighted"] == pytest.approx(float(nll[valid].mean()), rel=1e-5)
 
 
@@ -118,16 +119,16 @@ def test_options_resume_exactly(tmp_path, folders, monkeypatch) -> None:
     whole = settings(tmp_path / "whole", **options)
     reference = train(whole, progress=False)["losses"]
     broken = settings(tmp_path / "broken", **options)
-    real_save = checkpoints.save_checkpoint
+    real_save = Checkpointer.save
 
     def save_then_stop(*args, **kwargs):
         real_save(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_stop)
+    monkeypatch.setattr(Checkpointer, "save", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
         train(broken, progress=False)
-    monkeypatch.setattr(checkpoints, "save_checkpoint", real_save)
+    monkeypatch.setattr(Checkpointer, "save", real_save)
     resumed = train(broken, progress=False)
     assert resumed["start_step"] == 2
     assert resumed["losses"] == reference[2:]

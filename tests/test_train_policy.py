@@ -46,7 +46,7 @@ def fly_batch(model: GlmForCausalLM, data: Path) -> tuple[torch.Tensor, torch.Te
     from genomelm.data import WindowDataset
 
     row = WindowDataset(data, "train")[0]
-    return row["input_ids"][None], row["labels"][None]
+    return row.input_ids[None], row.labels[None]
 
 
 @pytest.mark.parametrize("recompute_chunks,expected", [(False, 2), (True, 3)])

@@ -1,7 +1,9 @@
-"""Training-data options as pure functions: reverse complement, next-base labels, dataset blends, crop warm-up.
+"""Pure functions over windows: next-base labels and soft-mask, reverse complement, dataset blends, crop
+warm-up.
 
-The trainer applies them to the rows of :class:`genomelm.data.WindowDataset`; nothing here reads or writes
-files except :func:`check_compatible`, which reads the manifests of the folders to be mixed.
+:class:`genomelm.data.windows.Window` derives its labels and soft-mask from them, and the trainer applies the
+training options with them; nothing here reads or writes files except :func:`check_compatible`, which reads
+the manifests of the folders to be mixed or compared.
 """
 
 from __future__ import annotations
@@ -25,13 +27,22 @@ def labels_for(input_ids: torch.Tensor, vocab: Vocabulary) -> torch.Tensor:
     """Next-base labels LongTensor[S] of ``input_ids`` LongTensor[S] (ids of ``vocab``).
 
     labels[t] = input_ids[t + 1], except IGNORE_INDEX (-100) where the next token is N or padding and at the
-    last position. ``WindowDataset`` builds its labels with this function.
+    last position. Every :class:`~genomelm.data.windows.Window`'s labels are these.
     """
     pad_id, n_id = vocab.ignored_ids
     following = input_ids[1:]
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:-1] = torch.where((following == pad_id) | (following == n_id), IGNORE_INDEX, following)
     return labels
+
+
+def predicted_softmask(softmask: torch.Tensor) -> torch.Tensor:
+    """BoolTensor[S]: at position t the soft-mask flag of the base it predicts, ``softmask[t + 1]``; False at
+    the last position, which predicts nothing. The loss at t is that of base t + 1 (see
+    :func:`labels_for`)."""
+    predicted = torch.zeros_like(softmask)
+    predicted[:-1] = softmask[1:]
+    return predicted
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,8 +109,8 @@ def parse_blend(spec: str) -> list[tuple[str, float]]:
             try:
                 weight = float(weight_text)
             except ValueError:
-                raise ValueError(f"data={spec!r}: weight {weight_text!r} of {item!r} is not a number; {example} "
-                                 "(a folder name cannot contain ':')") from None  # fmt: skip
+                raise ValueError(f"data={spec!r}: weight {weight_text!r} of {item!r} is not a number; "
+                                 f"{example} (a folder name cannot contain ':')") from None  # fmt: skip
             if not folder.strip():
                 raise ValueError(f"data={spec!r}: {item!r} has a weight but no folder; {example}")
         if not math.isfinite(weight) or weight <= 0:
@@ -123,8 +134,8 @@ def check_compatible(folders: Sequence[str | Path]) -> list[dict]:
     for folder in folders:
         manifest = read_manifest(folder)
         if manifest is None:
-            raise DataError(f"{folder}: no {MANIFEST}, so not a complete prepared dataset; run `genomelm data` "
-                            "for it, or fix the folder name")  # fmt: skip
+            raise DataError(f"{folder}: no {MANIFEST}, so not a complete prepared dataset; run "
+                            "`genomelm data` for it, or fix the folder name")  # fmt: skip
         manifests.append(manifest)
     first, first_folder = manifests[0], folders[0]
     first_vocab = Vocabulary.from_json(first["vocab"])

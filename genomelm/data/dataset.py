@@ -8,20 +8,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from genomelm.data.augment import labels_for
 from genomelm.data.errors import DataError
 from genomelm.data.prepare import MANIFEST, SPLITS, indexed_dataset_module, read_manifest
 from genomelm.data.vocab import CODE_LETTERS, IGNORE_INDEX, Vocabulary
+from genomelm.data.windows import Window
 
 __all__ = ["IGNORE_INDEX", "WindowDataset", "as_hf_dataset"]
 
 
 class WindowDataset(Dataset):
-    """Windows of one split of a prepared folder; item ``i`` is a dict of
+    """Windows of one split of a prepared folder; item ``i`` is a :class:`~genomelm.data.windows.Window`
+    (token ids of the folder's vocabulary, the soft-mask, record coordinates; labels derived from the ids).
 
-    ``input_ids`` LongTensor[SEQ] (model token ids), ``labels`` LongTensor[SEQ] (next token; -100 at the
-    last position and where the next base is N or pad), ``softmask`` BoolTensor[SEQ], ``position``
-    LongTensor[SEQ] (0..SEQ-1), and ``record`` (str), ``start``/``end`` (0-based half-open base coordinates).
     The .bin files are memory-mapped; opening reads only the index and the manifest.
     """
 
@@ -74,22 +72,24 @@ class WindowDataset(Dataset):
         letters[self.softmasks[index].astype(bool)] |= 0x20
         return letters.tobytes().decode("ascii")
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int) -> Window:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range 0..{len(self) - 1}")
         codes = torch.from_numpy(self.codes(index).astype(np.int64))
-        input_ids = self._code_to_id[codes]
-        return {
-            "input_ids": input_ids,
-            "labels": labels_for(input_ids, self.vocab),
-            "softmask": torch.from_numpy(self.softmasks[index].astype(bool)),
-            "position": torch.arange(self.seq_len, dtype=torch.long),
+        return Window(
+            source=self.path.name,
+            index=index,
             **self.coordinates(index),
-        }
+            ids=self._code_to_id[codes],
+            softmask=torch.from_numpy(self.softmasks[index].astype(bool)),
+            vocab=self.vocab,
+        )
 
 
 def as_hf_dataset(path: str | Path, split: str, cache_dir: str | None = None):
-    """The rows of ``WindowDataset(path, split)`` as a ``datasets.Dataset`` (lists of ints/bools).
+    """The windows of ``WindowDataset(path, split)`` as rows of a ``datasets.Dataset``: ``input_ids``,
+    ``labels``, ``softmask`` and ``position`` (0..SEQ-1) as lists of ints/bools, and ``record``, ``start``,
+    ``end``.
 
     Rows are written once into the datasets cache (``cache_dir`` or the default); no network is used.
     """
@@ -105,8 +105,10 @@ def as_hf_dataset(path: str | Path, split: str, cache_dir: str | None = None):
         if windows.manifest["fingerprint"] != fingerprint:
             raise DataError(f"{folder} was rebuilt while being read; call as_hf_dataset again")
         for i in range(len(windows)):
-            row = windows[i]
-            yield {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in row.items()}
+            window = windows[i]
+            yield {"input_ids": window.input_ids.tolist(), "labels": window.labels.tolist(),
+                   "softmask": window.softmask.tolist(), "position": list(range(windows.seq_len)),
+                   "record": window.record, "start": window.start, "end": window.end}  # fmt: skip
 
     seq = int(manifest["seq_len"])
     features = datasets.Features({

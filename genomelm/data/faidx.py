@@ -2,7 +2,7 @@
 
 A FASTA with an up-to-date samtools index (``x.fa.fai``; for BGZF also ``x.fa.gz.gzi``, as ``samtools faidx``
 writes them) is read region by region, seeking past everything else, so a BED file of a few regions of a
-large genome never decompresses the rest. Plain gzip cannot seek and is streamed whole as before.
+large genome never decompresses the rest. Plain gzip cannot seek and is streamed whole.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from genomelm.data.vocab import (
     Vocabulary,
     tokenizer_vocabulary,
 )
-from genomelm.data.windows import Window, WindowCutter
+from genomelm.data.windows import CutWindow, WindowCutter
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "heldout")
@@ -76,7 +76,7 @@ class _SplitWriter:
             ("bases", "n", "iupac_as_n", "softmasked", "windows", "window_bases", "window_n",
              "window_softmasked", "dropped_n_windows", "dropped_tail_bases", "padded_short"), 0)  # fmt: skip
 
-    def add(self, record: str, window: Window) -> None:
+    def add(self, record: str, window: CutWindow) -> None:
         n_count = int(np.count_nonzero(window.codes == N))
         if n_count > self.max_n * window.length:
             self.stats["dropped_n_windows"] += 1
@@ -372,7 +372,7 @@ def _fingerprint(cfg: DataConfig, sources: list[Path], vocab: Vocabulary, select
         info = path.stat()
         stats.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
     beds = [[bed.split, str(bed.path.resolve()), bed.md5] for bed in selection.bed_files]
-    hashed = [FORMAT_VERSION, settings, vocab.to_json(), stats] + ([beds] if beds else [])  # as before without BED
+    hashed = [FORMAT_VERSION, settings, vocab.to_json(), stats] + ([beds] if beds else [])  # no BED entry when no BED file was given
     blob = json.dumps(hashed, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

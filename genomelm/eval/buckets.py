@@ -89,7 +89,9 @@ def compare(before: list[dict], after: list[dict]) -> dict:
     "overall": {loss_before, loss_after, change, tokens, and the same per subset prefix}}.
     """
     if [(r["start"], r["end"]) for r in before] != [(r["start"], r["end"]) for r in after]:
-        raise ValueError("before and after rows cover different buckets; score both with the same bucket size")
+        raise ValueError(
+            "before and after rows cover different buckets; score both with the same bucket size"
+        )
     buckets = []
     for b, a in zip(before, after):
         row = {"start": b["start"], "end": b["end"], "before": b, "after": a}

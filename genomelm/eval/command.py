@@ -3,23 +3,26 @@
 Scores held-out windows with the model before and after training and writes `results/<run>/buckets.json`,
 `buckets.csv` and `loss_by_position.png`. The windows are those of the run's own prepared folder, or with
 `heldout=dirA,dirB` those of each folder given (same SEQ and vocabulary), reported side by side: the JSON
-then holds one single-folder result per folder under "sets" (see `genomelm.eval.report`).
+then holds one single-folder result per folder under "sets" (see `genomelm.eval.report`). With `cp=N` each
+window is split over N local processes (`run_scoring`, which `genomelm probe` uses too).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Subset
 
+from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucketed_loss, compare, relative_change
 from genomelm.eval.plot import save_figure
 from genomelm.eval.report import format_table, write_csv, write_json
@@ -48,25 +51,6 @@ def pick_windows(total: int, wanted: int) -> list[int]:
     return [int(i) for i in np.linspace(0, total - 1, wanted).round()]
 
 
-def resolve_models(config: TrainConfig, before: str | None, after: str | None) -> tuple[str, str]:
-    """The before/after model paths: explicit ones, else the run's base model and newest checkpoint."""
-    if before is None or after is None:
-        from genomelm.train.checkpoints import base_model_path, latest_checkpoint
-
-        if after is None:
-            checkpoint = latest_checkpoint(config.run_dir)
-            if checkpoint is None:
-                raise EvalError(f"no trained checkpoint in {config.run_dir}; run `make train` first "
-                                "(or pass --after PATH)")  # fmt: skip
-            after = str(checkpoint / "model")
-            if not Path(after, "config.json").exists():
-                raise EvalError(f"{checkpoint} is a sharded checkpoint without its Hugging Face copy; run "
-                                f"`genomelm export {checkpoint} {after}` (or pass --after PATH)")  # fmt: skip
-        if before is None:
-            before = base_model_path(config)
-    return before, after
-
-
 def context_cut_summary(before: Scores, after: Scores, bucket: int) -> dict:
     """Loss of the last bucket with full context vs context cut to the preceding bucket, per model."""
     start = before.cut_start
@@ -89,21 +73,43 @@ class HeldoutSet:
     (data_dir, manifest, window coordinates)."""
 
     name: str
-    windows: Sequence[dict]
+    windows: Sequence[Window]
     provenance: dict
+
+
+def load_heldout(folder: str | Path, wanted: int, name: str | None = None) -> HeldoutSet:
+    """`wanted` held-out windows (0: all) of the prepared `folder`, spread evenly over it and read one at a
+    time, as the set `name` (default: the folder's name); EvalError when the folder has none."""
+    from torch.utils.data import Subset
+
+    from genomelm.data import WindowDataset
+
+    heldout = WindowDataset(folder, "heldout")
+    if not len(heldout):
+        raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
+                        "(genomelm data --heldout ...)")  # fmt: skip
+    indices = pick_windows(len(heldout), wanted)
+    provenance = {
+        "data_dir": str(heldout.path),
+        "manifest": str(heldout.path / "manifest.json"),
+        "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
+    }
+    return HeldoutSet(heldout.path.name if name is None else name, Subset(heldout, indices), provenance)
 
 
 def heldout_folders(config: TrainConfig) -> list[Path]:
     """The prepared folders to evaluate: `heldout` (comma-separated) or else the run's own data folder."""
-    if not config.heldout:
+    if not config.eval.heldout:
         return [config.data_dir]
-    items = [item.strip() for item in str(config.heldout).split(",")]
+    items = [item.strip() for item in str(config.eval.heldout).split(",")]
     if not all(items):
-        raise EvalError(f"heldout={config.heldout!r}: an empty folder name; give prepared folders separated by "
-                        "commas, e.g. heldout=data/prepared/hg38-512k,data/prepared/mm39-512k")  # fmt: skip
+        raise EvalError(f"heldout={config.eval.heldout!r}: an empty folder name; give prepared folders "
+                        "separated by commas, e.g. "
+                        "heldout=data/prepared/hg38-512k,data/prepared/mm39-512k")  # fmt: skip
     repeated = sorted({item for item in items if items.count(item) > 1})
     if repeated:
-        raise EvalError(f"heldout={config.heldout!r}: {', '.join(repeated)} given twice; give each folder once")
+        raise EvalError(f"heldout={config.eval.heldout!r}: {', '.join(repeated)} given twice; "
+                        "give each folder once")  # fmt: skip
     return [Path(item) for item in items]
 
 
@@ -127,14 +133,14 @@ def evaluate_sets(
     """
     if not sets or any(not len(s.windows) for s in sets):
         raise EvalError("no held-out windows to score")
-    seqs = {int(s.windows[0]["input_ids"].shape[0]) for s in sets}
+    seqs = {len(s.windows[0].input_ids) for s in sets}
     if len(seqs) > 1:
-        raise EvalError(f"held-out sets have windows of different lengths {sorted(seqs)}; prepare them with the "
-                        "same SEQ")  # fmt: skip
+        raise EvalError(f"held-out sets have windows of different lengths {sorted(seqs)}; prepare them with "
+                        "the same SEQ")  # fmt: skip
     seq = seqs.pop()
-    n_buckets = check_bucket(config.bucket, seq)
-    context_cut = config.context_cut and last_bucket_start(seq, config.bucket) >= config.bucket
-    if config.context_cut and not context_cut:
+    n_buckets = check_bucket(config.eval.bucket, seq)
+    context_cut = config.eval.context_cut and last_bucket_start(seq, config.eval.bucket) >= config.eval.bucket
+    if config.eval.context_cut and not context_cut:
         print(f"context cut skipped: it needs at least 2 buckets per window, SEQ {seq} has {n_buckets}")
     scores: dict[tuple[str, str], Scores] = {}
     for model_name, path in (("before", before), ("after", after)):
@@ -142,47 +148,35 @@ def evaluate_sets(
         model = load(path)
         for heldout in sets:
             count = len(heldout.windows)
-            print(f"scoring {count} window(s) of {heldout.name} with the {model_name} model {path}", flush=True)
-            scores[heldout.name, model_name] = score_windows(
-                model, heldout.windows, config.bucket, context_cut, progress=True, precision=config.precision
-            )
+            print(f"scoring {count} window(s) of {heldout.name} with the {model_name} model {path}",
+                  flush=True)  # fmt: skip
+            scores[heldout.name, model_name] = score_windows(model, heldout.windows, config.eval.bucket,
+                                                             context_cut, progress=True,
+                                                             precision=config.memory.precision)  # fmt: skip
         del model
         print(f"  {time.perf_counter() - began:.1f} s", flush=True)
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
     models = {"before_model": before, "after_model": after}
-    settings = {"run": config.run, "seq": seq, "bucket": config.bucket, "buckets": n_buckets}
+    settings = {"run": config.run, "seq": seq, "bucket": config.eval.bucket, "buckets": n_buckets}
     results = []
     for heldout in sets:
         pair = scores[heldout.name, "before"], scores[heldout.name, "after"]
-        rows = [bucketed_loss(s.loss, s.valid, s.softmask, config.bucket) for s in pair]
+        rows = [bucketed_loss(s.loss, s.valid, s.softmask, config.eval.bucket) for s in pair]
         results.append({
-            "settings": {**settings, "windows": len(heldout.windows), "eval_windows": config.eval_windows,
-                         "context_cut": context_cut},
+            "settings": {**settings, "windows": len(heldout.windows),
+                         "eval_windows": config.eval.eval_windows, "context_cut": context_cut},
             **compare(*rows),
-            "context_cut": context_cut_summary(*pair, config.bucket) if context_cut else None,
+            "context_cut": context_cut_summary(*pair, config.eval.bucket) if context_cut else None,
             "provenance": {**models, **heldout.provenance, "timestamp": timestamp},
         })  # fmt: skip
     if len(sets) == 1:
         return results[0]
     return {
-        "settings": {**settings, "eval_windows": config.eval_windows, "context_cut": context_cut,
+        "settings": {**settings, "eval_windows": config.eval.eval_windows, "context_cut": context_cut,
                      "heldout": [s.name for s in sets]},
         "sets": [{"name": s.name, **result} for s, result in zip(sets, results)],
         "provenance": {**models, "timestamp": timestamp},
     }  # fmt: skip
-
-
-def evaluate(
-    config: TrainConfig,
-    windows: Sequence[dict],
-    load: Callable[[str], torch.nn.Module],
-    before: str,
-    after: str,
-    provenance: dict,
-) -> dict:
-    """Score `windows` of one held-out folder with the models `load(before)` and `load(after)`."""
-    name = Path(str(provenance.get("data_dir", "heldout"))).name
-    return evaluate_sets(config, [HeldoutSet(name, windows, provenance)], load, before, after)
 
 
 def write_outputs(result: dict, folder: Path) -> dict[str, Path]:
@@ -205,7 +199,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def parse_run_args(argv: list[str], prog: str, description: str, epilog: str) -> argparse.Namespace:
-    """`CONFIG [key=value ...] [--before PATH] [--after PATH]`, as `genomelm eval` and `genomelm probe` take."""
+    """`CONFIG [key=value ...] [--before PATH] [--after PATH]`, as `genomelm eval` and `genomelm probe`
+    take."""
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/...)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="run settings to override")
@@ -218,24 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-        check_bucket(config.bucket, config.seq_len)
+        check_bucket(config.eval.bucket, config.seq_len)
     except (EvalError, ValueError, FileNotFoundError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
     # model and data are imported here: both are slow to import and not needed for --help or bad settings
     from genomelm.data import DataError
     from genomelm.model.config import ConfigError
+    from genomelm.train.models import model_pair
 
     try:
-        if config.cp > 1:
-            from genomelm.parallel.launch import launch
-            from genomelm.train.command import check_context_parallel
-
-            check_context_parallel(config)
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-            result = launch(_evaluate_on_rank, config.cp, config, args.before, args.after, device=device_type)[0]
-        else:
-            result = evaluate_config(config, args.before, args.after)
+        before, after = model_pair(config, args.before, args.after)
+        result = run_scoring(evaluate_config, config, before, after)
     except (EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
@@ -251,58 +240,41 @@ def print_written(table: str, paths: dict[str, Path]) -> None:
     print(f"figure: {paths['figure']}")
 
 
-def _evaluate_on_rank(config: TrainConfig, before: str | None, after: str | None) -> dict:
-    """`evaluate_config` on one rank of a context-parallel group; only rank 0 prints its progress."""
+def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:
+    """`score(config, *args)`, in this process or with `cp` > 1 on cp local ranks (`genomelm.parallel.launch`;
+    there `genomelm.train.models.load_scoring_model` makes each model a `ContextParallelScorer`): rank 0's
+    result. `score` is a module-level function (the ranks receive it pickled)."""
+    if config.parallel.cp == 1:
+        return score(config, *args)
+    from genomelm.parallel.launch import launch
+    from genomelm.train.command import check_context_parallel
+    from genomelm.train.models import run_device
+
+    check_context_parallel(config)
+    return launch(_score_on_rank, config.parallel.cp, score, config, *args, device=run_device().type)[0]
+
+
+def _score_on_rank(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:
+    """`score(config, *args)` on one rank of `run_scoring`'s group; only rank 0 prints its progress."""
     import contextlib
     import io
     import os
 
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.cp))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.cp))
     quiet = dist.get_rank() != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        return evaluate_config(config, before, after)
+        return score(config, *args)
 
 
-def evaluate_config(config: TrainConfig, before_path: str | None, after_path: str | None) -> dict:
-    """Score the run's held-out sets before and after training (`genomelm eval`); under context parallelism
-    (inside the processes `cp=N` launches) each model scores whole windows through `ContextParallelScorer`."""
-    from genomelm.data import WindowDataset
+def evaluate_config(config: TrainConfig, before: str, after: str) -> dict:
+    """`genomelm eval`'s result: the run's held-out sets scored with the models `before` and `after`."""
     from genomelm.data.augment import check_compatible
-    from genomelm.model import load_model
-    from genomelm.parallel.training import ContextParallelScorer, ContextRun
-    from genomelm.train.loop import run_options
-
-    context = ContextRun.from_environment(config.cp_layout)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if context is not None and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())  # the launcher picked this rank's GPU
-
-    def load(path: str) -> torch.nn.Module:
-        model = load_model(path, options=run_options(config), device=device)
-        if context is None:
-            return model
-        from genomelm.parallel.context import apply_context_parallel
-
-        apply_context_parallel(model, context.group, context.kind)
-        return ContextParallelScorer(model, context)
+    from genomelm.train.models import load_scoring_model
 
     folders = heldout_folders(config)
     check_compatible(folders)  # same SEQ and vocabulary, or an error naming both folders
-    sets = []
-    for name, folder in zip(set_names(folders), folders):
-        heldout = WindowDataset(folder, "heldout")
-        if not len(heldout):
-            raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-                            "(genomelm data --heldout ...)")  # fmt: skip
-        check_bucket(config.bucket, heldout.seq_len)
-        indices = pick_windows(len(heldout), config.eval_windows)
-        provenance = {
-            "data_dir": str(heldout.path),
-            "manifest": str(heldout.path / "manifest.json"),
-            "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
-        }
-        sets.append(HeldoutSet(name, Subset(heldout, indices), provenance))  # read one window at a time
-    before, after = resolve_models(config, before_path, after_path)
-    return evaluate_sets(config, sets, load, before, after)
+    names = set_names(folders)
+    sets = [load_heldout(folder, config.eval.eval_windows, name) for name, folder in zip(names, folders)]
+    return evaluate_sets(config, sets, functools.partial(load_scoring_model, config=config), before, after)

@@ -27,7 +27,8 @@ def draw(result: dict, axes: tuple[Axes, Axes]) -> None:
     for key, colour in (("before", "tab:gray"), ("after", "tab:blue")):
         loss = np.array([np.nan if b[key]["loss"] is None else b[key]["loss"] for b in buckets], dtype=float)
         se = np.array([np.nan if b[key]["se"] is None else b[key]["se"] for b in buckets], dtype=float)
-        loss_ax.errorbar(x, loss, yerr=np.nan_to_num(se), marker="o", ms=3, capsize=3, color=colour, label=key)
+        loss_ax.errorbar(x, loss, yerr=np.nan_to_num(se), marker="o", ms=3, capsize=3, color=colour,
+                         label=key)  # fmt: skip
     loss_ax.set_xlabel("context (kb, bucket midpoint)")
     loss_ax.set_ylabel("held-out loss (nats/base)")
     loss_ax.set_title("loss by position (error bars: s.e. across windows)")
@@ -93,10 +94,11 @@ def draw_probe(result: dict, axes: tuple[Axes, Axes]) -> None:
         return np.array([np.nan if r[model][key] is None else r[model][key] for r in rows], dtype=float)
 
     for model, colour in (("before", "tab:gray"), ("after", "tab:blue")):
-        gap_ax.errorbar(x, values(model, "gap"), yerr=np.nan_to_num(values(model, "gap_se")), marker="o", ms=4,
-                        capsize=3, color=colour, label=model)  # fmt: skip
+        gap_ax.errorbar(x, values(model, "gap"), yerr=np.nan_to_num(values(model, "gap_se")), marker="o",
+                        ms=4, capsize=3, color=colour, label=model)  # fmt: skip
         loss_ax.plot(x, values(model, "planted"), marker="o", color=colour, label=f"{model}: with the copy")
-        loss_ax.plot(x, values(model, "baseline"), marker="s", ls="--", color=colour, label=f"{model}: without")
+        loss_ax.plot(x, values(model, "baseline"), marker="s", ls="--", color=colour,
+                     label=f"{model}: without")  # fmt: skip
     gap_ax.axhline(0, color="black", lw=0.5)
     settings = result["settings"]
     for ax in axes:

@@ -1,19 +1,22 @@
-"""`genomelm probe CONFIG [key=value ...] [--before PATH] [--after PATH]`: how far back the model finds a copy.
+"""`genomelm probe CONFIG [key=value ...] [--before PATH] [--after PATH]`: how far back the model finds a
+copy.
 
-In each probed held-out window the last L = `probe_length` real bases, the *target* [T, T + L), are copied over
-the bases [T - d, T - d + L) for each distance d of `probe_distances` (the *planted* window). The model scores
-the target in the planted window and in the original window (the *baseline*, which keeps its own bases at
-[T - d, T - d + L)): the same real bases at the same place, with and without a copy d tokens earlier. The gap,
-baseline loss - planted loss in nats per base, over the target's bases after its first (nothing before the
-first says that a copy begins), shows how far back the model retrieves. Distances with d < L (the copies would
-overlap) or d > T (no room before the target) are skipped and reported. Writes `results/<run>/copy_probe.json`,
-`copy_probe.csv` and `copy_probe.png`, before and after training.
+In each probed held-out window the last L = `probe_length` real bases, the *target* [T, T + L), are copied
+over the bases [T - d, T - d + L) for each distance d of `probe_distances` (the *planted* window). The model
+scores the target in the planted window and in the original window (the *baseline*, which keeps its own bases
+at [T - d, T - d + L)): the same real bases at the same place, with and without a copy d tokens earlier. The
+gap, baseline loss - planted loss in nats per base, over the target's bases after its first (nothing before
+the first says that a copy begins), shows how far back the model retrieves. Distances with d < L (the copies
+would overlap) or d > T (no room before the target) are skipped and reported. Writes
+`results/<run>/copy_probe.json`, `copy_probe.csv` and `copy_probe.png`, before and after training. With `cp=N`
+each window is split over N local processes, as `genomelm eval` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import sys
@@ -22,18 +25,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from genomelm.data.augment import labels_for, unpadded_length
+from genomelm.data.augment import unpadded_length
 from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq
-from genomelm.data.vocab import IGNORE_INDEX, Vocabulary
+from genomelm.data.vocab import IGNORE_INDEX
+from genomelm.data.windows import Window
 from genomelm.eval.buckets import window_stats
 from genomelm.eval.report import format_number, jsonable, write_atomic
-from genomelm.eval.score import window_loss
+from genomelm.eval.score import token_losses
 from genomelm.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from genomelm.eval.command import HeldoutSet
 
 MODELS = ("before", "after")
 CURVES = ("planted", "baseline", "gap")  # per model and distance: loss with the copy, without it, and the gap
@@ -50,14 +58,15 @@ def parse_distances(text: str) -> list[int]:
         try:
             distances.add(parse_seq(item))
         except DataError:
-            raise ProbeError(f"probe_distances={text!r}: {item.strip()!r} is not a distance; give positive token "
-                             "counts such as 1k,4k,16k,64k,256k,1M") from None  # fmt: skip
+            raise ProbeError(f"probe_distances={text!r}: {item.strip()!r} is not a distance; give positive "
+                             "token counts such as 1k,4k,16k,64k,256k,1M") from None  # fmt: skip
     return sorted(distances)
 
 
 @dataclass(frozen=True)
 class ProbeSite:
-    """One probe in a window: the target [target, target + length) and its planted copy ``distance`` earlier."""
+    """One probe in a window: the target [target, target + length) and its planted copy ``distance``
+    earlier."""
 
     target: int
     distance: int
@@ -91,19 +100,19 @@ def probe_sites(
                 {"distance": d, "reason": f"shorter than probe_length={length}: the copies would overlap"}
             )
         elif d > target:
-            skipped.append({"distance": d, "reason": f"does not fit: in a window of {real_length:,} bases, copies "
-                            f"of {length} bases are at most {max(target, 0):,} apart"})  # fmt: skip
+            skipped.append({"distance": d, "reason": f"does not fit: in a window of {real_length:,} bases, "
+                            f"copies of {length} bases are at most {max(target, 0):,} apart"})  # fmt: skip
         else:
             sites.append(ProbeSite(target, d, length))
     return sites, skipped
 
 
-def plant(input_ids: torch.Tensor, site: ProbeSite, vocab: Vocabulary) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) LongTensor[S] of the window with the target copied to ``site.source``; the input is
-    not modified."""
-    ids = input_ids.clone()
-    ids[site.source : site.source + site.length] = input_ids[site.target : site.target + site.length]
-    return ids, labels_for(ids, vocab)
+def plant(window: Window, site: ProbeSite) -> Window:
+    """The window with its target copied to ``site.source`` (labels follow the new ids); ``window`` is not
+    modified."""
+    ids = window.ids.clone()
+    ids[site.source : site.source + site.length] = window.ids[site.target : site.target + site.length]
+    return window.with_ids(ids)
 
 
 @dataclass
@@ -118,30 +127,28 @@ class ProbeScores:
 
 def score_probe(
     model: torch.nn.Module,
-    windows: Sequence[dict],
+    windows: Sequence[Window],
     length: int,
     distances: Sequence[int],
-    vocab: Vocabulary,
     precision: str = "auto",
     progress: bool = False,
 ) -> ProbeScores:
-    """Score the probe of every window (dicts as `WindowDataset` gives) at every distance with ``model``: one
-    forward pass of the original window, and one per distance that fits."""
+    """Score the probe of every window at every distance with ``model``: one forward pass of the original
+    window, and one per distance that fits."""
     shape = (len(windows), len(distances))
     scores = ProbeScores(np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=np.int64))
     model.eval()
     with torch.no_grad():
         for w in range(len(windows)):
             window = windows[w]
-            input_ids, labels = window["input_ids"], window["labels"]
-            sites, _ = probe_sites(unpadded_length(input_ids, vocab), length, distances)
+            sites, _ = probe_sites(unpadded_length(window.input_ids, window.vocab), length, distances)
             if not sites:
                 continue
-            baseline = window_loss(model, input_ids, labels, precision)
+            baseline = token_losses(model, window, precision)
             for site in sites:
-                ids, planted_labels = plant(input_ids, site, vocab)
-                valid = (planted_labels[site.scored] != IGNORE_INDEX).numpy()
-                planted = window_loss(model, ids, planted_labels, precision)
+                planted_window = plant(window, site)
+                valid = (planted_window.labels[site.scored] != IGNORE_INDEX).numpy()
+                planted = token_losses(model, planted_window, precision)
                 j = list(distances).index(site.distance)
                 scores.planted[w, j] = planted[site.scored][valid].sum()
                 scores.baseline[w, j] = baseline[site.scored][valid].sum()
@@ -163,35 +170,37 @@ def summarise(scores: ProbeScores) -> dict[str, dict[str, np.ndarray]]:
 
 def run_probe(
     config: TrainConfig,
-    windows: Sequence[dict],
+    heldout: HeldoutSet,
     load: Callable[[str], torch.nn.Module],
     before: str,
     after: str,
-    vocab: Vocabulary,
-    provenance: dict,
 ) -> dict:
-    """The copy probe of ``windows`` with the models ``load(before)`` and ``load(after)``: what the writers take."""
+    """The copy probe of the held-out windows with the models ``load(before)`` and ``load(after)``: what the
+    writers take."""
+    windows = heldout.windows
     if not len(windows):
         raise ProbeError("no held-out windows to probe")
-    requested = parse_distances(config.probe_distances)
-    lengths = [unpadded_length(windows[i]["input_ids"], vocab) for i in range(len(windows))]
+    requested = parse_distances(config.probe.probe_distances)
+    vocab = windows[0].vocab  # one vocabulary per prepared folder
+    lengths = [unpadded_length(windows[i].input_ids, vocab) for i in range(len(windows))]
     longest = max(lengths)
-    sites, skipped = probe_sites(longest, config.probe_length, requested)
+    sites, skipped = probe_sites(longest, config.probe.probe_length, requested)
     distances = [site.distance for site in sites]
     if not distances:
-        raise ProbeError(f"no distance of probe_distances={config.probe_distances} fits windows of {longest:,} "
-                         f"bases with probe_length={config.probe_length}: give distances from "
-                         f"{config.probe_length} to {longest - config.probe_length}")  # fmt: skip
+        length = config.probe.probe_length
+        raise ProbeError(f"no distance of probe_distances={config.probe.probe_distances} fits windows of "
+                         f"{longest:,} bases with probe_length={length}: give distances from {length} to "
+                         f"{longest - length}")  # fmt: skip
     for item in skipped:
         print(f"distance {item['distance']:,} skipped: {item['reason']}")
     summaries = {}
     for name, path in (("before", before), ("after", after)):
         began = time.perf_counter()
-        print(f"probing {len(windows)} window(s) at {len(distances)} distance(s) with the {name} model {path}",
-              flush=True)  # fmt: skip
+        print(f"probing {len(windows)} window(s) at {len(distances)} distance(s) with the {name} model "
+              f"{path}", flush=True)  # fmt: skip
         model = load(path)
         scores = score_probe(
-            model, windows, config.probe_length, distances, vocab, config.precision, progress=True
+            model, windows, config.probe.probe_length, distances, config.memory.precision, progress=True
         )
         del model
         summaries[name] = summarise(scores)
@@ -207,19 +216,20 @@ def run_probe(
         rows.append(row)
     settings = {
         "run": config.run,
-        "seq": int(windows[0]["input_ids"].shape[0]),
-        "probe_length": config.probe_length,
-        "scored_bases": config.probe_length - 1,
-        "probe_distances": config.probe_distances,
+        "seq": len(windows[0].input_ids),
+        "probe_length": config.probe.probe_length,
+        "scored_bases": config.probe.probe_length - 1,
+        "probe_distances": config.probe.probe_distances,
         "distances": distances,
         "skipped": skipped,
         "windows": len(windows),
-        "probe_windows": config.probe_windows,
-        "targets": [n - config.probe_length for n in lengths],  # first position of each window's target
+        "probe_windows": config.probe.probe_windows,
+        "targets": [n - config.probe.probe_length for n in lengths],  # first position of each window's target
     }
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
     models = {"before_model": before, "after_model": after}
-    return {"settings": settings, "distances": rows, "provenance": {**models, **provenance, "timestamp": timestamp}}
+    return {"settings": settings, "distances": rows,
+            "provenance": {**models, **heldout.provenance, "timestamp": timestamp}}
 
 
 def csv_columns() -> list[str]:
@@ -254,7 +264,8 @@ def write_probe_outputs(result: dict, folder: Path) -> dict[str, Path]:
 
 
 def format_probe_table(result: dict) -> str:
-    """One line per distance: windows, scored bases, and per model the planted and baseline loss and the gap."""
+    """One line per distance: windows, scored bases, and per model the planted and baseline loss and the
+    gap."""
     header = f"{'distance':>9} {'windows':>7} {'tokens':>7}" + "".join(
         f" | {name + ': copy':>12} {'base':>7} {'gap':>7} {'s.e.':>6}" for name in MODELS
     )
@@ -264,7 +275,8 @@ def format_probe_table(result: dict) -> str:
         for name in MODELS:
             r = row[name]
             cells.append(f"{format_number(r['planted'], '.4f'):>12} {format_number(r['baseline'], '.4f'):>7} "
-                         f"{format_number(r['gap'], '+.4f'):>7} {format_number(r['gap_se'], '.4f'):>6}")  # fmt: skip
+                         f"{format_number(r['gap'], '+.4f'):>7} "
+                         f"{format_number(r['gap_se'], '.4f'):>6}")  # fmt: skip
         lines.append(" | ".join(cells))
     lines.append(f"(nats/base over the {result['settings']['scored_bases']} bases after the first of each "
                  f"{result['settings']['probe_length']}-base copy; gap = baseline - copy)")  # fmt: skip
@@ -278,56 +290,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parse_run_args(
         argv,
         prog="genomelm probe",
-        description="Copy probe: loss on a copied segment with its first copy d tokens earlier vs without it, "
-        "before and after training.",
+        description="Copy probe: loss on a copied segment with its first copy d tokens earlier vs without "
+        "it, before and after training.",
         epilog="example: genomelm probe configs/train/demo.yaml probe_distances=1k,4k probe_windows=2",
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from genomelm.eval.command import EvalError, pick_windows, print_written, resolve_models
+    from genomelm.eval.command import EvalError, print_written, run_scoring
 
     try:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-        parse_distances(config.probe_distances)
-        if config.probe_length < 2:
-            raise ProbeError(f"probe_length={config.probe_length}: give at least 2 bases")
+        parse_distances(config.probe.probe_distances)
     except (ProbeError, ValueError, FileNotFoundError) as exc:
         print(f"genomelm probe: {exc}", file=sys.stderr)
         return 1
     # model and data are imported here: both are slow to import and not needed for --help or bad settings
-    from torch.utils.data import Subset
-
-    from genomelm.data import WindowDataset
-    from genomelm.model import load_model
     from genomelm.model.config import ConfigError
-    from genomelm.train.loop import run_options
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    def load(path: str) -> torch.nn.Module:
-        return load_model(path, options=run_options(config), device=device)
+    from genomelm.train.models import model_pair
 
     try:
-        heldout = WindowDataset(config.data_dir, "heldout")
-        if not len(heldout):
-            raise ProbeError(
-                f"{heldout.path} has no held-out windows; prepare the data with a held-out region"
-            )
-        indices = pick_windows(len(heldout), config.probe_windows)
-        before, after = resolve_models(config, args.before, args.after)
-        provenance = {
-            "data_dir": str(heldout.path),
-            "manifest": str(heldout.path / "manifest.json"),
-            "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
-        }
-        result = run_probe(config, Subset(heldout, indices), load, before, after, heldout.vocab, provenance)
-    except (ProbeError, EvalError, DataError, ConfigError, FileNotFoundError) as exc:
+        before, after = model_pair(config, args.before, args.after)
+        result = run_scoring(probe_config, config, before, after)
+    except (ProbeError, EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"genomelm probe: {exc}", file=sys.stderr)
         return 1
     print_written(format_probe_table(result), write_probe_outputs(result, config.results_path))
     return 0
+
+
+def probe_config(config: TrainConfig, before: str, after: str) -> dict:
+    """`genomelm probe`'s result: the run's held-out windows probed with the models `before` and `after`."""
+    from genomelm.eval.command import load_heldout
+    from genomelm.train.models import load_scoring_model
+
+    heldout = load_heldout(config.data_dir, config.probe.probe_windows)
+    return run_probe(config, heldout, functools.partial(load_scoring_model, config=config), before, after)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Writers of an evaluation result: `buckets.json`, `buckets.csv` and the printed bucket table.
 
-A result is the dict `genomelm.eval.command.evaluate` builds for one held-out folder: settings, buckets
+A result is the dict `genomelm.eval.command.evaluate_sets` builds; for one held-out folder: settings, buckets
 (from `buckets.compare`), overall, context_cut, provenance. With several folders (`heldout=dirA,dirB`) it
-is {settings, sets: [{name, **one-folder result}, ...], provenance}; `result_sets` gives the per-folder results
-of either form. NaN (no tokens, fewer than 2 windows) is written as JSON null and as an empty CSV cell.
+is {settings, sets: [{name, **one-folder result}, ...], provenance}; `result_sets` gives the per-folder
+results of either form. NaN (no tokens, fewer than 2 windows) is written as JSON null and as an empty CSV
+cell.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def format_table(result: dict) -> str:
                      f"{cut['context']} tokens as context")  # fmt: skip
         for model in ("before", "after"):
             full, cut_loss = format_number(cut[model]["full"], ".4f"), format_number(cut[model]["cut"], ".4f")
-            lines.append(f"  {model:<6} full context {full}  cut {cut_loss}  ({_pct(cut[model]['cut_change'])})")
+            lines.append(f"  {model:<6} full context {full}  cut {cut_loss}  "
+                         f"({_pct(cut[model]['cut_change'])})")  # fmt: skip
         lines.append(f"  change after vs before: full context {_pct(cut['change_full'])}, "
                      f"cut context {_pct(cut['change_cut'])}")  # fmt: skip
     return "\n".join(lines)
@@ -149,7 +151,7 @@ def format_side_by_side(result: dict) -> str:
                      f"from {one['provenance']['data_dir']}")  # fmt: skip
         cut = one.get("context_cut")
         if cut:
-            lines.append(f"  context cut (positions {cut['start']}-{cut['end']} with {cut['context']} tokens of "
-                         f"context): change after vs before {_pct(cut['change_full'])} with full context, "
+            lines.append(f"  context cut (positions {cut['start']}-{cut['end']} with {cut['context']} tokens "
+                         f"of context): change after vs before {_pct(cut['change_full'])} with full context, "
                          f"{_pct(cut['change_cut'])} cut")  # fmt: skip
     return "\n".join(lines)

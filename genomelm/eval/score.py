@@ -1,7 +1,7 @@
 """Per-token held-out loss of a model, one window at a time.
 
 A model is anything with ``.loss(input_ids[B, S], labels[B, S], reduction="none") -> [B, S]`` (nats, 0
-where labels == -100) and parameters; a window is a dict as `genomelm.data.WindowDataset` yields.
+where labels == -100) and parameters; a window is a `genomelm.data.windows.Window`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from genomelm.data.dataset import IGNORE_INDEX
+from genomelm.data.vocab import IGNORE_INDEX
+from genomelm.data.windows import Window
 from genomelm.train.precision import autocast_for
 
 
@@ -43,19 +44,18 @@ def _device(model: torch.nn.Module) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-def window_loss(
-    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, precision: str
-) -> np.ndarray:
-    """float32 [S] per-token loss of one window ([S] ids and labels), under the run's `precision`."""
+def token_losses(model: torch.nn.Module, window: Window, precision: str) -> np.ndarray:
+    """float32 [L] loss of each position of `window` the model reads (0 where the label is ignored), under the
+    run's `precision`."""
     device = _device(model)
     with autocast_for(precision, device):
-        out = model.loss(input_ids[None].to(device), labels[None].to(device), reduction="none")
+        out = model.loss(window.input_ids[None].to(device), window.labels[None].to(device), reduction="none")
     return out[0].float().cpu().numpy()
 
 
 def score_windows(
     model: torch.nn.Module,
-    windows: Sequence[dict],
+    windows: Sequence[Window],
     bucket: int,
     context_cut: bool,
     progress: bool = False,
@@ -69,10 +69,11 @@ def score_windows(
     """
     if not len(windows):
         raise ValueError("no windows to score")
-    seq = int(windows[0]["input_ids"].shape[0])
+    seq = len(windows[0].input_ids)
     cut_start = last_bucket_start(seq, bucket)
     if context_cut and cut_start < bucket:
-        raise ValueError(f"the context cut needs at least 2 buckets per window; SEQ {seq} holds one of {bucket}")
+        raise ValueError(f"the context cut needs at least 2 buckets per window; SEQ {seq} holds one of "
+                         f"{bucket}")  # fmt: skip
     loss = np.zeros((len(windows), seq), dtype=np.float32)
     valid = np.zeros((len(windows), seq), dtype=bool)
     softmask = np.zeros((len(windows), seq), dtype=bool)
@@ -81,15 +82,13 @@ def score_windows(
     with torch.no_grad():
         for i in range(len(windows)):
             window = windows[i]
-            input_ids, labels = window["input_ids"], window["labels"]
-            if input_ids.shape[0] != seq:
-                raise ValueError(f"window {i} has {input_ids.shape[0]} tokens, window 0 has {seq}")
-            valid[i] = (labels != IGNORE_INDEX).numpy()
-            softmask[i, :-1] = window["softmask"][1:].numpy()  # the predicted base's flag
-            loss[i] = np.where(valid[i], window_loss(model, input_ids, labels, precision), 0.0)
+            if len(window.input_ids) != seq:
+                raise ValueError(f"window {i} has {len(window.input_ids)} tokens, window 0 has {seq}")
+            valid[i] = (window.labels != IGNORE_INDEX).numpy()
+            softmask[i] = window.predicted_softmask.numpy()
+            loss[i] = np.where(valid[i], token_losses(model, window, precision), 0.0)
             if cut_loss is not None:
-                begin = cut_start - bucket
-                part = window_loss(model, input_ids[begin:], labels[begin:], precision)[bucket:]
+                part = token_losses(model, window.cropped(cut_start - bucket), precision)[bucket:]
                 cut_loss[i] = np.where(valid[i, cut_start:], part, 0.0)
             if progress:
                 print(f"  window {i + 1}/{len(windows)}", flush=True)
