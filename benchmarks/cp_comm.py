@@ -1,9 +1,10 @@
 """Context-parallel communication: bytes each rank sends per layer type and per step, and the time it takes.
 
-1. Measured: one training step (forward + backward, recompute, the trainer's `window_loss`) of the `small` preset
-   (every block type) over cp=2 gloo processes on this CPU, with every torch.distributed collective wrapped: the
-   bytes each rank sends (ring algorithms: all-gather and reduce-scatter send (cp-1) shards, all-reduce
-   2(cp-1)/cp of the buffer), attributed to the exchange that called it, and the wall time inside collectives.
+1. Measured: one training step (forward + backward, recompute, the trainer's `window_loss`) of the `small`
+   preset (every block type) over cp=2 gloo processes on this CPU, with every torch.distributed collective
+   wrapped: the bytes each rank sends (ring algorithms: all-gather and reduce-scatter send (cp-1) shards,
+   all-reduce 2(cp-1)/cp of the buffer), attributed to the exchange that called it, and the wall time inside
+   collectives.
 2. The same volumes from formulas of the exchanged tensors, checked against (1) at the small config, then
    evaluated at the real GLM-5.3-Flash (bf16) for 512k and 1M-token windows and cp = 2, 4, 8, 16, beside the
    alternative for KDA: a head all-to-all before and after each KDA core (as Megatron's Gated DeltaNet context
@@ -54,8 +55,8 @@ def measure_rank() -> dict:
     from genomelm.model import load_model
     from genomelm.parallel.context import apply_context_parallel
     from genomelm.parallel.training import ContextRun
-    from genomelm.train.step import window_loss
     from genomelm.train.memory import LayerRunner
+    from genomelm.train.step import window_loss
 
     cp = dist.get_world_size()
     sent: dict[str, float] = defaultdict(float)
@@ -116,15 +117,22 @@ def formula(config: ModelConfig, tokens: int, cp: int, elem: int) -> dict[str, f
     # each exchange: an all-gather in the forward and again in the recompute, a reduce-scatter of the gathered
     # buffer in the backward: (cp-1) shards each time, three times per step
     passes = 3
-    per_layer = {"KDA conv halo": passes * (cp - 1) * halo, "KDA state hand-over": passes * (cp - 1) * summary,
-                 # the pooled index keys only once: the selection is kept for the recompute and takes no gradient
-                 "DSA keys (latent + pooled index keys)": (cp - 1) * (passes * latent + pooled_keys)}  # fmt: skip
+    per_layer = {
+        "KDA conv halo": passes * (cp - 1) * halo,
+        "KDA state hand-over": passes * (cp - 1) * summary,
+        # the pooled index keys only once: the selection is kept for the recompute and takes no gradient
+        "DSA keys (latent + pooled index keys)": (cp - 1) * (passes * latent + pooled_keys),
+    }
     # Megatron-style head all-to-all: q, k, v (bf16), g (fp32), beta before the core, the output after; each
     # all-to-all sends (cp-1)/cp of the rank's tokens, in the same three passes
     per_token = 3 * h * k * elem + h * k * 4 + h * elem + h * v * elem
     per_layer["KDA head all-to-all (alternative)"] = passes * (cp - 1) / cp * local * per_token
-    counts = {"KDA conv halo": kda, "KDA state hand-over": kda, "DSA keys (latent + pooled index keys)": dsa,
-              "KDA head all-to-all (alternative)": kda}  # fmt: skip
+    counts = {
+        "KDA conv halo": kda,
+        "KDA state hand-over": kda,
+        "DSA keys (latent + pooled index keys)": dsa,
+        "KDA head all-to-all (alternative)": kda,
+    }
     return {name: per_layer[name] * counts[name] for name in per_layer} | {
         f"{name}, per layer": per_layer[name] for name in per_layer
     }
@@ -153,13 +161,19 @@ def main() -> None:
     for source, size in sorted(grouped.items()):
         print(f"| {source} | {human(size)} | {human(predicted[source]) if source in predicted else '-'} |")
     share = rank0["comm_s"] / rank0["step_s"]
-    print(f"\ncommunication: {rank0['comm_s']:.2f} s of a {rank0['step_s']:.2f} s step ({share:.1%}) on rank 0")
+    print(
+        f"\ncommunication: {rank0['comm_s']:.2f} s of a {rank0['step_s']:.2f} s step ({share:.1%}) on rank 0"
+    )
 
     real = ModelConfig.preset("glm-5.3-flash")
-    print("\nGLM-5.3-Flash (34 KDA + 11 DSA layers, bf16), bytes each rank sends per step (forward, recompute, "
-          "backward), gradients and expert traffic not included:")
-    print("| window | cp | KDA state + halo (all KDA layers) | DSA keys (all DSA layers) | "
-          "KDA head all-to-all instead | per KDA layer: ours / all-to-all |")
+    print(
+        "\nGLM-5.3-Flash (34 KDA + 11 DSA layers, bf16), bytes each rank sends per step (forward, recompute, "
+        "backward), gradients and expert traffic not included:"
+    )
+    print(
+        "| window | cp | KDA state + halo (all KDA layers) | DSA keys (all DSA layers) | "
+        "KDA head all-to-all instead | per KDA layer: ours / all-to-all |"
+    )
     print("|---|---|---|---|---|---|")
     for tokens, label in ((524_288, "512k"), (1_048_576, "1M")):
         for cp in (2, 4, 8, 16):
@@ -167,8 +181,10 @@ def main() -> None:
             ours = f["KDA conv halo"] + f["KDA state hand-over"]
             per_layer = f["KDA conv halo, per layer"] + f["KDA state hand-over, per layer"]
             a2a = f["KDA head all-to-all (alternative), per layer"]
-            print(f"| {label} | {cp} | {human(ours)} | {human(f['DSA keys (latent + pooled index keys)'])} | "
-                  f"{human(f['KDA head all-to-all (alternative)'])} | {human(per_layer)} / {human(a2a)} |")
+            print(
+                f"| {label} | {cp} | {human(ours)} | {human(f['DSA keys (latent + pooled index keys)'])} | "
+                f"{human(f['KDA head all-to-all (alternative)'])} | {human(per_layer)} / {human(a2a)} |"
+            )
 
 
 if __name__ == "__main__":

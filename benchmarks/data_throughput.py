@@ -72,8 +72,20 @@ def bases_of(path: Path) -> int:
 
 def run_genomelm(fasta: Path, out: Path, code: Path = ROOT, force: bool = True) -> tuple[float, float, float]:
     """(wall s, work s from the manifest, peak RSS MB) of one `genomelm data` subprocess run from ``code``."""
-    cmd = [sys.executable, "-m", "genomelm.data.command", "--fasta", str(fasta.resolve()), "--seq", "1M",
-           "--heldout", "held", "--out", str(out), "--no-progress"] + (["--force"] if force else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "genomelm.data.command",
+        "--fasta",
+        str(fasta.resolve()),
+        "--seq",
+        "1M",
+        "--heldout",
+        "held",
+        "--out",
+        str(out),
+        "--no-progress",
+    ] + (["--force"] if force else [])
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=code, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -126,8 +138,13 @@ def main() -> int:
         "--project-mb", type=float, default=542.0, help="size to project (hg38 chr1+chr2+chr22)"
     )
     parser.add_argument("--baseline-mb", type=float, default=2.0, help="subset timed for the naive baseline")
-    parser.add_argument("--code", type=Path, nargs="+", default=[ROOT],
-                        help="checkouts to measure, runs interleaved (e.g. a `git worktree` of the last commit)")  # fmt: skip
+    parser.add_argument(
+        "--code",
+        type=Path,
+        nargs="+",
+        default=[ROOT],
+        help="checkouts to measure, runs interleaved (e.g. a `git worktree` of the last commit)",
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     plain = args.fasta or make_fasta(args.work, args.mb)
@@ -150,31 +167,43 @@ def main() -> int:
     speed, measured = naive_baseline(plain, args.work, args.baseline_mb)
 
     med = statistics.median
-    print(f"{'pipeline':<34} {'Mb':>6} {'Mb/s wall':>9} {'Mb/s work':>9} {'wall s':>7} {'work s':>7} "
-          f"{'RSS MB':>7}  {'proj. ' + format(args.project_mb, '.0f') + ' Mb':>12}")  # fmt: skip
+    print(
+        f"{'pipeline':<34} {'Mb':>6} {'Mb/s wall':>9} {'Mb/s work':>9} {'wall s':>7} {'work s':>7} "
+        f"{'RSS MB':>7}  {'proj. ' + format(args.project_mb, '.0f') + ' Mb':>12}"
+    )
     for c, code in enumerate(args.code):
         tag = "" if len(args.code) == 1 else f" [{code.name}]"
         for i, (label, _, size) in enumerate(inputs):
             runs = times[(c, i)]
             wall, work, rss = med(r[0] for r in runs), med(r[1] for r in runs), max(r[2] for r in runs)
             project = (wall - work) + work * args.project_mb / size  # fixed start-up cost + work per Mb
-            print(f"{'genomelm data, ' + label + tag:<34} {size:>6.1f} {size / wall:>9.1f} {size / work:>9.1f} "
-                  f"{wall:>7.2f} {work:>7.2f} {rss:>7.0f}  {project:>10.1f} s")  # fmt: skip
+            print(
+                f"{'genomelm data, ' + label + tag:<34} {size:>6.1f} {size / wall:>9.1f} {size / work:>9.1f} "
+                f"{wall:>7.2f} {work:>7.2f} {rss:>7.0f}  {project:>10.1f} s"
+            )
         print(f"{'up-to-date re-run (no-op)' + tag:<34} {'':>6} {'':>9} {'':>9} {med(noop[c]):>7.2f}")
         if half is not None:
             (_, _, big), (_, _, small) = inputs[0], inputs[2]
             rss_big, rss_small = max(r[2] for r in times[(c, 0)]), max(r[2] for r in times[(c, 2)])
             slope = (rss_big - rss_small) / (big - small)
-            print(f"  memory{tag}: peak RSS {rss_small:.0f} MB at {small:.0f} Mb, {rss_big:.0f} MB at {big:.0f} Mb: "
-                  f"slope {slope:.2f} MB per Mb; projected for a 250 Mb chromosome: "
-                  f"{rss_big + slope * (250 - big):.0f} MB")  # fmt: skip
-    print(f"{'ISA-L decompression alone':<34} {mb:>6.1f} {mb / decompress:>9.1f} {mb / decompress:>9.1f} "
-          f"{decompress:>7.2f} {decompress:>7.2f}")  # fmt: skip
-    print(f"{'naive: pyfaidx + Python loop':<34} {mb:>6.1f} {speed:>9.1f} {speed:>9.1f}  "
-          f"(timed on {measured:.1f} Mb, extrapolated)")  # fmt: skip
-    print(f"median of {args.repeat} interleaved runs (RSS: max). wall = whole subprocess incl. interpreter start "
-          "and imports; work = manifest 'seconds' (read, translate, write);\nprojection = (wall - work) + "
-          f"work scaled to {args.project_mb:.0f} Mb")  # fmt: skip
+            print(
+                f"  memory{tag}: peak RSS {rss_small:.0f} MB at {small:.0f} Mb, {rss_big:.0f} MB at "
+                f"{big:.0f} Mb: slope {slope:.2f} MB per Mb; projected for a 250 Mb chromosome: "
+                f"{rss_big + slope * (250 - big):.0f} MB"
+            )
+    print(
+        f"{'ISA-L decompression alone':<34} {mb:>6.1f} {mb / decompress:>9.1f} {mb / decompress:>9.1f} "
+        f"{decompress:>7.2f} {decompress:>7.2f}"
+    )
+    print(
+        f"{'naive: pyfaidx + Python loop':<34} {mb:>6.1f} {speed:>9.1f} {speed:>9.1f}  "
+        f"(timed on {measured:.1f} Mb, extrapolated)"
+    )
+    print(
+        f"median of {args.repeat} interleaved runs (RSS: max). wall = whole subprocess incl. interpreter "
+        "start and imports; work = manifest 'seconds' (read, translate, write);\nprojection = (wall - work) "
+        f"+ work scaled to {args.project_mb:.0f} Mb"
+    )
     return 0
 
 

@@ -1,15 +1,16 @@
-"""The project's first contact with a GPU: one script that checks the CUDA paths against the CPU-tested ones and
-measures a full-width slice of GLM-5.3-Flash, printing a table. Exits 1 on any mismatch.
+"""The project's first contact with a GPU: one script that checks the CUDA paths against the CPU-tested ones
+and measures a full-width slice of GLM-5.3-Flash, printing a table. Exits 1 on any mismatch.
 
-    python benchmarks/gpu_check.py                  # on one CUDA GPU (install with pip install -e '.[gpu]')
-    python benchmarks/gpu_check.py --cpu-smoke      # the same checks at small shapes on the CPU (run in tests)
+    python benchmarks/gpu_check.py                # on one CUDA GPU (install with pip install -e '.[gpu]')
+    python benchmarks/gpu_check.py --cpu-smoke    # the same checks at small shapes on the CPU (run in tests)
 
 Checks:
-1. fla-core `chunk_kda` against the torch KDA path: output, input gradients, initial-state gradient, final state
-   (CUDA only; skipped, and said so, on the CPU).
-2. A bf16 train step against fp32 on the `small` preset: loss within 4 * 2^-8 relative, gradient cosine >= 0.99.
-3. Offload of the kept layer inputs (pinned buffers and a side stream on CUDA) against no offload: the same loss
-   and gradients.
+1. fla-core `chunk_kda` against the torch KDA path: output, input gradients, initial-state gradient, final
+   state (CUDA only; skipped, and said so, on the CPU).
+2. A bf16 train step against fp32 on the `small` preset: loss within 4 * 2^-8 relative, gradient
+   cosine >= 0.99.
+3. Offload of the kept layer inputs (pinned buffers and a side stream on CUDA) against no offload: the same
+   loss and gradients.
 4. A slice of the real model at full width (3 KDA + 1 DSA layers: hidden 4096, 64 heads, kv_lora 512, indexer
    32 x 128 top-2048 with k-pool 4, MoE with 8 of the 288 experts, 4-stream mHC), forward + backward with
    recompute at 32k, 128k and 512k tokens: peak memory, tokens/s and MFU against the GPU's bf16 peak (FLOPs
@@ -52,7 +53,9 @@ def check_fla_kda(device: torch.device, smoke: bool) -> list[Row]:
     chunk_kda = fla_chunk_kda()
     if device.type != "cuda" or chunk_kda is None:
         why = "no CUDA" if device.type != "cuda" else "fla-core not installed: pip install -e '.[gpu]'"
-        return [Row("fla chunk_kda vs torch KDA", f"not run ({why})", None if device.type != "cuda" else False)]
+        return [
+            Row("fla chunk_kda vs torch KDA", f"not run ({why})", None if device.type != "cuda" else False)
+        ]
     batch, seq, heads, dim = (1, 256, 2, 32) if smoke else (1, 8192, 64, 128)
     gen = torch.Generator(device).manual_seed(0)
 
@@ -71,8 +74,16 @@ def check_fla_kda(device: torch.device, smoke: bool) -> list[Row]:
         leaves = [t.detach().clone().requires_grad_(True) for t in base]
         q, k, v, g, beta, state = leaves
         if name == "fla":
-            out, final = chunk_kda(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
-                                   use_qk_l2norm_in_kernel=True)
+            out, final = chunk_kda(
+                q,
+                k,
+                v,
+                g=g,
+                beta=beta,
+                initial_state=state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
         else:
             out, final = chunk_kda_torch(q, k, v, g, beta, state, 64, gate_bound=5.0)
         weight = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(1))
@@ -92,8 +103,9 @@ def step(model: GlmForCausalLM, ids: torch.Tensor, runner: LayerRunner, bf16: bo
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         loss = model(ids, labels, layer_runner=runner)
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-                                  if p.grad is not None}
+    return float(loss.detach()), {
+        n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def dna(length: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -116,30 +128,51 @@ def dna(length: int, device: torch.device, seed: int = 0) -> torch.Tensor:
 def check_bf16_and_offload(device: torch.device, smoke: bool) -> list[Row]:
     torch.manual_seed(0)
     length = 1024 if smoke else 16384
-    # index_topk covers the window: an indexer near-tie that bf16 flips would otherwise dominate the comparison
+    # index_topk covers the window: an indexer near-tie that bf16 flips would otherwise dominate the
+    # comparison
     config = dataclasses.replace(ModelConfig.preset("small"), index_topk=length)
     model = GlmForCausalLM.from_config(config, RunOptions(), device=device)
     ids = dna(length, device)
     plain = LayerRunner(recompute=True, offload=False)
     loss32, grads32 = step(model, ids, plain, bf16=False)
     loss16, grads16 = step(model, ids, plain, bf16=True)
-    cosine = {n: float(torch.nn.functional.cosine_similarity(grads16[n].flatten().double(), g.flatten().double(),
-                                                            dim=0)) for n, g in grads32.items()}
+    cosine = {
+        n: float(
+            torch.nn.functional.cosine_similarity(grads16[n].flatten().double(), g.flatten().double(), dim=0)
+        )
+        for n, g in grads32.items()
+    }
     # as tests/test_model_precision.py: the mHC base vectors sum nearly cancelling per-token terms
     worst = min((c, n) for n, c in cosine.items() if not n.endswith("hc.base"))
     worst_base = min((c, n) for n, c in cosine.items() if n.endswith("hc.base"))
     rows = [
-        Row("bf16 vs fp32 step (small): loss", f"{loss16:.5f} vs {loss32:.5f}", abs(loss16 - loss32) <= 4 * U * loss32),
-        Row("bf16 vs fp32 step (small): worst gradient cosine", f"{worst[0]:.4f} ({worst[1]})", worst[0] >= 0.99),
-        Row("bf16 vs fp32 step (small): worst mHC base cosine", f"{worst_base[0]:.4f} ({worst_base[1]})",
-            worst_base[0] >= 0.95),
+        Row(
+            "bf16 vs fp32 step (small): loss",
+            f"{loss16:.5f} vs {loss32:.5f}",
+            abs(loss16 - loss32) <= 4 * U * loss32,
+        ),
+        Row(
+            "bf16 vs fp32 step (small): worst gradient cosine",
+            f"{worst[0]:.4f} ({worst[1]})",
+            worst[0] >= 0.99,
+        ),
+        Row(
+            "bf16 vs fp32 step (small): worst mHC base cosine",
+            f"{worst_base[0]:.4f} ({worst_base[1]})",
+            worst_base[0] >= 0.95,
+        ),
     ]
     offloaded = LayerRunner(recompute=True, offload=True)
     loss_off, grads_off = step(model, ids, offloaded, bf16=True)
     same = all(torch.equal(grads_off[n], g) for n, g in grads16.items())
-    rows.append(Row("offload vs no offload (bf16): loss and gradients", f"loss equal {loss_off == loss16}, "
-                    f"gradients equal {same}, {offloaded.copier.bytes_offloaded / 2**20:.0f} MiB offloaded",
-                    loss_off == loss16 and same))
+    rows.append(
+        Row(
+            "offload vs no offload (bf16): loss and gradients",
+            f"loss equal {loss_off == loss16}, "
+            f"gradients equal {same}, {offloaded.copier.bytes_offloaded / 2**20:.0f} MiB offloaded",
+            loss_off == loss16 and same,
+        )
+    )
     return rows
 
 
@@ -147,17 +180,32 @@ def slice_config(smoke: bool) -> ModelConfig:
     """3 KDA + 1 DSA layers at the real widths, 8 of the 288 experts, DNA vocabulary (smoke: small widths)."""
     base = ModelConfig.preset("small" if smoke else "glm-5.3-flash")
     return dataclasses.replace(
-        base, num_hidden_layers=4, layer_types=[KDA, KDA, KDA, DSA], mlp_layer_types=[MOE] * 4,
-        indexer_types=["full"] * 4, n_routed_experts=8, n_group=1, topk_group=1, vocab_size=8, pad_token_id=0,
+        base,
+        num_hidden_layers=4,
+        layer_types=[KDA, KDA, KDA, DSA],
+        mlp_layer_types=[MOE] * 4,
+        indexer_types=["full"] * 4,
+        n_routed_experts=8,
+        n_group=1,
+        topk_group=1,
+        vocab_size=8,
+        pad_token_id=0,
     )
 
 
-def measure_slice(device: torch.device, smoke: bool, lengths: list[int], peak_tflops: float | None) -> list[Row]:
+def measure_slice(
+    device: torch.device, smoke: bool, lengths: list[int], peak_tflops: float | None
+) -> list[Row]:
     from torch.utils.flop_counter import FlopCounterMode
 
     config = slice_config(smoke)
-    options = RunOptions(moe_chunk_tokens=8192, indexer_query_block=128, attention_query_block=128,
-                         loss_chunk_tokens=2048, kda_backend="auto")
+    options = RunOptions(
+        moe_chunk_tokens=8192,
+        indexer_query_block=128,
+        attention_query_block=128,
+        loss_chunk_tokens=2048,
+        kda_backend="auto",
+    )
     torch.manual_seed(0)
     model = GlmForCausalLM.from_config(config, options, device=device)
     runner = LayerRunner(recompute=True, offload=False)
@@ -179,14 +227,26 @@ def measure_slice(device: torch.device, smoke: bool, lengths: list[int], peak_tf
             rows.append(Row(f"slice at {length:,} tokens", "out of memory", False))
             continue
         flops = counter.get_total_flops()
-        peak = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else "n/a (CPU)"
+        peak = (
+            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else "n/a (CPU)"
+        )
         mfu = f"{flops / seconds / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
-        rows.append(Row(f"slice at {length:,} tokens (fwd+bwd, recompute, bf16)",
-                        f"peak {peak}, {length / seconds:,.0f} tokens/s, {flops / length / 1e6:,.1f} MFLOP/token, "
-                        f"MFU {mfu}", None))
+        rows.append(
+            Row(
+                f"slice at {length:,} tokens (fwd+bwd, recompute, bf16)",
+                f"peak {peak}, {length / seconds:,.0f} tokens/s, {flops / length / 1e6:,.1f} MFLOP/token, "
+                f"MFU {mfu}",
+                None,
+            )
+        )
     dense = [layer.layer_idx for layer in model.layers if "dense S x S" in layer.route]
-    rows.append(Row("slice route table: no dense S x S layer", "dense layers: " + (str(dense) if dense else "none"),
-                    not dense))
+    rows.append(
+        Row(
+            "slice route table: no dense S x S layer",
+            "dense layers: " + (str(dense) if dense else "none"),
+            not dense,
+        )
+    )
     print(model.route_table())
     return rows
 
@@ -201,7 +261,9 @@ def gpu_peak_tflops(device: torch.device) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="small shapes on the CPU")
-    parser.add_argument("--lengths", default=None, help="slice lengths, comma separated (default 32k,128k,512k)")
+    parser.add_argument(
+        "--lengths", default=None, help="slice lengths, comma separated (default 32k,128k,512k)"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak of the GPU for MFU")
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
@@ -224,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngenomelm gpu_check on {where}, torch {torch.__version__}")
     print("| check | result | status |\n|---|---|---|")
     for row in rows:
-        status = ("not run" if row.result.startswith("not run") else "measured") if row.ok is None else (
-            "ok" if row.ok else "MISMATCH")
+        status = (
+            ("not run" if row.result.startswith("not run") else "measured")
+            if row.ok is None
+            else ("ok" if row.ok else "MISMATCH")
+        )
         print(f"| {row.check} | {row.result} | {status} |")
     failed = [r for r in rows if r.ok is False]
     return 1 if failed else 0

@@ -2,9 +2,10 @@
 
 Cases: genomelm at 4k, 16k and 64k tokens (one row, batch 1) and the transformers reference
 (`Glm5NextTextModel` + lm_head, same config and weights) at 4k. Every case runs in a fresh subprocess, so its
-peak RSS (`ru_maxrss`) is its own. genomelm's layers run through the trainer's `LayerRunner` (activation recompute
-per layer, DSA selections kept for the recompute, no offload: the benchmark does what the trainer does), so peak memory is the
-stored layer inputs plus one layer's working memory. Each case does a 512-token warm-up step, then one timed step.
+peak RSS (`ru_maxrss`) is its own. genomelm's layers run through the trainer's `LayerRunner` (activation
+recompute per layer, DSA selections kept for the recompute, no offload: the benchmark does what the trainer
+does), so peak memory is the stored layer inputs plus one layer's working memory. Each case does a 512-token
+warm-up step, then one timed step.
 
     .venv/bin/python benchmarks/model_step.py            # the table (takes a few minutes)
     .venv/bin/python benchmarks/model_step.py --case ours --tokens 4096   # one case, JSON line
@@ -104,7 +105,9 @@ TUNED_MALLOC = {
 
 def _spawn(case: str, tokens: int, env: dict[str, str] | None = None) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--case", case, "--tokens", str(tokens)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        command, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})}
+    )
     if done.returncode != 0:
         raise RuntimeError(f"case {case} at {tokens} tokens failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -123,8 +126,9 @@ def main() -> None:
         return
 
     print(
-        f"preset {PRESET!r}, batch 1, forward + backward of the mean loss, {torch.get_num_threads()} threads; "
-        "genomelm layers run through the trainer's LayerRunner (recompute on, selections kept); fresh process per case",
+        f"preset {PRESET!r}, batch 1, forward + backward of the mean loss, {torch.get_num_threads()} "
+        "threads; genomelm layers run through the trainer's LayerRunner (recompute on, selections kept); "
+        "fresh process per case",
         flush=True,
     )
     reference = _spawn("reference", REFERENCE_LENGTH)
@@ -146,11 +150,14 @@ def main() -> None:
         base = {"genomelm": ours, "genomelm*": tuned}.get(row["case"])
         versus_16k = f"{row['peak_rss_mb'] / base[16384]['peak_rss_mb']:.2f}x" if base else ""
         print(
-            f"{row['case']:<13} {row['tokens']:>7} {row['seconds']:>8.2f} {speed:>9.0f} {row['peak_rss_mb']:>12.0f} "
-            f"{versus_ref:>13} {versus_16k:>11}"
+            f"{row['case']:<13} {row['tokens']:>7} {row['seconds']:>8.2f} {speed:>9.0f} "
+            f"{row['peak_rss_mb']:>12.0f} {versus_ref:>13} {versus_16k:>11}"
         )
-    print("genomelm*: the same with glibc malloc tuned to keep freed memory (" +
-          " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items()) + ")")
+    print(
+        "genomelm*: the same with glibc malloc tuned to keep freed memory ("
+        + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items())
+        + ")"
+    )
     print(f"\nroutes at {OUR_LENGTHS[-1]} tokens:\n{ours[OUR_LENGTHS[-1]]['route_table']}")
 
 

@@ -36,8 +36,13 @@ def peak_rss_mb() -> float:
 
 def run_case(experts: int, backend: str) -> dict:
     config = dataclasses.replace(
-        ModelConfig.preset("tiny"), hidden_size=HIDDEN, moe_intermediate_size=WIDTH, n_routed_experts=experts,
-        num_experts_per_tok=TOP_K, n_group=1, topk_group=1,
+        ModelConfig.preset("tiny"),
+        hidden_size=HIDDEN,
+        moe_intermediate_size=WIDTH,
+        n_routed_experts=experts,
+        num_experts_per_tok=TOP_K,
+        n_group=1,
+        topk_group=1,
     )
     torch.manual_seed(0)
     moe = MoE(config, RunOptions(moe_backend=backend, moe_chunk_tokens=TOKENS))
@@ -50,8 +55,13 @@ def run_case(experts: int, backend: str) -> dict:
     (moe(x) * weight).sum().backward()
     excess = peak_rss_mb() - before - grad_bytes / 2**20
     checksum = float(sum(p.grad.double().abs().sum() for p in moe.parameters()))
-    return {"experts": experts, "backend": backend, "param_mb": grad_bytes / 2**20, "working_mb": excess,
-            "grad_checksum": checksum}
+    return {
+        "experts": experts,
+        "backend": backend,
+        "param_mb": grad_bytes / 2**20,
+        "working_mb": excess,
+        "grad_checksum": checksum,
+    }
 
 
 def main() -> None:
@@ -67,16 +77,28 @@ def main() -> None:
         for backend in ("grouped", "loop"):
             if backend == "loop" and experts > LOOP_LIMIT:
                 continue
-            out = subprocess.run([sys.executable, __file__, "--experts", str(experts), "--backend", backend],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--experts", str(experts), "--backend", backend],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = next(r["working_mb"] for r in rows if r["backend"] == "grouped")
-    print(f"one MoE layer, {TOKENS:,} tokens, hidden {HIDDEN}, expert width {WIDTH}, top-{TOP_K}: forward + backward")
-    print("| experts | backend | parameters MB | working memory MB (peak RSS - before - gradients) | vs 8 experts |")
+    print(
+        f"one MoE layer, {TOKENS:,} tokens, hidden {HIDDEN}, expert width {WIDTH}, top-{TOP_K}: "
+        "forward + backward"
+    )
+    print(
+        "| experts | backend | parameters MB | working memory MB (peak RSS - before - gradients) "
+        "| vs 8 experts |"
+    )
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['experts']} | {r['backend']} | {r['param_mb']:.1f} | {r['working_mb']:.1f} | "
-              f"{r['working_mb'] / base:.2f}x |")
+        print(
+            f"| {r['experts']} | {r['backend']} | {r['param_mb']:.1f} | {r['working_mb']:.1f} | "
+            f"{r['working_mb'] / base:.2f}x |"
+        )
     for experts in EXPERTS:
         pair = [r for r in rows if r["experts"] == experts]
         if len(pair) == 2:

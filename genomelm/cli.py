@@ -14,8 +14,14 @@ STAGES = {
     "train": ("genomelm.train.command", "fine-tune the model on prepared windows"),
     "eval": ("genomelm.eval.command", "held-out loss per position bucket, before and after training"),
     "probe": ("genomelm.eval.probe", "copy probe: how far back the model retrieves a copied segment"),
-    "plan": ("genomelm.train.plan_command", "will a run fit the GPUs, and how fast: traced from the real code"),
-    "export": ("genomelm.parallel.export", "sharded training checkpoint -> Hugging Face folder, layer by layer"),
+    "plan": (
+        "genomelm.train.plan_command",
+        "will a run fit the GPUs, and how fast: traced from the real code",
+    ),
+    "export": (
+        "genomelm.parallel.export",
+        "sharded training checkpoint -> Hugging Face folder, layer by layer",
+    ),
 }
 
 

@@ -16,18 +16,43 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def demo_outputs(tmp_path_factory) -> tuple[Path, Path]:
     """(buckets.json, metrics.jsonl) of a real, small run of the whole pipeline on the bundled fly genome:
-    `genomelm data` -> `genomelm train` (tiny preset) -> `genomelm eval`, through the command-line entry points."""
+    `genomelm data` -> `genomelm train` (tiny preset) -> `genomelm eval`, through the command-line entry
+    points."""
     root = tmp_path_factory.mktemp("pipeline")
     data = root / "data"
-    assert data_main([
-        "--fasta", str(ROOT / "data" / "dmel_chr4.fa.gz"), "--genome", "demo", "--seq", "128",
-        "--train", "NC_004353.4:1-8192", "--heldout", "NC_004353.4:1000001-1000768", "--out", str(data),
-        "--no-progress",
-    ]) == 0
+    assert (
+        data_main(
+            [
+                "--fasta",
+                str(ROOT / "data" / "dmel_chr4.fa.gz"),
+                "--genome",
+                "demo",
+                "--seq",
+                "128",
+                "--train",
+                "NC_004353.4:1-8192",
+                "--heldout",
+                "NC_004353.4:1000001-1000768",
+                "--out",
+                str(data),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     run = [
-        f"data={data}", "seq=128", "model=tiny", "run=demo", f"runs_dir={root / 'runs'}",
-        f"results_dir={root / 'results'}", "steps=4", "save_every=4", "warmup_steps=1", "lr=3e-3",
-        "wandb=disabled", "bucket=16",
+        f"data={data}",
+        "seq=128",
+        "model=tiny",
+        "run=demo",
+        f"runs_dir={root / 'runs'}",
+        f"results_dir={root / 'results'}",
+        "steps=4",
+        "save_every=4",
+        "warmup_steps=1",
+        "lr=3e-3",
+        "wandb=disabled",
+        "bucket=16",
     ]
     assert train_main(run) == 0
     assert eval_main(run) == 0

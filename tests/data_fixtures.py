@@ -46,7 +46,24 @@ def fly_windows(out: Path, train: str, seq: int, heldout: str = "200001-201024")
     ("start-end", 1-based inclusive) and held-out ones from `heldout`, written to `out`."""
     from genomelm.data.command import main as data_main
 
-    assert data_main(["--fasta", str(DMEL), "--genome", "fly", "--train", f"{DMEL_RECORD}:{train}",
-                      "--heldout", f"{DMEL_RECORD}:{heldout}", "--seq", str(seq), "--out", str(out),
-                      "--no-progress"]) == 0  # fmt: skip
+    assert (
+        data_main(
+            [
+                "--fasta",
+                str(DMEL),
+                "--genome",
+                "fly",
+                "--train",
+                f"{DMEL_RECORD}:{train}",
+                "--heldout",
+                f"{DMEL_RECORD}:{heldout}",
+                "--seq",
+                str(seq),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return out

@@ -30,8 +30,14 @@ TOKENIZER_VOCAB = Vocabulary(code_to_id=(0, 7, 8, 9, 10, 11), vocab_size=12, tok
 def dmel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Fly chr4 windows of 4096 bases: train 1,196,001-1,204,192 runs into the 17 kb N run at 1,200,663."""
     tmp = tmp_path_factory.mktemp("augment")
-    return build(tmp, DMEL, seq=4096, train=[f"{DMEL_RECORD}:1196001-1204192"],
-                 heldout=[f"{DMEL_RECORD}:300001-308192"], max_n_fraction=1.0)[0]  # fmt: skip
+    return build(
+        tmp,
+        DMEL,
+        seq=4096,
+        train=[f"{DMEL_RECORD}:1196001-1204192"],
+        heldout=[f"{DMEL_RECORD}:300001-308192"],
+        max_n_fraction=1.0,
+    )[0]
 
 
 def ids_of(letters: str, vocab: Vocabulary) -> torch.Tensor:
@@ -57,8 +63,10 @@ def test_reverse_complement_matches_biopython(dmel: Path) -> None:
             window, letters = ds[i], ds.letters(i)
             ids, mask = reverse_complement(window.ids, window.softmask, ds.vocab)
             assert letters_of(ids, mask, ds.vocab) == bio_reverse_complement(letters)  # case = soft-mask
-            assert torch.equal(labels_for(ids, ds.vocab), torch.tensor(expected_labels(letters_of(ids, mask,
-                               ds.vocab), ds.vocab)))  # fmt: skip
+            assert torch.equal(
+                labels_for(ids, ds.vocab),
+                torch.tensor(expected_labels(letters_of(ids, mask, ds.vocab), ds.vocab)),
+            )
             other = window.reverse_complement()
             assert other.strand == "-" and other.reverse and not window.reverse
             assert torch.equal(other.input_ids, ids) and torch.equal(other.softmask, mask)
@@ -103,7 +111,9 @@ def test_window_crop_predicted_softmask_and_weights(dmel: Path) -> None:
     assert torch.equal(crop.predicted_softmask, predicted[128:192])
     assert torch.equal(window.cropped(4000).input_ids, window.ids[4000:])
     valid = window.labels != -100
-    assert torch.equal(window.loss_weights(), valid.float())  # softmask_weight 1: every real base weighs the same
+    assert torch.equal(
+        window.loss_weights(), valid.float()
+    )  # softmask_weight 1: every real base weighs the same
     expected = torch.where(predicted, 0.25, 1.0).masked_fill(~valid, 0.0)
     torch.testing.assert_close(window.loss_weights(0.25), expected)
     torch.testing.assert_close(window.cropped(128, 64).loss_weights(0.25), expected[128:192])
@@ -137,10 +147,16 @@ def test_parse_blend() -> None:
     assert parse_blend("dirA:0.7,dirB:0.3") == [("dirA", pytest.approx(0.7)), ("dirB", pytest.approx(0.3))]
     assert parse_blend("data/prepared/x") == [("data/prepared/x", 1.0)]
     assert parse_blend("a:3, b") == [("a", 0.75), ("b", 0.25)]
-    for bad, message in (("", "empty folder"), ("a,,b", "empty folder"),
-                         ("a:x", "'x' of 'a:x' is not a number"), ("a:0", "positive"),
-                         ("a:-1,b", "positive"), ("a:nan", "positive"),
-                         (":0.5", "no folder"), ("a:1,a:2", "given twice")):  # fmt: skip
+    for bad, message in (
+        ("", "empty folder"),
+        ("a,,b", "empty folder"),
+        ("a:x", "'x' of 'a:x' is not a number"),
+        ("a:0", "positive"),
+        ("a:-1,b", "positive"),
+        ("a:nan", "positive"),
+        (":0.5", "no folder"),
+        ("a:1,a:2", "given twice"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_blend(bad)
 
@@ -185,25 +201,46 @@ def test_check_compatible_names_both_folders(dmel: Path, tmp_path: Path) -> None
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    same, _ = build(tmp_path, DMEL, name="same", seq=4096, train=[f"{DMEL_RECORD}:1-8192"],
-                    heldout=[f"{DMEL_RECORD}:8193-16384"])  # fmt: skip
+    same, _ = build(
+        tmp_path,
+        DMEL,
+        name="same",
+        seq=4096,
+        train=[f"{DMEL_RECORD}:1-8192"],
+        heldout=[f"{DMEL_RECORD}:8193-16384"],
+    )
     manifests = check_compatible([dmel, same])
     assert [m["seq_len"] for m in manifests] == [4096, 4096]
-    other_seq, _ = build(tmp_path, DMEL, name="seq2k", seq=2048, train=[f"{DMEL_RECORD}:1-4096"],
-                         heldout=[f"{DMEL_RECORD}:4097-8192"])  # fmt: skip
+    other_seq, _ = build(
+        tmp_path,
+        DMEL,
+        name="seq2k",
+        seq=2048,
+        train=[f"{DMEL_RECORD}:1-4096"],
+        heldout=[f"{DMEL_RECORD}:4097-8192"],
+    )
     with pytest.raises(DataError, match="same --seq") as err:
         check_compatible([dmel, other_seq])
     assert str(dmel) in str(err.value) and str(other_seq) in str(err.value)
 
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "A": 7, "C": 8, "G": 9, "T": 10, "N": 11},
-                                     unk_token="<unk>"))  # fmt: skip
+    tok = Tokenizer(
+        models.WordLevel(
+            {"<pad>": 0, "<unk>": 1, "A": 7, "C": 8, "G": 9, "T": 10, "N": 11}, unk_token="<unk>"
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>").save_pretrained(
         tmp_path / "tok"
     )
-    other_vocab, _ = build(tmp_path, DMEL, name="tok_ids", seq=4096, train=[f"{DMEL_RECORD}:1-8192"],
-                           heldout=[f"{DMEL_RECORD}:8193-16384"],
-                           tokenizer=str(tmp_path / "tok"))  # fmt: skip
+    other_vocab, _ = build(
+        tmp_path,
+        DMEL,
+        name="tok_ids",
+        seq=4096,
+        train=[f"{DMEL_RECORD}:1-8192"],
+        heldout=[f"{DMEL_RECORD}:8193-16384"],
+        tokenizer=str(tmp_path / "tok"),
+    )
     with pytest.raises(DataError, match="different vocabularies") as err:
         check_compatible([same, other_vocab])
     assert str(same) in str(err.value) and str(other_vocab) in str(err.value)

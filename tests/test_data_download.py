@@ -98,8 +98,16 @@ def test_offline_says_where_to_put_files_then_uses_them(server: tuple[str, Path]
     with socket.socket() as sock:  # a port with nothing listening
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}/"
-    cfg = DataConfig(genome="hg38", source="hg38", base_url=dead, files=[NAME], cache=str(tmp_path / "cache"),
-                     seq=4096, heldout=[HG38_RECORDS[1]], out=str(tmp_path / "out"))  # fmt: skip
+    cfg = DataConfig(
+        genome="hg38",
+        source="hg38",
+        base_url=dead,
+        files=[NAME],
+        cache=str(tmp_path / "cache"),
+        seq=4096,
+        heldout=[HG38_RECORDS[1]],
+        out=str(tmp_path / "out"),
+    )
     with pytest.raises(DataError) as err:
         prepare(cfg, command="test", progress=False, log=lambda _: None)
     cache = tmp_path / "cache" / "hg38"
@@ -109,5 +117,7 @@ def test_offline_says_where_to_put_files_then_uses_them(server: tuple[str, Path]
         (cache / name).write_bytes((served / name).read_bytes())
     out = prepare(cfg, command="test", progress=False, log=lambda _: None)
     assert len(WindowDataset(out, "heldout")) == 1
-    assert WindowDataset(out, "train").manifest["sources"][0]["md5"] == hashlib.md5(
-        (served / NAME).read_bytes()).hexdigest()  # fmt: skip
+    assert (
+        WindowDataset(out, "train").manifest["sources"][0]["md5"]
+        == hashlib.md5((served / NAME).read_bytes()).hexdigest()
+    )

@@ -1,4 +1,5 @@
-"""Bad input gives a clear error and leaves no output; re-runs are no-ops; killed runs leave nothing complete."""
+"""Bad input gives a clear error and leaves no output; re-runs are no-ops; killed runs leave nothing
+complete."""
 
 from __future__ import annotations
 

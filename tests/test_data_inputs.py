@@ -35,8 +35,16 @@ def assert_nothing_left(tmp_path: Path, name: str = "out") -> None:
 
 
 def seq_records(records: dict[str, str]) -> list[SeqRecord]:
-    return [SeqRecord(Seq(seq), id=name, name=name.split(".")[0][:16], description=f"{name} from the bundled data",
-                      annotations={"molecule_type": "DNA"}) for name, seq in records.items()]  # fmt: skip
+    return [
+        SeqRecord(
+            Seq(seq),
+            id=name,
+            name=name.split(".")[0][:16],
+            description=f"{name} from the bundled data",
+            annotations={"molecule_type": "DNA"},
+        )
+        for name, seq in records.items()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +66,11 @@ def test_genbank_and_embl_prepare_what_fasta_does(genome: dict[str, str], tmp_pa
     disguised.write_bytes((tmp_path / "genome.gb").read_bytes())
     assert (tmp_path / "genome.gb").read_text().startswith("LOCUS")
     fasta, _ = build(tmp_path, upper, name="fasta", **settings)
-    for name, path, fmt in (("gb", tmp_path / "genome.gb", "genbank"), ("embl", tmp_path / "genome.embl.gz", "embl"),
-                            ("disguised", disguised, "genbank")):  # fmt: skip
+    for name, path, fmt in (
+        ("gb", tmp_path / "genome.gb", "genbank"),
+        ("embl", tmp_path / "genome.embl.gz", "embl"),
+        ("disguised", disguised, "genbank"),
+    ):
         out, _ = build(tmp_path, path, name=name, **settings)
         assert_same_windows(out, fasta)
         assert read_manifest(out)["sources"][0]["format"] == fmt
@@ -83,8 +94,11 @@ def test_genbank_errors_name_file_record_and_offset(genome: dict[str, str], tmp_
     truncated = tmp_path / "truncated.gb"
     truncated.write_text(text[: origin + 50_000])
     protein = tmp_path / "protein.gb"
-    SeqIO.write([SeqRecord(Seq("MKVLAAGIVG" * 50), id="P1.1", annotations={"molecule_type": "protein"})],
-                protein, "genbank")  # fmt: skip
+    SeqIO.write(
+        [SeqRecord(Seq("MKVLAAGIVG" * 50), id="P1.1", annotations={"molecule_type": "protein"})],
+        protein,
+        "genbank",
+    )
     cases = [
         (bad, "record NC_004353.4, base 65 (1-based): invalid character 'X'"),
         (
@@ -125,17 +139,26 @@ def fly_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_bed_splits_equal_region_strings(fly_files: dict[str, Path], tmp_path: Path) -> None:
-    train = write_bed(tmp_path / "train.bed", [
-        "track name=train", "# fly chr4, two pieces",
-        f"{DMEL_RECORD}\t0\t100000\tfirst\t0\t+", f"{DMEL_RECORD}\t500000\t600000", "other\t0\t5000",
-    ])  # fmt: skip
+    train = write_bed(
+        tmp_path / "train.bed",
+        [
+            "track name=train",
+            "# fly chr4, two pieces",
+            f"{DMEL_RECORD}\t0\t100000\tfirst\t0\t+",
+            f"{DMEL_RECORD}\t500000\t600000",
+            "other\t0\t5000",
+        ],
+    )
     held = write_bed(tmp_path / "held.bed", [f"{DMEL_RECORD}\t1000000\t1348131"])
-    regions = {"train": [f"{DMEL_RECORD}:1-100000", f"{DMEL_RECORD}:500001-600000", "other:1-5000"],
-               "heldout": [f"{DMEL_RECORD}:1000001-1348131"]}  # fmt: skip
+    regions = {
+        "train": [f"{DMEL_RECORD}:1-100000", f"{DMEL_RECORD}:500001-600000", "other:1-5000"],
+        "heldout": [f"{DMEL_RECORD}:1000001-1348131"],
+    }
     expected, _ = build(tmp_path, fly_files["plain"], name="regions", seq=4096, **regions)
     for kind, path in fly_files.items():
-        out, logs = build(tmp_path, path, name=kind.replace(" ", "_"), seq=4096, train=[str(train)],
-                          heldout=[str(held)])  # fmt: skip
+        out, logs = build(
+            tmp_path, path, name=kind.replace(" ", "_"), seq=4096, train=[str(train)], heldout=[str(held)]
+        )
         assert_same_windows(out, expected)
         manifest = read_manifest(out)
         source = manifest["sources"][0]
@@ -150,7 +173,8 @@ def test_bed_splits_equal_region_strings(fly_files: dict[str, Path], tmp_path: P
 
 
 def test_indexed_fasta_reads_only_the_regions(tmp_path: Path) -> None:
-    # an invalid character outside every region: the whole-file stream stops at it, the indexed read never sees it
+    # an invalid character outside every region: the whole-file stream stops at it, the indexed read never
+    # sees it
     fasta = write_fasta(tmp_path / "g.fa", {"a": FLY[:50_000] + "X" + FLY[50_001:100_000], "b": HUMAN})
     train = write_bed(tmp_path / "train.bed", ["a\t0\t40000"])
     held = write_bed(tmp_path / "held.bed", ["a\t60000\t100000"])
@@ -168,18 +192,28 @@ def test_bad_bed_lines_name_file_and_line(fly_files: dict[str, Path], tmp_path: 
     fasta = fly_files["indexed plain"]
     held = write_bed(tmp_path / "held.bed", ["# held out", f"{DMEL_RECORD}\t1000000\t1348131"])
     cases = {
-        "end before start": ([f"{DMEL_RECORD}\t0\t10000", f"{DMEL_RECORD}\t20000\t15000"],
-                             "train.bed line 2: end 15,000 is not after start 20,000"),
-        "unknown chromosome": ([f"{DMEL_RECORD}\t0\t10000", "chrX\t0\t10000"],
-                               "train.bed line 2: chrX:1-10000 (train); records present: NC_004353.4, other"),
-        "overlaps held-out": ([f"{DMEL_RECORD}\t0\t10000", f"{DMEL_RECORD}\t990000\t1010000"],
-                              (f"train.bed line 2: {DMEL_RECORD}:990001-1010000 (train) and {held} line 2: "
-                               f"{DMEL_RECORD}:1000001-1348131 (heldout) share bases")),
+        "end before start": (
+            [f"{DMEL_RECORD}\t0\t10000", f"{DMEL_RECORD}\t20000\t15000"],
+            "train.bed line 2: end 15,000 is not after start 20,000",
+        ),
+        "unknown chromosome": (
+            [f"{DMEL_RECORD}\t0\t10000", "chrX\t0\t10000"],
+            "train.bed line 2: chrX:1-10000 (train); records present: NC_004353.4, other",
+        ),
+        "overlaps held-out": (
+            [f"{DMEL_RECORD}\t0\t10000", f"{DMEL_RECORD}\t990000\t1010000"],
+            (
+                f"train.bed line 2: {DMEL_RECORD}:990001-1010000 (train) and {held} line 2: "
+                f"{DMEL_RECORD}:1000001-1348131 (heldout) share bases"
+            ),
+        ),
         "too few columns": ([f"{DMEL_RECORD}\t0"], "train.bed line 1: 'NC_004353.4\\t0' has 2 column(s)"),
         "not a number": ([f"{DMEL_RECORD}\t0\t1e5"], "train.bed line 1: start '0' and end '1e5' must be"),
-        "past the record": (["other\t1000\t9000"],
-                            f"other:1001-9000 (train) ends at base 9,000 but record other has {len(HUMAN):,} bases"),
-    }  # fmt: skip
+        "past the record": (
+            ["other\t1000\t9000"],
+            f"other:1001-9000 (train) ends at base 9,000 but record other has {len(HUMAN):,} bases",
+        ),
+    }
     for case, (lines, message) in cases.items():
         train = write_bed(tmp_path / "train.bed", lines)
         with pytest.raises(DataError) as err:
@@ -193,8 +227,19 @@ def test_cli_bed_splits_and_rebuild_on_bed_change(fly_files: dict[str, Path], tm
     out = tmp_path / "cli"
     train = write_bed(tmp_path / "train.bed", [f"{DMEL_RECORD}\t0\t200000"])
     held = write_bed(tmp_path / "held.bed", [f"{DMEL_RECORD}\t1000000\t1348131"])
-    argv = ["--fasta", str(fly_files["indexed bgzf"]), "--seq", "16k", "--train", str(train), "--heldout", str(held),
-            "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "--fasta",
+        str(fly_files["indexed bgzf"]),
+        "--seq",
+        "16k",
+        "--train",
+        str(train),
+        "--heldout",
+        str(held),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     assert read_manifest(out)["splits"]["train"]["stats"]["windows"] == 200_000 // 16384
     assert main(argv) == 0 and "up to date" in capsys.readouterr().out

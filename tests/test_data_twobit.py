@@ -128,8 +128,19 @@ def test_prepared_dataset_identical_to_fasta(genome: dict, tmp_path: Path) -> No
     outs = {}
     for kind in ("fasta", "twobit"):
         outs[kind] = tmp_path / kind
-        argv = ["--fasta", str(genome[kind]), "--seq", "2048", "--stride", "1500", "--heldout",
-                f"{HG38_RECORDS[1]},gen:1-5000", "--out", str(outs[kind]), "--no-progress"]  # fmt: skip
+        argv = [
+            "--fasta",
+            str(genome[kind]),
+            "--seq",
+            "2048",
+            "--stride",
+            "1500",
+            "--heldout",
+            f"{HG38_RECORDS[1]},gen:1-5000",
+            "--out",
+            str(outs[kind]),
+            "--no-progress",
+        ]
         assert main(argv) == 0
     files = sorted(p.name for p in outs["fasta"].iterdir())
     assert files == sorted(p.name for p in outs["twobit"].iterdir())

@@ -134,8 +134,9 @@ def make_windows(n: int, seq: int, seed: int = 0) -> list[Window]:
 
 def evaluate(config: TrainConfig, windows: list[Window], models: dict, provenance: dict) -> dict:
     """The one-folder result of `windows` scored with models["before"] and models["after"]."""
-    return evaluate_sets(config, [HeldoutSet("synthetic", windows, provenance)], models.__getitem__, "before",
-                         "after")  # fmt: skip
+    return evaluate_sets(
+        config, [HeldoutSet("synthetic", windows, provenance)], models.__getitem__, "before", "after"
+    )
 
 
 def test_score_windows_full_context() -> None:
@@ -199,9 +200,11 @@ def run_synthetic_eval(folder, seq: int = 12, bucket: int = 4) -> dict:
     models = {"before": EmaUnigram(VOCAB, decay=0.0), "after": EmaUnigram(VOCAB, decay=0.95)}
     config = TrainConfig().replace(run="synthetic", seq=str(seq), bucket=bucket, context_cut=True)
     windows = make_windows(4, seq)
-    provenance = {"data_dir": "synthetic", "manifest": "synthetic/manifest.json",
-                  "windows": [{"index": w.index, "record": w.record, "start": w.start, "end": w.end}
-                              for w in windows]}  # fmt: skip
+    provenance = {
+        "data_dir": "synthetic",
+        "manifest": "synthetic/manifest.json",
+        "windows": [{"index": w.index, "record": w.record, "start": w.start, "end": w.end} for w in windows],
+    }
     result = evaluate(config, windows, models, provenance)
     write_outputs(result, folder)
     return result
@@ -215,8 +218,15 @@ def test_writers_json_csv_png_and_table(tmp_path, capsys) -> None:
         raise AssertionError(f"{name} in strict JSON")
 
     saved = json.loads((tmp_path / "buckets.json").read_text(), parse_constant=no_nan)
-    assert saved["settings"] == {"run": "synthetic", "seq": 10, "bucket": 4, "buckets": 3, "windows": 4,
-                                 "eval_windows": 0, "context_cut": True}  # fmt: skip
+    assert saved["settings"] == {
+        "run": "synthetic",
+        "seq": 10,
+        "bucket": 4,
+        "buckets": 3,
+        "windows": 4,
+        "eval_windows": 0,
+        "context_cut": True,
+    }
     assert [(b["start"], b["end"]) for b in saved["buckets"]] == [(0, 4), (4, 8), (8, 10)]
     assert saved["overall"]["change"] == pytest.approx(result["overall"]["change"])
     assert saved["context_cut"]["start"] == 8 and saved["context_cut"]["context"] == 4

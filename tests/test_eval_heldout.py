@@ -98,8 +98,18 @@ def test_eval_command_on_two_genomes(demo_outputs, tmp_path: Path, capsys) -> No
     for window, where in zip((picked.windows[0], picked.windows[1]), picked.provenance["windows"]):
         assert (window.index, window.record, window.start, window.end) == tuple(where.values())
         assert window.record == HG38_RECORDS[1] and window.source == "human" and window.strand == "+"
-    run = ["run=demo", "seq=128", "model=tiny", "bucket=16", "eval_windows=3", f"results_dir={tmp_path}",
-           "--before", provenance["before_model"], "--after", provenance["after_model"]]  # fmt: skip
+    run = [
+        "run=demo",
+        "seq=128",
+        "model=tiny",
+        "bucket=16",
+        "eval_windows=3",
+        f"results_dir={tmp_path}",
+        "--before",
+        provenance["before_model"],
+        "--after",
+        provenance["after_model"],
+    ]
     assert main([*run, f"heldout={fly},{human}"]) == 0
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "demo" / "buckets.json").read_text())

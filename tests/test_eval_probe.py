@@ -84,9 +84,7 @@ def test_probe_construction_by_hand() -> None:
     model = Recorder()
     scores = score_probe(model, [w], length=5, distances=[10, 30])
     (base_ids, base_labels), (ids10, _), (ids30, _) = model.calls
-    assert torch.equal(base_ids, original) and torch.equal(
-        base_labels, w.labels
-    )  # the baseline is untouched
+    assert torch.equal(base_ids, original) and torch.equal(base_labels, w.labels)  # the baseline is untouched
     assert torch.equal(ids10, ids) and torch.equal(ids30[5:10], original[35:40])
     assert not torch.equal(original[5:10], original[35:40]) and not torch.equal(
         original[25:30], original[35:40]
@@ -163,9 +161,20 @@ def test_parse_distances_and_nothing_fits() -> None:
 def test_probe_command_end_to_end(demo_outputs, tmp_path: Path, capsys) -> None:
     eval_result = json.loads(demo_outputs[0].read_text())
     provenance = eval_result["provenance"]
-    run = ["run=demo", "seq=128", "model=tiny", f"data={provenance['data_dir']}", f"results_dir={tmp_path}",
-           "probe_length=16", "probe_distances=16,32,64,128", "probe_windows=2",
-           "--before", provenance["before_model"], "--after", provenance["after_model"]]  # fmt: skip
+    run = [
+        "run=demo",
+        "seq=128",
+        "model=tiny",
+        f"data={provenance['data_dir']}",
+        f"results_dir={tmp_path}",
+        "probe_length=16",
+        "probe_distances=16,32,64,128",
+        "probe_windows=2",
+        "--before",
+        provenance["before_model"],
+        "--after",
+        provenance["after_model"],
+    ]
     assert cli_main(["probe", *run]) == 0
     out = capsys.readouterr().out
     assert "distance 128 skipped: does not fit" in out and "copy_probe.json" in out
@@ -189,10 +198,22 @@ def test_probe_cp2_equals_cp1(demo_outputs, tmp_path: Path, capsys) -> None:
     provenance = json.loads(demo_outputs[0].read_text())["provenance"]
     results = {}
     for cp in (1, 2):
-        run = ["run=demo", "seq=128", "model=tiny", f"data={provenance['data_dir']}",
-               f"results_dir={tmp_path / str(cp)}", "probe_length=16", "probe_distances=16,64",
-               "probe_windows=2", f"cp={cp}", "cp_layout=contiguous",
-               "--before", provenance["before_model"], "--after", provenance["after_model"]]  # fmt: skip
+        run = [
+            "run=demo",
+            "seq=128",
+            "model=tiny",
+            f"data={provenance['data_dir']}",
+            f"results_dir={tmp_path / str(cp)}",
+            "probe_length=16",
+            "probe_distances=16,64",
+            "probe_windows=2",
+            f"cp={cp}",
+            "cp_layout=contiguous",
+            "--before",
+            provenance["before_model"],
+            "--after",
+            provenance["after_model"],
+        ]
         assert cli_main(["probe", *run]) == 0
         results[cp] = json.loads((tmp_path / str(cp) / "demo" / "copy_probe.json").read_text())
     capsys.readouterr()

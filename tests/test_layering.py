@@ -68,9 +68,11 @@ def test_packages_import_one_way() -> None:
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 40  # the walk found the package
     problems = [problem for path in files for problem in violations(path)]
-    rules = "; ".join(f"{package} must not import {', '.join(forbidden)}"
-                      + (f" (except {', '.join(allowed)})" if allowed else "")
-                      for package, (forbidden, allowed) in FORBIDDEN.items())  # fmt: skip
+    rules = "; ".join(
+        f"{package} must not import {', '.join(forbidden)}"
+        + (f" (except {', '.join(allowed)})" if allowed else "")
+        for package, (forbidden, allowed) in FORBIDDEN.items()
+    )
     assert not problems, f"imports against the layering ({rules}):\n" + "\n".join(problems)
 
 

@@ -33,20 +33,43 @@ from genomelm.model.checkpoint import (
 from genomelm.model.config import DENSE, DSA, KDA, MOE, ModelConfig
 from genomelm.model.fp8 import FP8Error, dequantize_fp8_blocks
 
-TINY_VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": 32,
-               "projection_intermediate_size": 32}
+TINY_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 32,
+    "out_hidden_size": 32,
+    "projection_intermediate_size": 32,
+}
 FP8_BLOCK = (16, 24)  # small blocks so tiny weights get several, with partial edge blocks
 FP8_MAX = 448.0
 
 
 def tiny_config() -> ModelConfig:
     return ModelConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=8,
-        qk_nope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=8, index_kpool=4,
-        linear_num_heads=2, linear_head_dim=8, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
-        num_experts_per_tok=2, hc_mult=2, pad_token_id=0,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=8,
+        index_kpool=4,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        hc_mult=2,
+        pad_token_id=0,
         # transformers hands a full layer's top-k only to the very next layer, so the shared layer follows it
-        layer_types=[KDA, DSA, DSA, KDA], mlp_layer_types=[DENSE, MOE, MOE, MOE],
+        layer_types=[KDA, DSA, DSA, KDA],
+        mlp_layer_types=[DENSE, MOE, MOE, MOE],
         indexer_types=["full", "full", "shared", "full"],
     )
 
@@ -71,7 +94,8 @@ def dequantize_by_loops(quantized: torch.Tensor, scale: torch.Tensor, block: tup
 
 
 def quantize_by_loops(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 e4m3 values, fp32 scale per block) with each block's largest magnitude mapped to the FP8 maximum."""
+    """(FP8 e4m3 values, fp32 scale per block) with each block's largest magnitude mapped to the FP8
+    maximum."""
     rows, cols = block
     scale = torch.empty(math.ceil(weight.shape[0] / rows), math.ceil(weight.shape[1] / cols))
     quantized = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
@@ -156,11 +180,18 @@ def official_fp8(reference, tmp_path_factory):
     projection weight FP8 with 16 x 24 block scales; returns (folder, expected internal state dict)."""
     config, _, state, hf_folder = reference
     on_disk = load_file(hf_folder / "model.safetensors")
-    shards: dict[str, dict[str, torch.Tensor]] = {"top.safetensors": {}, "a.safetensors": {}, "b.safetensors": {}}
+    shards: dict[str, dict[str, torch.Tensor]] = {
+        "top.safetensors": {},
+        "a.safetensors": {},
+        "b.safetensors": {},
+    }
     dequantized: dict[str, torch.Tensor] = {}
     for key, tensor in on_disk.items():
-        shard = "top.safetensors" if ".layers." not in key else (
-            "a.safetensors" if ".layers.0." in key or ".layers.1." in key else "b.safetensors")
+        shard = (
+            "top.safetensors"
+            if ".layers." not in key
+            else ("a.safetensors" if ".layers.0." in key or ".layers.1." in key else "b.safetensors")
+        )
         if key.endswith("_proj.weight") and tensor.dim() == 2 and "visual" not in key:
             quantized, scale = quantize_by_loops(tensor, FP8_BLOCK)
             shards[shard][key], shards[shard][key + "_scale_inv"] = quantized, scale
@@ -186,7 +217,7 @@ def official_fp8(reference, tmp_path_factory):
             if which == "down_proj":
                 expected[name][expert] = value
             else:
-                expected[name][expert, (0 if which == "gate_proj" else size):][:size] = value
+                expected[name][expert, (0 if which == "gate_proj" else size) :][:size] = value
         elif text_key.endswith(("f_a_proj.weight", "f_b_proj.weight")):
             layer_attn, leaf = text_key.rsplit(".", 2)[0], ".".join(text_key.rsplit(".", 2)[1:])
             expected[f"{layer_attn}.forget_gate.{leaf}"] = value
@@ -236,8 +267,12 @@ def test_reads_internal_names(reference, tmp_path):
     assert_state_dicts_equal(read_state_dict(folder), state)
     subset = read_state_dict(folder, layers=[2], experts=[3, 1])
     assert subset["layers.2.mlp.experts.gate_up_proj"].shape == (2, 48, 32)
-    assert torch.equal(subset["layers.2.mlp.experts.gate_up_proj"], state["layers.2.mlp.experts.gate_up_proj"][[3, 1]])
-    assert torch.equal(subset["layers.2.mlp.experts.down_proj"], state["layers.2.mlp.experts.down_proj"][[3, 1]])
+    assert torch.equal(
+        subset["layers.2.mlp.experts.gate_up_proj"], state["layers.2.mlp.experts.gate_up_proj"][[3, 1]]
+    )
+    assert torch.equal(
+        subset["layers.2.mlp.experts.down_proj"], state["layers.2.mlp.experts.down_proj"][[3, 1]]
+    )
 
 
 def test_reads_sharded_official_fp8_skipping_vision_and_mtp(official_fp8):
@@ -253,9 +288,12 @@ def test_subset_reads_only_the_requested_tensors(official_fp8, monkeypatch):
     assert set(recorder.files) == {"top.safetensors", "a.safetensors"}  # b.safetensors is never opened
     experts = [f"model.language_model.layers.1.mlp.experts.{e}." for e in (3, 1)]
     allowed = {
-        key for key in json.loads((folder / INDEX_FILE).read_text())["weight_map"]
-        if ".layers." not in key and "visual" not in key
-        or ".layers.1." in key and (".experts." not in key or key.startswith(tuple(experts)))
+        key
+        for key in json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        if ".layers." not in key
+        and "visual" not in key
+        or ".layers.1." in key
+        and (".experts." not in key or key.startswith(tuple(experts)))
     }
     assert set(recorder.reads) == allowed and len(recorder.reads) == len(allowed)
     other_layers = ("layers.0.", "layers.2.", "layers.3.")
@@ -277,7 +315,11 @@ def test_save_round_trip_and_same_layout_as_transformers(reference, tmp_path):
     assert ModelConfig.from_file(folder).text_config_dict() == config.text_config_dict()
 
     ours = {k: v for shard in shards for k, v in load_file(folder / shard).items()}
-    theirs = {k: v for k, v in load_file(hf_folder / "model.safetensors").items() if not k.startswith("model.visual.")}
+    theirs = {
+        k: v
+        for k, v in load_file(hf_folder / "model.safetensors").items()
+        if not k.startswith("model.visual.")
+    }
     assert_state_dicts_equal(ours, theirs)
 
 
@@ -312,11 +354,15 @@ def test_missing_expert_and_missing_scale_name_the_file(official_fp8, tmp_path):
     expert_key = "model.language_model.layers.2.mlp.experts.2.up_proj.weight"
     del index["weight_map"][expert_key]
     (broken / INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"b\.safetensors.*lacks expert weights \[\(2, 'up'\)\].*n_routed"):
+    with pytest.raises(
+        CheckpointError, match=r"b\.safetensors.*lacks expert weights \[\(2, 'up'\)\].*n_routed"
+    ):
         read_state_dict(broken, layers=[2])
     del index["weight_map"]["model.language_model.layers.0.mlp.gate_proj.weight_scale_inv"]
     (broken / INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.gate_proj\.weight in .*a\.safetensors is FP8"):
+    with pytest.raises(
+        CheckpointError, match=r"layers\.0\.mlp\.gate_proj\.weight in .*a\.safetensors is FP8"
+    ):
         read_state_dict(broken, layers=[0])
 
 
@@ -328,7 +374,9 @@ def test_both_layouts_for_one_tensor_is_an_error(reference, tmp_path):
     tensors["model.language_model.layers.0.attn_hc.fn"] = state["layers.0.attn_hc.fn"]
     save_file(tensors, folder / "model.safetensors")
     (folder / "config.json").write_text((hf_folder / "config.json").read_text())
-    with pytest.raises(CheckpointError, match=r"layers\.0\.attn_hc\.fn', .*layers\.0\.hc_attn_fn'\] all map onto"):
+    with pytest.raises(
+        CheckpointError, match=r"layers\.0\.attn_hc\.fn', .*layers\.0\.hc_attn_fn'\] all map onto"
+    ):
         read_state_dict(folder)
 
 
@@ -337,7 +385,9 @@ def test_unknown_preset_empty_folder_and_bad_layers(reference, tmp_path):
     with pytest.raises(CheckpointError, match=r"unknown model preset 'no-such-model'.*checkpoint folder"):
         load_model("no-such-model")
     (tmp_path / "config.json").write_text((hf_folder / "config.json").read_text())
-    with pytest.raises(CheckpointError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"):
+    with pytest.raises(
+        CheckpointError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"
+    ):
         read_state_dict(tmp_path)
     with pytest.raises(CheckpointError, match=r"layers \[7\] do not exist.*0\.\.3"):
         read_state_dict(hf_folder, layers=[7])
@@ -347,9 +397,15 @@ def test_unknown_preset_empty_folder_and_bad_layers(reference, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ model
-FP32_PARAMETERS = ("layers.1.mlp.gate.weight", "layers.1.mlp.gate.e_score_correction_bias",
-                   "layers.0.self_attn.conv1d.weight", "layers.0.self_attn.forget_gate.dt_bias",
-                   "layers.0.self_attn.forget_gate.A_log", "layers.3.attn_hc.base", "layers.3.ffn_hc.scale")
+FP32_PARAMETERS = (
+    "layers.1.mlp.gate.weight",
+    "layers.1.mlp.gate.e_score_correction_bias",
+    "layers.0.self_attn.conv1d.weight",
+    "layers.0.self_attn.forget_gate.dt_bias",
+    "layers.0.self_attn.forget_gate.A_log",
+    "layers.3.attn_hc.base",
+    "layers.3.ffn_hc.scale",
+)
 
 
 def test_load_model_from_transformers_save(reference):
@@ -362,8 +418,12 @@ def test_load_model_in_bf16_keeps_the_fp32_parameters(reference):
     got = load_model(folder, dtype=torch.bfloat16).state_dict()
     for name in FP32_PARAMETERS:
         assert got[name].dtype == torch.float32, name
-    for name in ("embed_tokens.weight", "lm_head.weight", "layers.1.mlp.experts.gate_up_proj",
-                 "layers.2.self_attn.kv_b_proj.weight"):
+    for name in (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "layers.1.mlp.experts.gate_up_proj",
+        "layers.2.self_attn.kv_b_proj.weight",
+    ):
         assert got[name].dtype == torch.bfloat16, name
     for name, value in got.items():
         assert torch.equal(value, state[name].to(value.dtype)), name
@@ -412,20 +472,27 @@ def test_load_model_rejects_a_config_that_does_not_match_the_weights(reference, 
 
     raw["text_config"]["moe_intermediate_size"] = 16
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts.*model\.safetensors.*has shape \(4, 48, 32\).*"
-                       r"expects layers\.1\.mlp\.experts\.gate_up_proj of shape \(4, 32, 32\); config\.json"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.1\.mlp\.experts.*model\.safetensors.*has shape \(4, 48, 32\).*"
+        r"expects layers\.1\.mlp\.experts\.gate_up_proj of shape \(4, 32, 32\); config\.json",
+    ):
         load_model(folder)
 
     raw["text_config"]["moe_intermediate_size"] = 24
     raw["text_config"]["indexer_types"] = ["full"] * 4  # layer 2 would need indexer weights
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match=r"lacks 7 tensor\(s\).*layers\.2\.self_attn\.indexer.*config\.json"):
+    with pytest.raises(
+        CheckpointError, match=r"lacks 7 tensor\(s\).*layers\.2\.self_attn\.indexer.*config\.json"
+    ):
         load_model(folder)
 
     raw["text_config"]["indexer_types"] = ["full", "full", "shared", "full"]
     raw["text_config"]["mlp_layer_types"] = ["dense"] * 4  # layer 1 holds experts on disk
     (folder / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\..*has no place in the model.*mlp_layer_types"):
+    with pytest.raises(
+        CheckpointError, match=r"layers\.1\.mlp\..*has no place in the model.*mlp_layer_types"
+    ):
         load_model(folder)
 
 
@@ -437,7 +504,10 @@ def test_load_preset_random_init_with_a_layer_subset(monkeypatch, tmp_path):
     (tmp_path / "tiny-test.yaml").write_text(yaml.safe_dump(tiny_config().text_config_dict()))
     monkeypatch.setattr(config_module, "PRESET_DIR", tmp_path)
     full = load_model("tiny-test", dtype=torch.bfloat16)
-    assert full.embed_tokens.weight.dtype == torch.bfloat16 and full.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert (
+        full.embed_tokens.weight.dtype == torch.bfloat16
+        and full.layers[1].mlp.gate.weight.dtype == torch.float32
+    )
     assert not any(value.is_meta for value in full.state_dict().values())
     subset = load_model("tiny-test", layers=[2])
     for name, value in subset.state_dict().items():

@@ -1,5 +1,5 @@
-"""GlmForCausalLM plumbing: construction (meta, dtypes, init), dense guard, path table, router stats, indexer loss,
-layer_runner hook."""
+"""GlmForCausalLM plumbing: construction (meta, dtypes, init), dense guard, path table, router stats, indexer
+loss, layer_runner hook."""
 
 from __future__ import annotations
 

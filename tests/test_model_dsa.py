@@ -1,4 +1,5 @@
-"""DSA layer and k-pool indexer against transformers' Glm5NextTextAttention / Glm5NextTextIndexer (fp32, CPU)."""
+"""DSA layer and k-pool indexer against transformers' Glm5NextTextAttention / Glm5NextTextIndexer (fp32,
+CPU)."""
 
 from __future__ import annotations
 

@@ -101,12 +101,16 @@ def test_dense_mlp_chunked_equals_unchunked() -> None:
 
 
 def test_grouped_fallback_without_grouped_gemm_equals_loop() -> None:
-    """In fp64 (no grouped GEMM) the grouped backend slices one `unbind` of the weights: same numbers as the loop."""
-    x = torch.randn(2, 37, tiny_config().hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    """In fp64 (no grouped GEMM) the grouped backend slices one `unbind` of the weights: same numbers as the
+    loop."""
+    x = torch.randn(
+        2, 37, tiny_config().hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(5)
+    )
     reference = _run(_moe("loop", 10_000).double(), x)
     got = _run(_moe("grouped", 9).double(), x)
     # the router runs in fp32 whatever the model's dtype: its weights differ in the last fp32 bits between a
-    # 9-token chunk and the whole sequence (other matmul kernels), so fp32-level tolerances (gradients are ~10)
+    # 9-token chunk and the whole sequence (other matmul kernels), so fp32-level tolerances (gradients are
+    # ~10)
     torch.testing.assert_close(got[0], reference[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got[2], reference[2], rtol=1e-6, atol=1e-6)
     for name, grad in reference[1].items():

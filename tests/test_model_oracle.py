@@ -1,4 +1,5 @@
-"""genomelm's GlmForCausalLM against transformers' Glm5NextTextModel (+ lm_head), every parameter randomised."""
+"""genomelm's GlmForCausalLM against transformers' Glm5NextTextModel (+ lm_head), every parameter
+randomised."""
 
 from __future__ import annotations
 

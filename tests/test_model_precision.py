@@ -1,9 +1,9 @@
-"""bf16 mixed precision on the CPU (CPU autocast stands in for the GPU's): the train step runs, and its numbers
-stay within bf16 rounding of fp32 and of transformers' own bf16 run, on real fly DNA.
+"""bf16 mixed precision on the CPU (CPU autocast stands in for the GPU's): the train step runs, and its
+numbers stay within bf16 rounding of fp32 and of transformers' own bf16 run, on real fly DNA.
 
 Tolerances. bf16 keeps 8 significant bits, so one rounding moves a value by at most U = 2^-8 (0.39%) relative.
-A log-probability is a difference of logits of order one, each the end of a long chain of rounded matmuls, so we
-allow a mean error of 4U (0.016 nats). The largest single-token error is dominated by discrete choices that
+A log-probability is a difference of logits of order one, each the end of a long chain of rounded matmuls, so
+we allow a mean error of 4U (0.016 nats). The largest single-token error is dominated by discrete choices that
 bf16 can flip (an expert or an indexer pool whose score ties with the next within rounding): for it we require
 no worse than 1.5x what transformers' own implementation shows between its bf16 and fp32 runs on the same
 weights and tokens, plus U. Gradients are compared by cosine similarity per parameter (>= 0.99).
@@ -25,7 +25,9 @@ from genomelm.train.memory import LayerRunner, set_chunk_recompute
 ROOT = Path(__file__).resolve().parents[1]
 U = 2.0**-8
 CODES = {"A": 1, "C": 2, "G": 3, "T": 4, "N": 5}
-OPTIONS = RunOptions(attention_query_block=64, indexer_query_block=64, moe_chunk_tokens=300, loss_chunk_tokens=200)
+OPTIONS = RunOptions(
+    attention_query_block=64, indexer_query_block=64, moe_chunk_tokens=300, loss_chunk_tokens=200
+)
 
 
 def fly_tokens(length: int, start: int = 100_000) -> torch.Tensor:
@@ -78,7 +80,9 @@ def transformers_logprobs(model: GlmForCausalLM, ids: torch.Tensor, bf16: bool) 
 
 def cosines(a: dict, b: dict) -> dict[str, float]:
     return {
-        n: float(torch.nn.functional.cosine_similarity(a[n].flatten().double(), b[n].flatten().double(), dim=0))
+        n: float(
+            torch.nn.functional.cosine_similarity(a[n].flatten().double(), b[n].flatten().double(), dim=0)
+        )
         for n in b
     }
 
@@ -87,7 +91,8 @@ def cosines(a: dict, b: dict) -> dict[str, float]:
     "preset,length,changes",
     [
         ("tiny", 256, {}),  # 256 tokens over index_topk 16: the sparse selection matters
-        # every block type at the `small` widths; index_topk covers the window, so no indexer near-tie can flip
+        # every block type at the `small` widths; index_topk covers the window, so no indexer near-tie can
+        # flip
         ("small", 1024, {"index_topk": 1024}),
     ],
 )
@@ -182,8 +187,18 @@ def test_eval_buckets_in_bf16_match_fp32(tmp_path) -> None:
     windows = []
     for start in (300_000, 310_000):
         ids = fly_tokens(512, start=start)[0]
-        windows.append(Window("fly", len(windows), "chr4", start, start + 512, ids,
-                              torch.zeros(512, dtype=torch.bool), BUILTIN))  # fmt: skip
+        windows.append(
+            Window(
+                "fly",
+                len(windows),
+                "chr4",
+                start,
+                start + 512,
+                ids,
+                torch.zeros(512, dtype=torch.bool),
+                BUILTIN,
+            )
+        )
     rows = {}
     for precision in ("fp32", "bf16"):
         scores = score_windows(model, windows, bucket=128, context_cut=True, precision=precision)

@@ -25,14 +25,23 @@ def kernel_manager(folder: Path) -> KernelManager:
     spec = folder / "kernels" / "python3"
     spec.mkdir(parents=True)
     argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "genomelm", "language": "python"}))
-    return KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "genomelm", "language": "python"})
+    )
+    return KernelManager(
+        kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)])
+    )
 
 
 def run_notebook(name: str, tmp_path: Path) -> nbformat.NotebookNode:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3", km=kernel_manager(tmp_path),
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})  # fmt: skip
+    client = NotebookClient(
+        nb,
+        timeout=120,
+        kernel_name="python3",
+        km=kernel_manager(tmp_path),
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
     client.execute()
     return nb
 
@@ -52,8 +61,18 @@ def outputs(nb: nbformat.NotebookNode, kind: str) -> list[str]:
 def demo_run(demo_outputs, results: Path) -> list[str]:
     """Arguments of `genomelm eval`/`probe` for the demo pipeline's run, writing into `results`."""
     provenance = json.loads(demo_outputs[0].read_text())["provenance"]
-    return ["run=demo", "seq=128", "model=tiny", "bucket=16", f"data={provenance['data_dir']}",
-            f"results_dir={results}", "--before", provenance["before_model"], "--after", provenance["after_model"]]  # fmt: skip
+    return [
+        "run=demo",
+        "seq=128",
+        "model=tiny",
+        "bucket=16",
+        f"data={provenance['data_dir']}",
+        f"results_dir={results}",
+        "--before",
+        provenance["before_model"],
+        "--after",
+        provenance["after_model"],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +90,16 @@ def two_set_buckets(demo_outputs, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("two_sets")
     human = root / "human"
     fragments = ROOT / "tests" / "data" / "hg38_fragments.fa.gz"
-    argv = ["--fasta", str(fragments), "--seq", "128", "--heldout", "chr4:41257605-41263290", "--out", str(human)]
+    argv = [
+        "--fasta",
+        str(fragments),
+        "--seq",
+        "128",
+        "--heldout",
+        "chr4:41257605-41263290",
+        "--out",
+        str(human),
+    ]
     assert data_main([*argv, "--no-progress"]) == 0
     data = json.loads(demo_outputs[0].read_text())["provenance"]["data_dir"]
     assert eval_main([*demo_run(demo_outputs, root), "eval_windows=4", f"heldout={data},{human}"]) == 0

@@ -311,7 +311,8 @@ def test_cp_override_keeps_parameters_and_gathers_once_per_layer(
             dtype, local = getattr(torch, dtype_name), seq_len // cp
             latent = BATCH * local * config.kv_lora_rank
             pooled = BATCH * (local // config.index_kpool) * config.index_head_dim
-            # the all-gather moves each part's bytes (under bf16 autocast: the latent and the pooled keys in bf16)
+            # the all-gather moves each part's bytes (under bf16 autocast: the latent and the pooled keys in
+            # bf16)
             size = 2 if variant == "bf16" else dtype.itemsize
             latent_bytes, pooled_bytes = latent * size, pooled * size
             assert (

@@ -1,7 +1,7 @@
 """Expert parallelism (gloo, 2 local processes) equals one process on real fly DNA: the loss, the replicated
-parameters' gradients summed over the ranks, and each rank's slice of the expert gradients; alone (each rank its
-own window, data-parallel style), with context parallelism on the same ranks, with skewed routing (one rank
-receives no rows), under bf16 autocast; plus the capacity guard."""
+parameters' gradients summed over the ranks, and each rank's slice of the expert gradients; alone (each rank
+its own window, data-parallel style), with context parallelism on the same ranks, with skewed routing (one
+rank receives no rows), under bf16 autocast; plus the capacity guard."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def build(skew: bool) -> torch.nn.Module:
 
 def run_step(model: torch.nn.Module, rows: list[torch.Tensor], context: Any, bf16: bool) -> torch.Tensor:
     """One trainer micro-batch (recompute, offload, kept selections): forward under the autocast, backward."""
-    from genomelm.train.step import window_loss
     from genomelm.train.memory import LayerRunner
+    from genomelm.train.step import window_loss
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         loss, _ = window_loss(model, rows, LayerRunner(True, True, True), context)
@@ -126,10 +126,10 @@ def ep_rank(
 def compare_grads(
     results: list[dict], reference: dict[str, torch.Tensor], rtol: float, copies: int = 1
 ) -> dict[str, float]:
-    """Replicated parameters: the gradients summed over the ranks equal the reference's. Expert parameters: each
-    rank's gradient equals its slice of the reference's, unsummed (the owner already has every rank's tokens'
-    contribution). `copies`: how many ranks ran the reference's windows (2 when both ran the same one, each
-    with the whole loss: every gradient is then twice the reference's). Returns the largest
+    """Replicated parameters: the gradients summed over the ranks equal the reference's. Expert parameters:
+    each rank's gradient equals its slice of the reference's, unsummed (the owner already has every rank's
+    tokens' contribution). `copies`: how many ranks ran the reference's windows (2 when both ran the same one,
+    each with the whole loss: every gradient is then twice the reference's). Returns the largest
     |difference| / max|reference| of each kind."""
     worst = {"replicated": 0.0, "experts": 0.0}
     for name, ref in reference.items():
@@ -185,8 +185,8 @@ def test_cp2_ep2_equals_one_process() -> None:
 
 
 def test_skewed_routing_equals_one_process() -> None:
-    """Every token routed to rank 0's experts: rank 1 computes nothing, but joins every exchange. Both ranks run
-    window 0 (half the reference's cost)."""
+    """Every token routed to rank 0's experts: rank 1 computes nothing, but joins every exchange. Both ranks
+    run window 0 (half the reference's cost)."""
     ref = one_process([0], skew=True)
     results = launch(ep_rank, EP, LENGTH, None, True, False, True, timeout_s=TIMEOUT_S)
     assert set(results[1]["received"].values()) == {0}
@@ -215,8 +215,8 @@ def test_bf16_ep2_close_to_one_process() -> None:
 
 
 def capacity_rank() -> str:
-    """Skewed routing (rank 0 gets 2x the mean rows) against a capacity factor of 1.5: every rank must raise the
-    same error, which is then raised again here for the parent."""
+    """Skewed routing (rank 0 gets 2x the mean rows) against a capacity factor of 1.5: every rank must raise
+    the same error, which is then raised again here for the parent."""
     from genomelm.parallel.expert import ExpertCapacityError, apply_expert_parallel
 
     model = build(skew=True)

@@ -123,16 +123,22 @@ def test_export_bf16_by_default_keeps_the_fp32_parameters(sharded_run, tmp_path)
     got = load_model(out, dtype=torch.bfloat16).state_dict()
     want = reference_model().state_dict()
     fp32 = {name for name, tensor in got.items() if tensor.dtype == torch.float32}
-    assert {"layers.1.mlp.gate.weight", "layers.1.mlp.gate.e_score_correction_bias", "layers.0.attn_hc.base",
-            "layers.0.self_attn.conv1d.weight"} <= fp32  # fmt: skip
+    assert {
+        "layers.1.mlp.gate.weight",
+        "layers.1.mlp.gate.e_score_correction_bias",
+        "layers.0.attn_hc.base",
+        "layers.0.self_attn.conv1d.weight",
+    } <= fp32
     assert got["embed_tokens.weight"].dtype == torch.bfloat16
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor.to(got[name].dtype)), name
     # on disk too: the router stays fp32, the experts are bf16
     weight_map = json.loads((out / INDEX_FILE).read_text())["weight_map"]
     dtypes = {}
-    for key in ("model.language_model.layers.1.mlp.gate.weight",
-                "model.language_model.layers.1.mlp.experts.3.up_proj.weight"):  # fmt: skip
+    for key in (
+        "model.language_model.layers.1.mlp.gate.weight",
+        "model.language_model.layers.1.mlp.experts.3.up_proj.weight",
+    ):
         with safe_open(out / weight_map[key], framework="pt") as handle:
             dtypes[key.split(".")[-2]] = handle.get_tensor(key).dtype
     assert dtypes == {"gate": torch.float32, "up_proj": torch.bfloat16}
@@ -320,7 +326,8 @@ def save_and_load_with_the_trainer_on_rank(run_dir: str, weights: dict[str, torc
 def test_export_and_rank_loading_with_the_trainers_expert_parallel_layout(hf_folder, tmp_path):
     want = reference_model().state_dict()
     run = tmp_path / "run"
-    assert launch(save_and_load_with_the_trainer_on_rank, 2, str(run), want, str(hf_folder),
-                  timeout_s=TIMEOUT_S) == [True, True]  # fmt: skip
+    assert launch(
+        save_and_load_with_the_trainer_on_rank, 2, str(run), want, str(hf_folder), timeout_s=TIMEOUT_S
+    ) == [True, True]
     export_checkpoint(run, tmp_path / "hf", torch.float32)
     assert_same_tensors(load_model(tmp_path / "hf").state_dict(), want)

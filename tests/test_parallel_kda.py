@@ -35,7 +35,8 @@ BATCH = 2
 CHUNK = 16
 LAUNCH_TIMEOUT_S = 120.0
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
-# (layout, dtype, backend); "recurrent" runs its own core from the handed-over state (torch summary), as fla does
+# (layout, dtype, backend); "recurrent" runs its own core from the handed-over state (torch summary), as fla
+# does
 CASES = [(kind, dtype, "torch") for kind in (ZIGZAG, CONTIGUOUS) for dtype in ("float64", "float32")]
 CASES.append((ZIGZAG, "float64", "recurrent"))
 

@@ -23,16 +23,22 @@ def test_layouts_refused_with_the_reason() -> None:
     assert ParallelDims(2, 4, 4).coordinates(5) == {"dp": 1, "cp": 1, "ep": 1, "edp": 1}
     with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4.*\[1, 2, 4\]"):
         ParallelDims(2, 2, 3).check()
-    with pytest.raises(ValueError, match=r"ep=4 does not divide the model's 6 routed experts.*one of \[1, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"ep=4 does not divide the model's 6 routed experts.*one of \[1, 2\]"
+    ):
         ParallelDims(4, 1, 4).check(num_experts=6)
     with pytest.raises(ValueError, match="dp=0"):
         ParallelDims(0, 1, 1).check()
     with pytest.raises(ValueError, match="does not divide the model's 8 routed experts"):  # the tiny preset
         check_context_parallel(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=3", "cp=2", "ep=6"]))
     with pytest.raises(ValueError, match="optimizer_offload=true runs on GPUs only"):
-        check_context_parallel(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=2", "optimizer_offload=true"]))
+        check_context_parallel(
+            TrainConfig.load(None, ["model=tiny", "seq=512", "dp=2", "optimizer_offload=true"])
+        )
     with pytest.raises(ValueError, match="needs fsdp=true"):
-        check_context_parallel(TrainConfig.load(None, ["model=tiny", "dp=2", "fsdp=false", "optimizer_offload=true"]))
+        check_context_parallel(
+            TrainConfig.load(None, ["model=tiny", "dp=2", "fsdp=false", "optimizer_offload=true"])
+        )
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +50,24 @@ def train_losses(data: Path, runs: Path, name: str, *settings: str) -> list[floa
     """`genomelm train` on the tiny preset (3 steps unless set); the losses of metrics.jsonl in step order."""
     from genomelm.train.command import main as train_main
 
-    args = [f"data={data}", "seq=512", "model=tiny", f"run={name}", f"runs_dir={runs}", "steps=3",
-            "warmup_steps=1", "lr=3e-3", "wandb=disabled", "rc_aug=0.5", *settings]  # fmt: skip
+    args = [
+        f"data={data}",
+        "seq=512",
+        "model=tiny",
+        f"run={name}",
+        f"runs_dir={runs}",
+        "steps=3",
+        "warmup_steps=1",
+        "lr=3e-3",
+        "wandb=disabled",
+        "rc_aug=0.5",
+        *settings,
+    ]
     assert train_main(args) == 0
     rows = [json.loads(row) for row in (runs / name / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in sorted({row["step"]: row for row in rows}.values(), key=lambda r: r["step"])]
+    return [
+        row["loss"] for row in sorted({row["step"]: row for row in rows}.values(), key=lambda r: r["step"])
+    ]
 
 
 @pytest.mark.slow
@@ -60,8 +79,12 @@ def test_data_parallel_and_fsdp_equal_one_process(fly_data, tmp_path) -> None:
     assert train_losses(fly_data, tmp_path, "dp2-plain", "dp=2", "fsdp=false") == pytest.approx(one, rel=1e-5)
     assert train_losses(fly_data, tmp_path, "dp2cp2", "dp=2", "cp=2") == pytest.approx(one, rel=1e-5)
     assert train_losses(fly_data, tmp_path, "dp2ep2", "dp=2", "ep=2") == pytest.approx(one, rel=1e-5)
-    windows = [json.loads(r)["windows"] for r in (tmp_path / "dp2cp2" / "metrics.jsonl").read_text().splitlines()]
-    assert windows == [json.loads(r)["windows"] for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    windows = [
+        json.loads(r)["windows"] for r in (tmp_path / "dp2cp2" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert windows == [
+        json.loads(r)["windows"] for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.slow
@@ -69,7 +92,9 @@ def test_context_and_expert_parallel_on_two_ranks_equal_one_process(fly_data, tm
     """cp=2 x ep=2 on 2 ranks: each window split over both, the experts too; bf16 FSDP (bf16 parameters,
     fp32 reduction) under CPU autocast stays within bf16 rounding of one bf16 process."""
     one = train_losses(fly_data, tmp_path, "one", "steps=2")
-    assert train_losses(fly_data, tmp_path, "cp2ep2", "cp=2", "ep=2", "steps=2") == pytest.approx(one, rel=1e-5)
+    assert train_losses(fly_data, tmp_path, "cp2ep2", "cp=2", "ep=2", "steps=2") == pytest.approx(
+        one, rel=1e-5
+    )
     one_bf16 = train_losses(fly_data, tmp_path, "one-bf16", "steps=2", "precision=bf16", "grad_accum=2")
     dp2_bf16 = train_losses(fly_data, tmp_path, "dp2-bf16", "steps=2", "precision=bf16", "dp=2", "ep=2")
     assert dp2_bf16 == pytest.approx(one_bf16, rel=4 * 2**-8)
@@ -100,8 +125,10 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> 
         assert not half_written.parent.exists()  # removed by the resumed run, never read
     from genomelm.model import load_model
 
-    final = {name: load_model(tmp_path / name / "checkpoints" / "step-0000004" / "model").state_dict()
-             for name in ("full", "at4")}  # the Hugging Face copies of the last checkpoints  # fmt: skip
+    final = {
+        name: load_model(tmp_path / name / "checkpoints" / "step-0000004" / "model").state_dict()
+        for name in ("full", "at4")
+    }  # the Hugging Face copies of the last checkpoints
     for key, value in final["full"].items():
         torch.testing.assert_close(final["at4"][key], value, rtol=1e-4, atol=1e-6, msg=key)
 

@@ -51,9 +51,21 @@ def fly(tmp_path_factory) -> Path:
 
 
 def run_settings(data: Path, runs: Path, run: str, *extra: str) -> list[str]:
-    return [f"data={data}", "seq=256", "model=tiny", f"run={run}", f"runs_dir={runs}", "steps=5",
-            "save_every=2", "warmup_steps=1", "lr=3e-3", "wandb=disabled", "cp=2", "rc_aug=0.5",
-            *extra]  # fmt: skip
+    return [
+        f"data={data}",
+        "seq=256",
+        "model=tiny",
+        f"run={run}",
+        f"runs_dir={runs}",
+        "steps=5",
+        "save_every=2",
+        "warmup_steps=1",
+        "lr=3e-3",
+        "wandb=disabled",
+        "cp=2",
+        "rc_aug=0.5",
+        *extra,
+    ]
 
 
 def step_losses(runs: Path, run: str) -> dict[int, float]:
@@ -74,8 +86,9 @@ def local_losses(fly: Path, tmp_path_factory) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_ray_run_equals_local_launcher(ray_cluster: None, fly: Path, local_losses: dict[int, float],
-                                       tmp_path: Path) -> None:  # fmt: skip
+def test_ray_run_equals_local_launcher(
+    ray_cluster: None, fly: Path, local_losses: dict[int, float], tmp_path: Path
+) -> None:
     from genomelm.train.command import launch_training
 
     summary = launch_training(TrainConfig.load(None, run_settings(fly, tmp_path, "ray", "launcher=ray")))
@@ -88,9 +101,9 @@ def test_ray_run_equals_local_launcher(ray_cluster: None, fly: Path, local_losse
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_from_last_checkpoint(ray_cluster: None, fly: Path,
-                                                     local_losses: dict[int, float], tmp_path: Path,
-                                                     monkeypatch) -> None:  # fmt: skip
+def test_killed_worker_restarts_from_last_checkpoint(
+    ray_cluster: None, fly: Path, local_losses: dict[int, float], tmp_path: Path, monkeypatch
+) -> None:
     """Rank 1 exits hard after step 3; checkpoints at steps 2 and 4: the group restarts from step 2, redoes
     step 3 and ends with the losses of the uninterrupted run."""
     from genomelm.train.command import launch_training
@@ -107,8 +120,9 @@ def test_killed_worker_restarts_from_last_checkpoint(ray_cluster: None, fly: Pat
 
 
 @pytest.mark.slow
-def test_killed_worker_without_restarts_fails_with_its_exit(ray_cluster: None, fly: Path, tmp_path: Path,
-                                                            monkeypatch) -> None:
+def test_killed_worker_without_restarts_fails_with_its_exit(
+    ray_cluster: None, fly: Path, tmp_path: Path, monkeypatch
+) -> None:
     """max_failures=0: the run stops at the first lost worker, and the error says which rank died."""
     from genomelm.train.command import launch_training
     from genomelm.train.faults import FAULT_ENV
@@ -125,10 +139,13 @@ def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
 
     monkeypatch.setattr(ray_launch, "train_with_ray", None)  # nothing may start
     with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4"):  # the mesh checks run first
-        command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "dp=2", "cp=2", "ep=3"]))
+        command.launch_training(
+            TrainConfig.load(None, ["model=tiny", "launcher=ray", "dp=2", "cp=2", "ep=3"])
+        )
     with pytest.raises(ValueError, match="resume=auto"):
-        command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "max_failures=1",
-                                                        "resume=never"]))  # fmt: skip
+        command.launch_training(
+            TrainConfig.load(None, ["model=tiny", "launcher=ray", "max_failures=1", "resume=never"])
+        )
     with pytest.raises(ValueError, match="launcher must be one of local, ray, not 'slurm'"):
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=slurm"]))
     with pytest.raises(ValueError, match="multiple of 384 tokens"):  # the cp checks run first too

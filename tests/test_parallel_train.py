@@ -39,8 +39,8 @@ def step_on_rank(preset: str, length: int, kind: str) -> tuple[float, dict[str, 
     from genomelm.model import load_model
     from genomelm.parallel.context import apply_context_parallel
     from genomelm.parallel.training import ContextRun
-    from genomelm.train.step import window_loss
     from genomelm.train.memory import LayerRunner
+    from genomelm.train.step import window_loss
 
     torch.manual_seed(0)
     model = load_model(preset)
@@ -77,8 +77,19 @@ def test_genomelm_train_cp2_equals_cp1(tmp_path) -> None:
     data = fly_windows(tmp_path / "fly", "1-4096", 512)
     losses = {}
     for cp in (1, 2):
-        run = [f"data={data}", "seq=512", "model=tiny", f"run=cp{cp}", f"runs_dir={tmp_path / 'runs'}",
-               "steps=3", "warmup_steps=1", "lr=3e-3", "wandb=disabled", f"cp={cp}", "rc_aug=0.5"]  # fmt: skip
+        run = [
+            f"data={data}",
+            "seq=512",
+            "model=tiny",
+            f"run=cp{cp}",
+            f"runs_dir={tmp_path / 'runs'}",
+            "steps=3",
+            "warmup_steps=1",
+            "lr=3e-3",
+            "wandb=disabled",
+            f"cp={cp}",
+            "rc_aug=0.5",
+        ]
         assert train_main(run) == 0
         rows = (tmp_path / "runs" / f"cp{cp}" / "metrics.jsonl").read_text().splitlines()
         losses[cp] = [json.loads(row)["loss"] for row in rows]
@@ -89,8 +100,21 @@ def test_genomelm_train_cp2_equals_cp1(tmp_path) -> None:
     buckets = {}
     for cp in (1, 2):  # the cp=1 run's models, scored in 1 and 2 processes
         results = tmp_path / f"results-cp{cp}"
-        assert eval_main([f"data={data}", "seq=512", "model=tiny", "run=cp1", f"runs_dir={tmp_path / 'runs'}",
-                          f"results_dir={results}", "bucket=128", f"cp={cp}"]) == 0  # fmt: skip
+        assert (
+            eval_main(
+                [
+                    f"data={data}",
+                    "seq=512",
+                    "model=tiny",
+                    "run=cp1",
+                    f"runs_dir={tmp_path / 'runs'}",
+                    f"results_dir={results}",
+                    "bucket=128",
+                    f"cp={cp}",
+                ]
+            )
+            == 0
+        )
         buckets[cp] = json.loads((results / "cp1" / "buckets.json").read_text())["buckets"]
     assert len(buckets[1]) == len(buckets[2]) == 4
     for one, two in zip(buckets[1], buckets[2], strict=True):
@@ -107,7 +131,10 @@ def test_bad_context_parallel_settings_refused_before_launch(monkeypatch) -> Non
     with pytest.raises(LayoutError, match="does not split"):  # more ranks than the window has chunks
         command.check_context_parallel(TrainConfig.load(None, ["model=tiny", "seq=256", "cp=4"]))
     with pytest.raises(LayoutError, match="a window of 64 tokens"):  # a warm-up crop that cannot split
-        command.check_context_parallel(TrainConfig.load(None, [
-            "model=tiny", "seq=1024", "cp=2", "seq_warmup_steps=4", "seq_warmup_start=64"]))
+        command.check_context_parallel(
+            TrainConfig.load(
+                None, ["model=tiny", "seq=1024", "cp=2", "seq_warmup_steps=4", "seq_warmup_start=64"]
+            )
+        )
     with pytest.raises(ValueError, match="cp=0"):
         command.check_context_parallel(TrainConfig.load(None, ["model=tiny", "cp=0"]))

@@ -24,15 +24,22 @@ from genomelm.train.plan_trace import StepTrace, _grouped_mm_flops, reduced_laye
 from genomelm.train.plan_types import GIB, Assumptions, load_assumptions
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_CHUNKS = ["offload=false", "moe_chunk_tokens=64", "loss_chunk_tokens=64", "indexer_query_block=32",
-                "attention_query_block=32"]
+SMALL_CHUNKS = [
+    "offload=false",
+    "moe_chunk_tokens=64",
+    "loss_chunk_tokens=64",
+    "indexer_query_block=32",
+    "attention_query_block=32",
+]
 
 
 def test_reduced_layers_cover_every_kind():
     config = ModelConfig.preset("glm-5.3-flash")
     layers = reduced_layers(config)
-    kinds = {(config.layer_types[i], config.mlp_layer_types[i], config.indexer_types[i])
-             for i in range(config.num_hidden_layers)}
+    kinds = {
+        (config.layer_types[i], config.mlp_layer_types[i], config.indexer_types[i])
+        for i in range(config.num_hidden_layers)
+    }
     assert len(layers) == len(kinds) and layers == sorted(layers)
     sub = sub_config(config, layers)
     assert sub.num_hidden_layers == len(layers) and sub.hidden_size == config.hidden_size
@@ -65,7 +72,8 @@ def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
     assert assumptions.mfu == 0.5 and assumptions.imbalance == 2.0 and assumptions.imbalance_source == "set"
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text(
-        json.dumps({"step": 1, "router/3/max_over_mean": 2.5, "router/4/max_over_mean": 3.25}) + "\n")
+        json.dumps({"step": 1, "router/3/max_over_mean": 2.5, "router/4/max_over_mean": 3.25}) + "\n"
+    )
     measured = load_assumptions(config.replace(imbalance=0.0))
     assert measured.imbalance == 3.25 and "measured" in measured.imbalance_source
 
@@ -88,8 +96,9 @@ def _real_step(config: TrainConfig, preset: str, tokens: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "seq", "cp"), [("tiny", 512, 1), ("tiny", 1024, 2), ("tiny", 2048, 4),
-                                                   ("small", 2048, 1)])
+@pytest.mark.parametrize(
+    ("preset", "seq", "cp"), [("tiny", 512, 1), ("tiny", 1024, 2), ("tiny", 2048, 4), ("small", 2048, 1)]
+)
 def test_planned_peak_equals_measured_peak(preset, seq, cp):
     """The plan (one layer of each kind traced on fake tensors, scaled to all layers) against the whole
     model's real step, measured with the same tracker on every rank."""
@@ -103,8 +112,9 @@ def test_planned_peak_equals_measured_peak(preset, seq, cp):
     else:
         measured = launch(_real_step, cp, config, preset, seq // cp, timeout_s=600)
     # steady state: from the second step on, AdamW's state is live through the forward and backward too
-    peak = max(max(m.step_peak_total + m.optimizer_peak.get("Optstate", 0), m.optimizer_peak_total)
-               for m in measured)
+    peak = max(
+        max(m.step_peak_total + m.optimizer_peak.get("Optstate", 0), m.optimizer_peak_total) for m in measured
+    )
     assert abs(plan.peak_gib_per_rank * GIB - peak) <= 0.10 * peak, (plan.peak_gib_per_rank * GIB, peak)
     if cp > 1:
         traced = sum(sum(c.values()) for c in measured[-1].comm.values())
@@ -114,8 +124,9 @@ def test_planned_peak_equals_measured_peak(preset, seq, cp):
 
 @pytest.mark.slow
 def test_check_fits_refuses_with_the_layouts_it_tried_unless_forced():
-    config = TrainConfig.from_args(["model=glm-5.3-flash", "seq=4096", "gpus=1",
-                                    "moe_chunk_tokens=256", "loss_chunk_tokens=256"])
+    config = TrainConfig.from_args(
+        ["model=glm-5.3-flash", "seq=4096", "gpus=1", "moe_chunk_tokens=256", "loss_chunk_tokens=256"]
+    )
     config = config.replace(trace_tokens=256)
     with pytest.raises(PlanError, match="does not fit.*no layout of 1 x B200 fits.*force=true"):
         check_fits(config)
@@ -126,15 +137,36 @@ def test_check_fits_refuses_with_the_layouts_it_tried_unless_forced():
 @pytest.mark.slow
 def test_plan_command_full_model_on_the_cpu(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "genomelm.cli", "plan", "configs/train/hg38-1m.yaml", f"runs_dir={tmp_path}",
-         "dp=4", "cp=16", "ep=32", "optimizer_offload=true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "genomelm.cli",
+            "plan",
+            "configs/train/hg38-1m.yaml",
+            f"runs_dir={tmp_path}",
+            "dp=4",
+            "cp=16",
+            "ep=32",
+            "optimizer_offload=true",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert "traced 3 of 45 layers" in out.stdout and "optimizer_offload True" in out.stdout
     plan = json.loads((tmp_path / "hg38-1m" / "plan.json").read_text())
-    for key in ("fits", "peak_gib_per_rank", "host_gib_per_node", "flops_per_token", "comm_bytes_per_step",
-                "tokens_per_s_projected", "assumptions"):
+    for key in (
+        "fits",
+        "peak_gib_per_rank",
+        "host_gib_per_node",
+        "flops_per_token",
+        "comm_bytes_per_step",
+        "tokens_per_s_projected",
+        "assumptions",
+    ):
         assert key in plan
     assert plan["gpus"] == 64 and plan["peak_gib_per_rank"] > 0 and plan["tokens_per_s_projected"] > 0
 
@@ -149,12 +181,17 @@ class _StubTraces(TraceCache):
         numel = model_numel(model_config)
         self.layers = layers
         self.trace = StepTrace(
-            tokens_per_rank=0, cp=1, layers=layers,
+            tokens_per_rank=0,
+            cp=1,
+            layers=layers,
             param_numel={**{f"layers.{i}": numel[f"layers.{i}"] for i in layers}, "rest": numel["rest"]},
-            step_peak={"Activation": 8 << 20}, optimizer_peak={"Optstate": 1},
+            step_peak={"Activation": 8 << 20},
+            optimizer_peak={"Optstate": 1},
             kept={i: 1 << 20 for i in layers},
-            transients={"lm_head": 0}, flops={**{f"layers.{i}": 0 for i in layers}, "rest": 0},
-            host_bytes=len(layers) << 20)
+            transients={"lm_head": 0},
+            flops={**{f"layers.{i}": 0 for i in layers}, "rest": 0},
+            host_bytes=len(layers) << 20,
+        )
 
     def prefetch(self, *args, **kwargs) -> None:
         pass
@@ -212,7 +249,8 @@ def test_optimizer_offload_and_layer_input_offload_move_bytes_to_the_host():
     inputs = on.host_gib_per_node["offloaded layer inputs (pinned)"] / 4  # per rank
     assert "offloaded layer inputs (pinned)" not in off.host_gib_per_node
     assert off.device_gib["saved activations (all layers)"] == pytest.approx(
-        on.device_gib["saved activations (all layers)"] + inputs)
+        on.device_gib["saved activations (all layers)"] + inputs
+    )
     single, _, _ = _stub_plan(dp=1, cp=1, ep=1, optimizer_offload=True)
     assert not single.optimizer_offload and not single.fsdp and "ignored" in single.notes[0]
 
@@ -222,8 +260,9 @@ def test_refusal_names_the_best_fitting_layout(monkeypatch):
     plan, _, _ = _stub_plan()
     too_big = dataclasses.replace(plan, fits=False, peak_gib_per_rank=250.0)
     slow = dataclasses.replace(plan, dp=4, cp=1, ep=4, tokens_per_s_projected=10.0, peak_gib_per_rank=90.0)
-    fast = dataclasses.replace(plan, dp=1, cp=4, ep=2, offload=False, tokens_per_s_projected=20.0,
-                               peak_gib_per_rank=120.0)
+    fast = dataclasses.replace(
+        plan, dp=1, cp=4, ep=2, offload=False, tokens_per_s_projected=20.0, peak_gib_per_rank=120.0
+    )
     config = TrainConfig.from_args(["model=tiny", "seq=1024", "dp=2", "cp=2", "ep=2"])
     message = refusal(config, too_big, rank([too_big, slow, fast]))
     assert message.startswith("run ") and "250.0 GiB per rank > 178 GiB usable on B200" in message
@@ -246,8 +285,18 @@ def test_trainer_logs_tracked_peak_next_to_the_plan(tmp_path):
     from genomelm.train.command import main as train_main
 
     data = fly_windows(tmp_path / "fly", "1-2048", 512, heldout="200001-200512")
-    settings = [f"data={data}", "seq=512", "model=tiny", "run=tracked", f"runs_dir={tmp_path / 'runs'}",
-                "steps=2", "warmup_steps=1", "wandb=disabled", "track_memory=true", *SMALL_CHUNKS]
+    settings = [
+        f"data={data}",
+        "seq=512",
+        "model=tiny",
+        "run=tracked",
+        f"runs_dir={tmp_path / 'runs'}",
+        "steps=2",
+        "warmup_steps=1",
+        "wandb=disabled",
+        "track_memory=true",
+        *SMALL_CHUNKS,
+    ]
     assert train_main(settings) == 0
     metrics = tmp_path / "runs" / "tracked" / "metrics.jsonl"
     rows = [json.loads(row) for row in metrics.read_text().splitlines()]

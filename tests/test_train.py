@@ -25,10 +25,23 @@ GENOME = ROOT / "data" / "dmel_chr4.fa.gz"
 
 
 def prepare(out: Path, train_region: str, seq: int) -> Path:
-    code = data_main([
-        "--fasta", str(GENOME), "--genome", out.name, "--train", train_region,
-        "--heldout", "NC_004353.4:200001-201024", "--seq", str(seq), "--out", str(out), "--no-progress",
-    ])
+    code = data_main(
+        [
+            "--fasta",
+            str(GENOME),
+            "--genome",
+            out.name,
+            "--train",
+            train_region,
+            "--heldout",
+            "NC_004353.4:200001-201024",
+            "--seq",
+            str(seq),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     return out
 
@@ -48,8 +61,16 @@ def many_windows(tmp_path_factory) -> Path:
 def settings(tmp_path: Path, data: Path, **overrides) -> list[str]:
     """The run's `key=value` settings, as `genomelm train` takes them."""
     settings = {
-        "run": "t", "model": "tiny", "data": str(data), "seq": str(overrides.pop("seq", 128)), "steps": 6,
-        "lr": 3e-3, "warmup_steps": 2, "save_every": 3, "wandb": "disabled", "runs_dir": str(tmp_path / "runs"),
+        "run": "t",
+        "model": "tiny",
+        "data": str(data),
+        "seq": str(overrides.pop("seq", 128)),
+        "steps": 6,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "save_every": 3,
+        "wandb": "disabled",
+        "runs_dir": str(tmp_path / "runs"),
         "results_dir": str(tmp_path / "results"),
     }
     settings.update(overrides)
@@ -65,8 +86,17 @@ def metrics(cfg: TrainConfig) -> list[dict]:
 
 
 def test_overfits_one_repeated_window(tmp_path, one_window):
-    cfg = config(tmp_path, one_window, seq=256, steps=50, lr=5e-3, warmup_steps=5, min_lr_ratio=1.0,
-                 weight_decay=0.0, save_every=1000)
+    cfg = config(
+        tmp_path,
+        one_window,
+        seq=256,
+        steps=50,
+        lr=5e-3,
+        warmup_steps=5,
+        min_lr_ratio=1.0,
+        weight_decay=0.0,
+        save_every=1000,
+    )
     losses = train(cfg, progress=False)["losses"]
     assert len(losses) == 50
     assert min(losses) < 0.2 * losses[0], losses
@@ -106,8 +136,12 @@ def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, 
         return root.is_dir() and any(p.name.startswith(TMP_PREFIX) for p in root.iterdir())
 
     for _attempt in range(5):  # the kill can land just after a rename; then try again
-        proc = subprocess.Popen([sys.executable, "-m", "genomelm.cli", "train", *overrides],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "genomelm.cli", "train", *overrides],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
         deadline = time.monotonic() + 300
         try:
             # wait for one complete checkpoint, then kill while the next one is being written
@@ -155,7 +189,9 @@ def test_memory_switches_do_not_change_numbers(recompute, offload, keep_selectio
     calls = []
     real_select = Indexer.select
     monkeypatch.setattr(Indexer, "select", lambda self, *a: calls.append(1) or real_select(self, *a))
-    loss, grads = loss_and_grads(LayerRunner(recompute=recompute, offload=offload, keep_selection=keep_selection))
+    loss, grads = loss_and_grads(
+        LayerRunner(recompute=recompute, offload=offload, keep_selection=keep_selection)
+    )
     runs_indexer_twice = recompute and not keep_selection
     assert len(calls) == len(model.config.dsa_layers) * (2 if runs_indexer_twice else 1)
     assert torch.equal(loss, base_loss)
@@ -168,7 +204,9 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, many_windows, monkeypa
     from genomelm.model.model import GlmForCausalLM
 
     real_forward = GlmForCausalLM.forward
-    monkeypatch.setattr(GlmForCausalLM, "forward", lambda self, *a, **k: real_forward(self, *a, **k) * float("nan"))
+    monkeypatch.setattr(
+        GlmForCausalLM, "forward", lambda self, *a, **k: real_forward(self, *a, **k) * float("nan")
+    )
     cfg = config(tmp_path, many_windows, steps=10, max_bad_steps=3)
     with pytest.raises(NonFiniteLoss, match="3 non-finite steps in a row"):
         train(cfg, progress=False)
@@ -188,7 +226,9 @@ def test_trained_checkpoint_loads_in_transformers(tmp_path, many_windows):
     ).eval()
     ids = torch.randint(1, 5, (1, 64))
     with torch.no_grad():
-        expected = torch.log_softmax(theirs(input_ids=ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        expected = torch.log_softmax(theirs(input_ids=ids).logits.float(), -1)[0, :-1].gather(
+            -1, ids[0, 1:, None]
+        )[:, 0]
         got = ours.token_logprobs(ids)[0]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
@@ -197,7 +237,11 @@ def test_trained_checkpoint_loads_in_transformers(tmp_path, many_windows):
 def test_dry_run_full_model_without_gpu():
     out = subprocess.run(
         [sys.executable, "-m", "genomelm.cli", "train", "configs/train/hg38-512k.yaml", "dry_run=true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     text = out.stdout

@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_flat_and_dotted_keys_reach_the_same_group() -> None:
     flat = TrainConfig.from_args(["lr=2e-5", "cp=2", "moe_chunk_tokens=512", "kda_backend=torch"])
-    dotted = TrainConfig.from_args(["optim.lr=2e-5", "parallel.cp=2", "model_options.moe_chunk_tokens=512",
-                                    "model_options.kda_backend=torch"])  # fmt: skip
+    dotted = TrainConfig.from_args(
+        [
+            "optim.lr=2e-5",
+            "parallel.cp=2",
+            "model_options.moe_chunk_tokens=512",
+            "model_options.kda_backend=torch",
+        ]
+    )
     assert flat == dotted
     assert flat.optim.lr == 2e-5 and flat.parallel.cp == 2 and flat.model_options.moe_chunk_tokens == 512
     with pytest.raises(ValueError, match="unknown run setting 'optim.cp'"):
@@ -32,7 +38,9 @@ def test_yaml_sections_flat_keys_and_later_files_override(tmp_path: Path) -> Non
     extra.write_text("parallel:\n  launcher: ray\noptim:\n  steps: 9\n")
     config = TrainConfig.from_args([str(base), str(extra), "warmup_steps=2"])
     assert (config.run, config.optim.lr, config.optim.steps, config.optim.warmup_steps) == ("r", 3e-3, 9, 2)
-    assert not config.memory.offload and config.checkpoint.save_every == 7 and config.parallel.launcher == "ray"
+    assert (
+        not config.memory.offload and config.checkpoint.save_every == 7 and config.parallel.launcher == "ray"
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  recompute: true\n")
     with pytest.raises(ValueError, match=r"bad.yaml: unknown run setting 'optim.recompute'"):

@@ -21,10 +21,26 @@ GENOME = ROOT / "data" / "dmel_chr4.fa.gz"
 
 
 def prepare(out: Path, region: str, seq: int) -> Path:
-    assert data_main([
-        "--fasta", str(GENOME), "--genome", out.name, "--train", region,
-        "--heldout", "NC_004353.4:200001-201024", "--seq", str(seq), "--out", str(out), "--no-progress",
-    ]) == 0
+    assert (
+        data_main(
+            [
+                "--fasta",
+                str(GENOME),
+                "--genome",
+                out.name,
+                "--train",
+                region,
+                "--heldout",
+                "NC_004353.4:200001-201024",
+                "--seq",
+                str(seq),
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -39,9 +55,18 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 def settings(tmp_path: Path, **overrides) -> TrainConfig:
-    values = {"run": "t", "model": "tiny", "seq": "256", "steps": 4, "lr": 3e-3, "warmup_steps": 1,
-              "save_every": 2, "wandb": "disabled", "runs_dir": str(tmp_path / "runs"),
-              "results_dir": str(tmp_path / "results")}  # fmt: skip
+    values = {
+        "run": "t",
+        "model": "tiny",
+        "seq": "256",
+        "steps": 4,
+        "lr": 3e-3,
+        "warmup_steps": 1,
+        "save_every": 2,
+        "wandb": "disabled",
+        "runs_dir": str(tmp_path / "runs"),
+        "results_dir": str(tmp_path / "results"),
+    }
     values.update(overrides)
     return TrainConfig.load(None, [f"{k}={v}" for k, v in values.items()])
 
@@ -108,14 +133,21 @@ def test_blend_draws_by_weight_and_refuses_other_lengths(tmp_path, folders) -> N
 
 
 def test_sequence_warmup_crops(tmp_path, folders) -> None:
-    cfg = settings(tmp_path, data=folders["a"], seq_warmup_steps=4, seq_warmup_start=64, steps=6, save_every=100)
+    cfg = settings(
+        tmp_path, data=folders["a"], seq_warmup_steps=4, seq_warmup_start=64, steps=6, save_every=100
+    )
     train(cfg, progress=False)
     assert [row["tokens"][0] for row in metrics(cfg)] == [64, 64, 128, 128, 256, 256]
 
 
 def test_options_resume_exactly(tmp_path, folders, monkeypatch) -> None:
-    options = {"data": f"{folders['a']}:0.5,{folders['b']}:0.5", "rc_aug": 0.5, "softmask_weight": 0.1,
-               "seq_warmup_steps": 2, "seq_warmup_start": 128}  # fmt: skip
+    options = {
+        "data": f"{folders['a']}:0.5,{folders['b']}:0.5",
+        "rc_aug": 0.5,
+        "softmask_weight": 0.1,
+        "seq_warmup_steps": 2,
+        "seq_warmup_start": 128,
+    }
     whole = settings(tmp_path / "whole", **options)
     reference = train(whole, progress=False)["losses"]
     broken = settings(tmp_path / "broken", **options)

@@ -25,17 +25,41 @@ GENOME = ROOT / "data" / "dmel_chr4.fa.gz"
 def windows(tmp_path_factory) -> Path:
     """16 training windows of 256 bases of real fly DNA."""
     out = tmp_path_factory.mktemp("data") / "fly"
-    assert data_main([
-        "--fasta", str(GENOME), "--genome", "fly", "--train", "NC_004353.4:400001-404096",
-        "--heldout", "NC_004353.4:200001-201024", "--seq", "256", "--out", str(out), "--no-progress",
-    ]) == 0
+    assert (
+        data_main(
+            [
+                "--fasta",
+                str(GENOME),
+                "--genome",
+                "fly",
+                "--train",
+                "NC_004353.4:400001-404096",
+                "--heldout",
+                "NC_004353.4:200001-201024",
+                "--seq",
+                "256",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def settings(tmp_path: Path, data: Path, **overrides) -> TrainConfig:
     values = {
-        "run": "t", "model": "tiny", "data": str(data), "seq": "256", "steps": 4, "lr": 3e-3, "warmup_steps": 1,
-        "save_every": 100, "wandb": "disabled", "runs_dir": str(tmp_path / "runs"),
+        "run": "t",
+        "model": "tiny",
+        "data": str(data),
+        "seq": "256",
+        "steps": 4,
+        "lr": 3e-3,
+        "warmup_steps": 1,
+        "save_every": 100,
+        "wandb": "disabled",
+        "runs_dir": str(tmp_path / "runs"),
         "results_dir": str(tmp_path / "results"),
     }
     values.update(overrides)
@@ -114,7 +138,9 @@ def test_expert_bias_balances_a_skewed_router(tmp_path, windows) -> None:
 
 
 def test_random_full_size_preset_is_refused(tmp_path, windows) -> None:
-    with pytest.raises(RunMismatch, match=r"313\.\dB parameters of random weights.*MODEL=/path/to/GLM-5.3-Flash"):
+    with pytest.raises(
+        RunMismatch, match=r"313\.\dB parameters of random weights.*MODEL=/path/to/GLM-5.3-Flash"
+    ):
         train(settings(tmp_path, windows, model="glm-5.3-flash"), progress=False)
     with pytest.raises(RunMismatch, match="no model.*MODEL=/path/to/GLM-5.3-Flash"):
         train(settings(tmp_path, windows, model="null"), progress=False)
@@ -128,7 +154,9 @@ def test_vocabulary_mismatch_names_both_and_the_fix(tmp_path, windows) -> None:
     config.pad_token_id = 7
     folder = tmp_path / "other-vocab"
     save_model(GlmForCausalLM(config), folder)
-    with pytest.raises(RunMismatch, match=r"built-in vocabulary \(ids pad=0.*padding id 7.*make data TOKENIZER="):
+    with pytest.raises(
+        RunMismatch, match=r"built-in vocabulary \(ids pad=0.*padding id 7.*make data TOKENIZER="
+    ):
         train(settings(tmp_path, windows, model=str(folder)), progress=False)
 
 

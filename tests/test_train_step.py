@@ -16,7 +16,8 @@ CHUNKS = ["moe_chunk_tokens=64", "loss_chunk_tokens=64", "indexer_query_block=32
 
 
 def _trainer_collectives(config: TrainConfig) -> dict[str, int]:
-    """Bytes per collective kind of one optimizer step as the training loop builds and runs it on this rank."""
+    """Bytes per collective kind of one optimizer step as the training loop builds and runs it on this
+    rank."""
     from genomelm.train.loop import build_run, step_windows
 
     torch.set_num_threads(1)
@@ -30,16 +31,30 @@ def _trainer_collectives(config: TrainConfig) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", [True, False])
-def test_planner_traces_the_collectives_a_real_two_rank_step_dispatches(tmp_path: Path, recompute: bool) -> None:
-    """The planner's fake-tensor trace of one cp=2 rank dispatches the same collectives, of the same sizes, as the
-    trainer's step on two real processes (gloo): the forward's exchanges, their recompute, the backward's
+def test_planner_traces_the_collectives_a_real_two_rank_step_dispatches(
+    tmp_path: Path, recompute: bool
+) -> None:
+    """The planner's fake-tensor trace of one cp=2 rank dispatches the same collectives, of the same sizes, as
+    the trainer's step on two real processes (gloo): the forward's exchanges, their recompute, the backward's
     reduce-scatters, the loss and token-weight sums, the gradient all-reduce and the clipping norm."""
     from genomelm.parallel.launch import launch
 
     data = fly_windows(tmp_path / "fly", "1-4096", 1024)
-    config = TrainConfig.from_args([f"data={data}", "seq=1024", "model=tiny", "cp=2", "fsdp=false",
-                                    "precision=bf16", "offload=false", f"recompute={recompute}",
-                                    f"runs_dir={tmp_path / 'runs'}", "wandb=disabled", *CHUNKS])  # fmt: skip
+    config = TrainConfig.from_args(
+        [
+            f"data={data}",
+            "seq=1024",
+            "model=tiny",
+            "cp=2",
+            "fsdp=false",
+            "precision=bf16",
+            "offload=false",
+            f"recompute={recompute}",
+            f"runs_dir={tmp_path / 'runs'}",
+            "wandb=disabled",
+            *CHUNKS,
+        ]
+    )
     real = launch(_trainer_collectives, 2, config, timeout_s=600)
     traced = trace_step(config, ModelConfig.preset("tiny"), 512, fake=True)
     planned: dict[str, int] = {}
@@ -66,13 +81,24 @@ def _nan_training(config: TrainConfig) -> tuple[str, str] | None:
 
 @pytest.mark.slow
 def test_non_finite_stop_is_the_same_error_on_every_rank(tmp_path: Path) -> None:
-    """At cp=2 both ranks skip the non-finite steps and then raise `NonFiniteLoss` naming the metrics file (rank
-    1 has no metrics log of its own)."""
+    """At cp=2 both ranks skip the non-finite steps and then raise `NonFiniteLoss` naming the metrics file
+    (rank 1 has no metrics log of its own)."""
     from genomelm.parallel.launch import launch
 
     data = fly_windows(tmp_path / "fly", "1-2048", 512)
-    config = TrainConfig.from_args([f"data={data}", "seq=512", "model=tiny", "cp=2", "steps=6", "max_bad_steps=2",
-                                    f"runs_dir={tmp_path / 'runs'}", "wandb=disabled", *CHUNKS])  # fmt: skip
+    config = TrainConfig.from_args(
+        [
+            f"data={data}",
+            "seq=512",
+            "model=tiny",
+            "cp=2",
+            "steps=6",
+            "max_bad_steps=2",
+            f"runs_dir={tmp_path / 'runs'}",
+            "wandb=disabled",
+            *CHUNKS,
+        ]
+    )
     failures = launch(_nan_training, 2, config, timeout_s=600)
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
     for name, message in failures:

@@ -70,8 +70,10 @@ def reverse_complement(
     valid window; labels are rebuilt with :func:`labels_for`. Inputs are not modified.
     """
     if input_ids.dim() != 1 or input_ids.shape != softmask.shape:
-        raise ValueError(f"input_ids and softmask must be [S] alike, got {tuple(input_ids.shape)} and "
-                         f"{tuple(softmask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"input_ids and softmask must be [S] alike, got {tuple(input_ids.shape)} and "
+            f"{tuple(softmask.shape)}"
+        )
     table = _complement_table(vocab)
     if len(input_ids) and (int(input_ids.min()) < 0 or int(input_ids.max()) >= len(table)):
         raise ValueError(
@@ -109,8 +111,10 @@ def parse_blend(spec: str) -> list[tuple[str, float]]:
             try:
                 weight = float(weight_text)
             except ValueError:
-                raise ValueError(f"data={spec!r}: weight {weight_text!r} of {item!r} is not a number; "
-                                 f"{example} (a folder name cannot contain ':')") from None  # fmt: skip
+                raise ValueError(
+                    f"data={spec!r}: weight {weight_text!r} of {item!r} is not a number; "
+                    f"{example} (a folder name cannot contain ':')"
+                ) from None
             if not folder.strip():
                 raise ValueError(f"data={spec!r}: {item!r} has a weight but no folder; {example}")
         if not math.isfinite(weight) or weight <= 0:
@@ -134,8 +138,10 @@ def check_compatible(folders: Sequence[str | Path]) -> list[dict]:
     for folder in folders:
         manifest = read_manifest(folder)
         if manifest is None:
-            raise DataError(f"{folder}: no {MANIFEST}, so not a complete prepared dataset; run "
-                            "`genomelm data` for it, or fix the folder name")  # fmt: skip
+            raise DataError(
+                f"{folder}: no {MANIFEST}, so not a complete prepared dataset; run "
+                "`genomelm data` for it, or fix the folder name"
+            )
         manifests.append(manifest)
     first, first_folder = manifests[0], folders[0]
     first_vocab = Vocabulary.from_json(first["vocab"])
@@ -219,8 +225,10 @@ class BlendedOrder:
             == len(state["cursors"])
             == len(self.window_counts)
         ):
-            raise ValueError(f"saved order is for {len(state['drawn'])} datasets, this blend has "
-                             f"{len(self.window_counts)}; resume with the same data=")  # fmt: skip
+            raise ValueError(
+                f"saved order is for {len(state['drawn'])} datasets, this blend has "
+                f"{len(self.window_counts)}; resume with the same data="
+            )
         self.drawn, self.epochs, self.cursors = (
             list(state["drawn"]),
             list(state["epochs"]),

@@ -11,29 +11,43 @@ from genomelm.data.config import DataConfig, genome_config_path, load_yaml
 from genomelm.data.errors import DataError
 from genomelm.data.prepare import prepare
 
-_FASTA_SUFFIXES = (".gz", ".bgz", ".fa", ".fasta", ".fna", ".fas", ".2bit", ".gb", ".gbk", ".gbff", ".genbank",
-                   ".embl", ".dat")
+_FASTA_SUFFIXES = (
+    ".gz",
+    ".bgz",
+    ".fa",
+    ".fasta",
+    ".fna",
+    ".fas",
+    ".2bit",
+    ".gb",
+    ".gbk",
+    ".gbff",
+    ".genbank",
+    ".embl",
+    ".dat",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="genomelm data",
-        description="Turn a genome (hg38 from UCSC, the bundled demo, or a FASTA, GenBank, EMBL or .2bit file) "
-        "into SEQ-token windows.",
+        description="Turn a genome (hg38 from UCSC, the bundled demo, or a FASTA, GenBank, EMBL or .2bit "
+        "file) into SEQ-token windows.",
     )
     p.add_argument("--genome", help="config name in configs/data (demo, hg38); with --fasta, the output name")
     p.add_argument("--config", type=Path, help="data config YAML (default: configs/data/<genome>.yaml)")
     p.add_argument(
-        "--fasta", action="append",
-        help="local genome: FASTA (plain, gzip or BGZF), GenBank or EMBL (plain or gzip, told apart by content) or "
-        "UCSC .2bit; repeat for several files",
+        "--fasta",
+        action="append",
+        help="local genome: FASTA (plain, gzip or BGZF), GenBank or EMBL (plain or gzip, told apart by "
+        "content) or UCSC .2bit; repeat for several files",
     )
     p.add_argument("--seq", help="tokens per window: 16k, 512k, 1M or an integer")
     p.add_argument("--stride", help="tokens between window starts (default: SEQ)")
     p.add_argument(
         "--train",
-        help="comma-separated records, name:start-end (1-based inclusive) or BED files (.bed, .bed.gz; 0-based "
-        "half-open) (default: everything not held out)",
+        help="comma-separated records, name:start-end (1-based inclusive) or BED files (.bed, .bed.gz; "
+        "0-based half-open) (default: everything not held out)",
     )
     p.add_argument("--heldout", help="comma-separated records, name:start-end or BED files, as --train")
     p.add_argument("--out", help="output folder (default: data/prepared/<genome>-<seq>)")
@@ -70,12 +84,20 @@ def resolve_config(args: argparse.Namespace) -> DataConfig:
     if config is not None:
         settings = load_yaml(config)
     flags = {
-        "genome": args.genome, "fasta": args.fasta, "seq": args.seq, "stride": args.stride,
-        "out": args.out, "tokenizer": args.tokenizer, "max_n_fraction": args.max_n_fraction,
-        "allow_short": args.allow_short, "base_url": args.base_url, "cache": args.cache, "force": args.force,
+        "genome": args.genome,
+        "fasta": args.fasta,
+        "seq": args.seq,
+        "stride": args.stride,
+        "out": args.out,
+        "tokenizer": args.tokenizer,
+        "max_n_fraction": args.max_n_fraction,
+        "allow_short": args.allow_short,
+        "base_url": args.base_url,
+        "cache": args.cache,
+        "force": args.force,
         "train": args.train.split(",") if args.train else None,
         "heldout": args.heldout.split(",") if args.heldout else None,
-    }  # fmt: skip
+    }
     settings.update({k: v for k, v in flags.items() if v is not None})
     if args.fasta:
         settings["source"] = "fasta"

@@ -106,20 +106,28 @@ def as_hf_dataset(path: str | Path, split: str, cache_dir: str | None = None):
             raise DataError(f"{folder} was rebuilt while being read; call as_hf_dataset again")
         for i in range(len(windows)):
             window = windows[i]
-            yield {"input_ids": window.input_ids.tolist(), "labels": window.labels.tolist(),
-                   "softmask": window.softmask.tolist(), "position": list(range(windows.seq_len)),
-                   "record": window.record, "start": window.start, "end": window.end}  # fmt: skip
+            yield {
+                "input_ids": window.input_ids.tolist(),
+                "labels": window.labels.tolist(),
+                "softmask": window.softmask.tolist(),
+                "position": list(range(windows.seq_len)),
+                "record": window.record,
+                "start": window.start,
+                "end": window.end,
+            }
 
     seq = int(manifest["seq_len"])
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int64"), length=seq),
-        "labels": datasets.Sequence(datasets.Value("int64"), length=seq),
-        "softmask": datasets.Sequence(datasets.Value("bool"), length=seq),
-        "position": datasets.Sequence(datasets.Value("int64"), length=seq),
-        "record": datasets.Value("string"),
-        "start": datasets.Value("int64"),
-        "end": datasets.Value("int64"),
-    })  # fmt: skip
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int64"), length=seq),
+            "labels": datasets.Sequence(datasets.Value("int64"), length=seq),
+            "softmask": datasets.Sequence(datasets.Value("bool"), length=seq),
+            "position": datasets.Sequence(datasets.Value("int64"), length=seq),
+            "record": datasets.Value("string"),
+            "start": datasets.Value("int64"),
+            "end": datasets.Value("int64"),
+        }
+    )
     # The manifest fingerprint is part of the datasets cache key, so a rebuilt folder is never read stale.
     kwargs = {"folder": str(source), "split_name": split, "fingerprint": manifest["fingerprint"]}
     return datasets.Dataset.from_generator(rows, features=features, gen_kwargs=kwargs, cache_dir=cache_dir)

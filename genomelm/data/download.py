@@ -99,13 +99,14 @@ def check_md5(path: Path, actual: str, expected: str) -> None:
 def fetch(
     base_url: str, names: list[str], cache: str | Path, progress: bool = True, verify_cached: bool = True
 ) -> list[Path]:
-    """Paths of ``names`` in ``cache``, downloaded from ``base_url`` if missing and checked against its md5sum.txt.
+    """Paths of ``names`` in ``cache``, downloaded from ``base_url`` if missing and checked against its
+    md5sum.txt.
 
     A file only gets its final name once it is complete; a ``.part`` file is resumed on the next call.
-    Raises DataError on a checksum mismatch (the bad file is renamed to ``.bad``) or when offline (says where to put
-    the files by hand). With ``verify_cached=False`` a file that was already in the cache is not read here: the
-    caller checks it with :func:`check_md5` against :func:`expected_md5` (``genomelm data`` does so with the
-    md5 it computes while streaming the file, which saves a whole pass over it).
+    Raises DataError on a checksum mismatch (the bad file is renamed to ``.bad``) or when offline (says where
+    to put the files by hand). With ``verify_cached=False`` a file that was already in the cache is not read
+    here: the caller checks it with :func:`check_md5` against :func:`expected_md5` (``genomelm data`` does so
+    with the md5 it computes while streaming the file, which saves a whole pass over it).
     """
     cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)

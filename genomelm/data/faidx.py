@@ -32,7 +32,10 @@ def region_index(path: Path) -> tuple[Path | None, str]:
     if fmt == "gzip" and not is_bgzf(path):
         return (
             None,
-            "plain gzip cannot be read in parts; recompress it with `bgzip` and index it with `samtools faidx`",
+            (
+                "plain gzip cannot be read in parts; recompress it with `bgzip` and index it with "
+                "`samtools faidx`"
+            ),
         )
     if fmt == "gzip" and not path.name.lower().endswith(_BGZF_NAMES):
         return None, "a BGZF file needs a name ending .gz or .bgz to be read through its index"
@@ -65,15 +68,18 @@ class IndexedFasta:
             raise self._error(err) from err
 
     def _error(self, err: Exception) -> DataError:
-        return DataError(f"{self.path}: cannot read it through its index {self.index} ({err}); delete the index "
-                         f"or rebuild it with `samtools faidx {self.path}`")  # fmt: skip
+        return DataError(
+            f"{self.path}: cannot read it through its index {self.index} ({err}); delete the index "
+            f"or rebuild it with `samtools faidx {self.path}`"
+        )
 
     def records(self) -> list[tuple[str, int]]:
         """(name, length) of every record, in file order."""
         return [(name, entry.rlen) for name, entry in self.fasta.faidx.index.items()]
 
     def bases(self, record: str, start: int, end: int, block: int) -> Iterator[bytes]:
-        """Bases [start, end) (0-based half-open) of ``record`` as they are in the file, ``block`` at a time."""
+        """Bases [start, end) (0-based half-open) of ``record`` as they are in the file, ``block`` at a
+        time."""
         for lo in range(start, end, block):
             hi = min(lo + block, end)
             try:

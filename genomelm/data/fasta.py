@@ -233,7 +233,8 @@ class FastaStream:
             yield self._record_name(header, names), None
         if not seen_record:
             raise DataError(
-                f"{self.path}: not a FASTA file (no '>' header found); give a FASTA, GenBank, EMBL or .2bit file"
+                f"{self.path}: not a FASTA file (no '>' header found); "
+                "give a FASTA, GenBank, EMBL or .2bit file"
             )
 
     def _first_invalid(self, piece: bytes, block: bytes, pos: int, end: int) -> tuple[int, str] | None:
@@ -245,7 +246,8 @@ class FastaStream:
         return at, chr(block[pos:end].translate(None, _WHITESPACE)[at])
 
     def _first_invalid_unwrapped(self, piece: bytes, raw: bytes) -> tuple[int, str] | None:
-        """As ``_first_invalid`` for a piece translated from ``raw`` without dropping any byte (no line breaks)."""
+        """As ``_first_invalid`` for a piece translated from ``raw`` without dropping any byte (no line
+        breaks)."""
         if self.table is None:
             return None
         at = piece.find(INVALID_BYTE)

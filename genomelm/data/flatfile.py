@@ -55,7 +55,9 @@ class FlatFileStream(FastaStream):
 
         kind = FORMAT_NAMES[self.format]
         binary = igzip.GzipFile(fileobj=hasher, mode="rb") if self.compression == "gzip" else hasher
-        text = io.TextIOWrapper(binary, encoding="latin-1")  # any byte decodes; bad letters are reported below
+        text = io.TextIOWrapper(
+            binary, encoding="latin-1"
+        )  # any byte decodes; bad letters are reported below
         names: set[str] = set()
         last = None
         try:
@@ -98,7 +100,8 @@ class FlatFileStream(FastaStream):
             pass
 
     def _next_record(self, records: Iterator[SeqRecord], kind: str, last: str | None) -> SeqRecord | None:
-        """The next SeqRecord of ``records`` (None at the end); DataError for a truncated or inconsistent one."""
+        """The next SeqRecord of ``records`` (None at the end); DataError for a truncated or inconsistent
+        one."""
         from Bio import BiopythonParserWarning
 
         # runs in the reader thread: warnings caught here from other threads are re-issued below, not lost
@@ -108,8 +111,14 @@ class FlatFileStream(FastaStream):
         for warning in caught:
             message = str(warning.message)
             if message.startswith(_INCOMPLETE):
-                where = f"record {record.id}" if record is not None else f"the record after {last or 'the header'}"
-                raise DataError(f"{self.path}: {where}: {message.rstrip('.')}; the {kind} file is truncated or "
-                                "damaged, download it again")  # fmt: skip
+                where = (
+                    f"record {record.id}"
+                    if record is not None
+                    else f"the record after {last or 'the header'}"
+                )
+                raise DataError(
+                    f"{self.path}: {where}: {message.rstrip('.')}; the {kind} file is truncated or "
+                    "damaged, download it again"
+                )
             warnings.warn_explicit(message, warning.category, warning.filename, warning.lineno)
         return record

@@ -21,14 +21,16 @@ DTYPE_CODE_UINT8 = 1  # megatron's DType.uint8
 
 
 class IndexedWriter:
-    """Appends uint8 sequences (one document each) to ``<prefix>.bin``; ``finalize`` writes ``<prefix>.idx``."""
+    """Appends uint8 sequences (one document each) to ``<prefix>.bin``; ``finalize`` writes
+    ``<prefix>.idx``."""
 
     def __init__(self, bin_path: str | Path) -> None:
         self.data = open(bin_path, "wb")  # noqa: SIM115 - closed by finalize
         self.lengths: list[int] = []
 
     def add(self, values: np.ndarray) -> None:
-        """One document of one sequence; ``values`` is a 1-D uint8 array, written without a copy if contiguous."""
+        """One document of one sequence; ``values`` is a 1-D uint8 array, written without a copy if
+        contiguous."""
         assert values.dtype == np.uint8, values.dtype
         self.data.write(np.ascontiguousarray(values).data)
         self.lengths.append(values.size)

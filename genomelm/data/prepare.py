@@ -73,8 +73,21 @@ class _SplitWriter:
         self.records: list[str] = []
         self.regions: list[dict] = []
         self.stats = dict.fromkeys(
-            ("bases", "n", "iupac_as_n", "softmasked", "windows", "window_bases", "window_n",
-             "window_softmasked", "dropped_n_windows", "dropped_tail_bases", "padded_short"), 0)  # fmt: skip
+            (
+                "bases",
+                "n",
+                "iupac_as_n",
+                "softmasked",
+                "windows",
+                "window_bases",
+                "window_n",
+                "window_softmasked",
+                "dropped_n_windows",
+                "dropped_tail_bases",
+                "padded_short",
+            ),
+            0,
+        )
 
     def add(self, record: str, window: CutWindow) -> None:
         n_count = int(np.count_nonzero(window.codes == N))
@@ -86,8 +99,9 @@ class _SplitWriter:
         self.softmask.add(window.mask)
         if not self.records or self.records[-1] != record:
             self.records.append(record)
-        for key, value in zip(self.columns, (len(self.records) - 1, window.start,
-                                             window.start + window.length, n_count, soft)):  # fmt: skip
+        for key, value in zip(
+            self.columns, (len(self.records) - 1, window.start, window.start + window.length, n_count, soft)
+        ):
             self.columns[key].append(value)
         self.stats["windows"] += 1
         self.stats["window_bases"] += window.length
@@ -171,9 +185,14 @@ class _Builder:
     """
 
     def __init__(
-        self, cfg: DataConfig, folder: Path, progress: bool, md5s: dict[Path, str], selection: _Selection,
+        self,
+        cfg: DataConfig,
+        folder: Path,
+        progress: bool,
+        md5s: dict[Path, str],
+        selection: _Selection,
         log: Callable[[str], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg, self.progress, self.md5s, self.log = cfg, progress, md5s, log
         self.writers = {s: _SplitWriter(folder, s, cfg.seq, cfg.max_n_fraction) for s in SPLITS}
         self.selection = selection
@@ -217,13 +236,16 @@ class _Builder:
                 if not self.cfg.allow_short:
                     raise DataError(
                         f"{path}: {iv.describe()} has {end - iv.start:,} bases, fewer than SEQ="
-                        f"{self.cfg.seq:,}; use a smaller --seq, or --allow-short to keep it as one padded window"
+                        f"{self.cfg.seq:,}; use a smaller --seq, "
+                        "or --allow-short to keep it as one padded window"
                     )
                 writer.add(record, cutter.pad_short())
                 writer.stats["padded_short"] += 1
             writer.stats["dropped_tail_bases"] += max(0, end - cutter.last_end)
             origin = {"origin": iv.origin} if iv.origin else {}  # the BED file and line
-            writer.regions.append({"spec": iv.spec, "record": record, "start": iv.start, "end": end, **origin})
+            writer.regions.append(
+                {"spec": iv.spec, "record": record, "start": iv.start, "end": end, **origin}
+            )
 
     def read(self, path: Path) -> dict:
         """Stream one FASTA file through the regions; returns its manifest entry.
@@ -296,13 +318,23 @@ class _Builder:
             bar.close()
             fasta.close()
         size = path.stat().st_size
-        return {"path": str(path.resolve()), "format": detect_format(path), "bytes": size, "md5": None,
-                "index": str(index.resolve())}  # fmt: skip
+        return {
+            "path": str(path.resolve()),
+            "format": detect_format(path),
+            "bytes": size,
+            "md5": None,
+            "index": str(index.resolve()),
+        }
 
     def _feed(
-        self, path: Path, record: str, offset: int, piece: bytes, invalid: tuple[int, str] | None,
+        self,
+        path: Path,
+        record: str,
+        offset: int,
+        piece: bytes,
+        invalid: tuple[int, str] | None,
         regions: list[_Region],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``piece``: bases [offset, offset + len) of ``record`` mapped through SCAN_BYTES; ``invalid``: the
         first base the table rejects (index in the piece, character) or None."""
         if invalid is not None:
@@ -319,8 +351,11 @@ class _Builder:
             iv = region.interval
             lo, hi = max(iv.start, offset), end if iv.end is None else min(iv.end, end)
             if lo < hi:
-                region.feed(codes[lo - offset : hi - offset], mask[lo - offset : hi - offset],
-                            scan[lo - offset : hi - offset])  # fmt: skip
+                region.feed(
+                    codes[lo - offset : hi - offset],
+                    mask[lo - offset : hi - offset],
+                    scan[lo - offset : hi - offset],
+                )
 
     def unmatched(self) -> list[str]:
         """Split items that selected no record read, as messages name them."""
@@ -342,12 +377,12 @@ def _sources(cfg: DataConfig, progress: bool) -> list[Path]:
 
 
 def _check_settings(cfg: DataConfig) -> _Selection:
-    """Errors that need no genome reading: no splits, bad BED lines, overlapping or too-short explicit regions.
-    Returns what the splits select."""
+    """Errors that need no genome reading: no splits, bad BED lines, overlapping or too-short explicit
+    regions. Returns what the splits select."""
     if not cfg.heldout:
         raise DataError(
-            "no held-out split: give --heldout (record names, name:start-end or a BED file, comma-separated); "
-            "--train defaults to everything not held out"
+            "no held-out split: give --heldout (record names, name:start-end or a BED file, "
+            "comma-separated); --train defaults to everything not held out"
         )
     selection = _selection(cfg)
     intervals = [static_interval(spec, s) for s, spec in selection.specs] + selection.bed_intervals
@@ -372,7 +407,9 @@ def _fingerprint(cfg: DataConfig, sources: list[Path], vocab: Vocabulary, select
         info = path.stat()
         stats.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
     beds = [[bed.split, str(bed.path.resolve()), bed.md5] for bed in selection.bed_files]
-    hashed = [FORMAT_VERSION, settings, vocab.to_json(), stats] + ([beds] if beds else [])  # no BED entry when no BED file was given
+    hashed = [FORMAT_VERSION, settings, vocab.to_json(), stats] + (
+        [beds] if beds else []
+    )  # no BED entry when no BED file was given
     blob = json.dumps(hashed, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -405,8 +442,12 @@ def _alive(pid: int) -> bool:
 
 def format_report(manifest: dict) -> str:
     """Human-readable summary of a manifest: windows kept and dropped, bases, N and soft-masked share."""
-    lines = [(f"{'split':<8} {'windows':>8} {'dropped N':>9} {'padded':>6} {'bases':>14} {'N %':>6} "
-             f"{'IUPAC->N':>8} {'soft %':>6} {'tail dropped':>12}")]  # fmt: skip
+    lines = [
+        (
+            f"{'split':<8} {'windows':>8} {'dropped N':>9} {'padded':>6} {'bases':>14} {'N %':>6} "
+            f"{'IUPAC->N':>8} {'soft %':>6} {'tail dropped':>12}"
+        )
+    ]
     for split in SPLITS:
         st = manifest["splits"][split]["stats"]
         wb = max(st["window_bases"], 1)

@@ -46,7 +46,9 @@ class Interval:
 
     def describe(self) -> str:
         """How messages name it: ``'chr4:1-100' (train)`` or ``held.bed line 3: chr4:1-100 (heldout)``."""
-        return f"{self.origin}: {self.spec} ({self.split})" if self.origin else f"{self.spec!r} ({self.split})"
+        return (
+            f"{self.origin}: {self.spec} ({self.split})" if self.origin else f"{self.spec!r} ({self.split})"
+        )
 
 
 def match_spec(spec: str, split: str, record: str) -> Interval | None:
@@ -87,8 +89,8 @@ def check_overlaps(intervals: list[Interval]) -> None:
         if left.end is None or right.start < left.end:
             where = "both splits" if left.split != right.split else f"the {left.split} split twice"
             raise DataError(
-                f"regions {left.describe()} and {right.describe()} share bases of {left.record}: the same bases "
-                f"are in {where}; make --train and --heldout disjoint"
+                f"regions {left.describe()} and {right.describe()} share bases of {left.record}: the same "
+                f"bases are in {where}; make --train and --heldout disjoint"
             )
 
 
@@ -125,7 +127,9 @@ def read_bed(path: str | Path, split: str) -> BedFile:
     try:
         text = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode("utf-8")
     except (OSError, EOFError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: not a readable BED file ({err}); give a plain or gzip text BED file") from err
+        raise DataError(
+            f"{path}: not a readable BED file ({err}); give a plain or gzip text BED file"
+        ) from err
     intervals = []
     for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split("\t") if "\t" in line else line.split()
@@ -133,16 +137,22 @@ def read_bed(path: str | Path, split: str) -> BedFile:
             continue
         origin = f"{path} line {number}"
         if len(fields) < 3:
-            raise DataError(f"{origin}: {line.strip()!r} has {len(fields)} column(s); a BED line needs chrom, "
-                            "start and end separated by tabs")  # fmt: skip
+            raise DataError(
+                f"{origin}: {line.strip()!r} has {len(fields)} column(s); a BED line needs chrom, "
+                "start and end separated by tabs"
+            )
         chrom, start_text, end_text = (field.strip() for field in fields[:3])
         if not start_text.isdigit() or not end_text.isdigit():
-            raise DataError(f"{origin}: start {start_text!r} and end {end_text!r} must be non-negative integers "
-                            "(BED is 0-based, half-open)")  # fmt: skip
+            raise DataError(
+                f"{origin}: start {start_text!r} and end {end_text!r} must be non-negative integers "
+                "(BED is 0-based, half-open)"
+            )
         start, end = int(start_text), int(end_text)
         if end <= start:
-            raise DataError(f"{origin}: end {end:,} is not after start {start:,}; BED intervals are 0-based "
-                            "half-open, so end > start")  # fmt: skip
+            raise DataError(
+                f"{origin}: end {end:,} is not after start {start:,}; BED intervals are 0-based "
+                "half-open, so end > start"
+            )
         intervals.append(Interval(split, f"{chrom}:{start + 1}-{end}", chrom, start, end, origin))
     if not intervals:
         raise DataError(f"{flag} {path}: the BED file has no intervals; give chrom, start, end lines")

@@ -46,8 +46,10 @@ def bucketed_loss(token_loss: np.ndarray, valid: np.ndarray, softmask: np.ndarra
     """
     token_loss, valid, softmask = np.asarray(token_loss), np.asarray(valid, bool), np.asarray(softmask, bool)
     if token_loss.ndim != 2 or token_loss.shape != valid.shape or valid.shape != softmask.shape:
-        raise ValueError(f"token_loss, valid, softmask must be [W, S] alike: {token_loss.shape}, "
-                         f"{valid.shape}, {softmask.shape}")  # fmt: skip
+        raise ValueError(
+            f"token_loss, valid, softmask must be [W, S] alike: {token_loss.shape}, "
+            f"{valid.shape}, {softmask.shape}"
+        )
     width = token_loss.shape[1]
     if not 1 <= bucket <= width:
         raise ValueError(f"bucket must be 1..{width} positions (the window length), got {bucket}")

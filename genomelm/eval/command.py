@@ -39,8 +39,10 @@ def check_bucket(bucket: int, seq: int) -> int:
     if bucket < 1:
         raise EvalError(f"bucket={bucket}: give a positive number of tokens per bucket (default 32768)")
     if bucket > seq:
-        raise EvalError(f"bucket={bucket} is larger than SEQ ({seq} tokens), so a window holds fewer than "
-                        f"1 bucket; use bucket<={seq}")  # fmt: skip
+        raise EvalError(
+            f"bucket={bucket} is larger than SEQ ({seq} tokens), so a window holds fewer than "
+            f"1 bucket; use bucket<={seq}"
+        )
     return -(-seq // bucket)
 
 
@@ -60,8 +62,13 @@ def context_cut_summary(before: Scores, after: Scores, bucket: int) -> dict:
     for name, scores in (("before", before), ("after", after)):
         full = bucketed_loss(scores.loss[:, start:], valid, softmask, width)[0]
         cut = bucketed_loss(scores.cut_loss, valid, softmask, width)[0]
-        out[name] = {"full": full["loss"], "full_se": full["se"], "cut": cut["loss"], "cut_se": cut["se"],
-                     "cut_change": relative_change(full["loss"], cut["loss"])}  # fmt: skip
+        out[name] = {
+            "full": full["loss"],
+            "full_se": full["se"],
+            "cut": cut["loss"],
+            "cut_se": cut["se"],
+            "cut_change": relative_change(full["loss"], cut["loss"]),
+        }
     out["change_full"] = relative_change(out["before"]["full"], out["after"]["full"])
     out["change_cut"] = relative_change(out["before"]["cut"], out["after"]["cut"])
     return out
@@ -86,8 +93,10 @@ def load_heldout(folder: str | Path, wanted: int, name: str | None = None) -> He
 
     heldout = WindowDataset(folder, "heldout")
     if not len(heldout):
-        raise EvalError(f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-                        "(genomelm data --heldout ...)")  # fmt: skip
+        raise EvalError(
+            f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
+            "(genomelm data --heldout ...)"
+        )
     indices = pick_windows(len(heldout), wanted)
     provenance = {
         "data_dir": str(heldout.path),
@@ -103,13 +112,16 @@ def heldout_folders(config: TrainConfig) -> list[Path]:
         return [config.data_dir]
     items = [item.strip() for item in str(config.eval.heldout).split(",")]
     if not all(items):
-        raise EvalError(f"heldout={config.eval.heldout!r}: an empty folder name; give prepared folders "
-                        "separated by commas, e.g. "
-                        "heldout=data/prepared/hg38-512k,data/prepared/mm39-512k")  # fmt: skip
+        raise EvalError(
+            f"heldout={config.eval.heldout!r}: an empty folder name; give prepared folders "
+            "separated by commas, e.g. "
+            "heldout=data/prepared/hg38-512k,data/prepared/mm39-512k"
+        )
     repeated = sorted({item for item in items if items.count(item) > 1})
     if repeated:
-        raise EvalError(f"heldout={config.eval.heldout!r}: {', '.join(repeated)} given twice; "
-                        "give each folder once")  # fmt: skip
+        raise EvalError(
+            f"heldout={config.eval.heldout!r}: {', '.join(repeated)} given twice; give each folder once"
+        )
     return [Path(item) for item in items]
 
 
@@ -135,8 +147,9 @@ def evaluate_sets(
         raise EvalError("no held-out windows to score")
     seqs = {len(s.windows[0].input_ids) for s in sets}
     if len(seqs) > 1:
-        raise EvalError(f"held-out sets have windows of different lengths {sorted(seqs)}; prepare them with "
-                        "the same SEQ")  # fmt: skip
+        raise EvalError(
+            f"held-out sets have windows of different lengths {sorted(seqs)}; prepare them with the same SEQ"
+        )
     seq = seqs.pop()
     n_buckets = check_bucket(config.eval.bucket, seq)
     context_cut = config.eval.context_cut and last_bucket_start(seq, config.eval.bucket) >= config.eval.bucket
@@ -148,11 +161,17 @@ def evaluate_sets(
         model = load(path)
         for heldout in sets:
             count = len(heldout.windows)
-            print(f"scoring {count} window(s) of {heldout.name} with the {model_name} model {path}",
-                  flush=True)  # fmt: skip
-            scores[heldout.name, model_name] = score_windows(model, heldout.windows, config.eval.bucket,
-                                                             context_cut, progress=True,
-                                                             precision=config.memory.precision)  # fmt: skip
+            print(
+                f"scoring {count} window(s) of {heldout.name} with the {model_name} model {path}", flush=True
+            )
+            scores[heldout.name, model_name] = score_windows(
+                model,
+                heldout.windows,
+                config.eval.bucket,
+                context_cut,
+                progress=True,
+                precision=config.memory.precision,
+            )
         del model
         print(f"  {time.perf_counter() - began:.1f} s", flush=True)
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
@@ -162,21 +181,31 @@ def evaluate_sets(
     for heldout in sets:
         pair = scores[heldout.name, "before"], scores[heldout.name, "after"]
         rows = [bucketed_loss(s.loss, s.valid, s.softmask, config.eval.bucket) for s in pair]
-        results.append({
-            "settings": {**settings, "windows": len(heldout.windows),
-                         "eval_windows": config.eval.eval_windows, "context_cut": context_cut},
-            **compare(*rows),
-            "context_cut": context_cut_summary(*pair, config.eval.bucket) if context_cut else None,
-            "provenance": {**models, **heldout.provenance, "timestamp": timestamp},
-        })  # fmt: skip
+        results.append(
+            {
+                "settings": {
+                    **settings,
+                    "windows": len(heldout.windows),
+                    "eval_windows": config.eval.eval_windows,
+                    "context_cut": context_cut,
+                },
+                **compare(*rows),
+                "context_cut": context_cut_summary(*pair, config.eval.bucket) if context_cut else None,
+                "provenance": {**models, **heldout.provenance, "timestamp": timestamp},
+            }
+        )
     if len(sets) == 1:
         return results[0]
     return {
-        "settings": {**settings, "eval_windows": config.eval.eval_windows, "context_cut": context_cut,
-                     "heldout": [s.name for s in sets]},
+        "settings": {
+            **settings,
+            "eval_windows": config.eval.eval_windows,
+            "context_cut": context_cut,
+            "heldout": [s.name for s in sets],
+        },
         "sets": [{"name": s.name, **result} for s, result in zip(sets, results)],
         "provenance": {**models, "timestamp": timestamp},
-    }  # fmt: skip
+    }
 
 
 def write_outputs(result: dict, folder: Path) -> dict[str, Path]:

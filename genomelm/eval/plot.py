@@ -27,8 +27,9 @@ def draw(result: dict, axes: tuple[Axes, Axes]) -> None:
     for key, colour in (("before", "tab:gray"), ("after", "tab:blue")):
         loss = np.array([np.nan if b[key]["loss"] is None else b[key]["loss"] for b in buckets], dtype=float)
         se = np.array([np.nan if b[key]["se"] is None else b[key]["se"] for b in buckets], dtype=float)
-        loss_ax.errorbar(x, loss, yerr=np.nan_to_num(se), marker="o", ms=3, capsize=3, color=colour,
-                         label=key)  # fmt: skip
+        loss_ax.errorbar(
+            x, loss, yerr=np.nan_to_num(se), marker="o", ms=3, capsize=3, color=colour, label=key
+        )
     loss_ax.set_xlabel("context (kb, bucket midpoint)")
     loss_ax.set_ylabel("held-out loss (nats/base)")
     loss_ax.set_title("loss by position (error bars: s.e. across windows)")
@@ -64,14 +65,18 @@ def save_figure(result: dict, path: Path) -> Path:
     if "sets" in result:
         figure = Figure(figsize=(6 * len(result["sets"]), 8), layout="constrained")
         draw_sets(result, figure)
-        figure.suptitle(f"{settings['run']}: held-out windows of {settings['seq']} tokens, buckets of "
-                        f"{settings['bucket']}")  # fmt: skip
+        figure.suptitle(
+            f"{settings['run']}: held-out windows of {settings['seq']} tokens, buckets of "
+            f"{settings['bucket']}"
+        )
         return save_png(figure, path)
     figure = Figure(figsize=(12, 4.5), layout="constrained")
     axes = figure.subplots(1, 2)
     draw(result, (axes[0], axes[1]))
-    figure.suptitle(f"{settings['run']}: {settings['windows']} held-out windows of {settings['seq']} tokens, "
-                    f"buckets of {settings['bucket']}")  # fmt: skip
+    figure.suptitle(
+        f"{settings['run']}: {settings['windows']} held-out windows of {settings['seq']} tokens, "
+        f"buckets of {settings['bucket']}"
+    )
     return save_png(figure, path)
 
 
@@ -94,11 +99,20 @@ def draw_probe(result: dict, axes: tuple[Axes, Axes]) -> None:
         return np.array([np.nan if r[model][key] is None else r[model][key] for r in rows], dtype=float)
 
     for model, colour in (("before", "tab:gray"), ("after", "tab:blue")):
-        gap_ax.errorbar(x, values(model, "gap"), yerr=np.nan_to_num(values(model, "gap_se")), marker="o",
-                        ms=4, capsize=3, color=colour, label=model)  # fmt: skip
+        gap_ax.errorbar(
+            x,
+            values(model, "gap"),
+            yerr=np.nan_to_num(values(model, "gap_se")),
+            marker="o",
+            ms=4,
+            capsize=3,
+            color=colour,
+            label=model,
+        )
         loss_ax.plot(x, values(model, "planted"), marker="o", color=colour, label=f"{model}: with the copy")
-        loss_ax.plot(x, values(model, "baseline"), marker="s", ls="--", color=colour,
-                     label=f"{model}: without")  # fmt: skip
+        loss_ax.plot(
+            x, values(model, "baseline"), marker="s", ls="--", color=colour, label=f"{model}: without"
+        )
     gap_ax.axhline(0, color="black", lw=0.5)
     settings = result["settings"]
     for ax in axes:

@@ -58,8 +58,10 @@ def parse_distances(text: str) -> list[int]:
         try:
             distances.add(parse_seq(item))
         except DataError:
-            raise ProbeError(f"probe_distances={text!r}: {item.strip()!r} is not a distance; give positive "
-                             "token counts such as 1k,4k,16k,64k,256k,1M") from None  # fmt: skip
+            raise ProbeError(
+                f"probe_distances={text!r}: {item.strip()!r} is not a distance; give positive "
+                "token counts such as 1k,4k,16k,64k,256k,1M"
+            ) from None
     return sorted(distances)
 
 
@@ -100,8 +102,13 @@ def probe_sites(
                 {"distance": d, "reason": f"shorter than probe_length={length}: the copies would overlap"}
             )
         elif d > target:
-            skipped.append({"distance": d, "reason": f"does not fit: in a window of {real_length:,} bases, "
-                            f"copies of {length} bases are at most {max(target, 0):,} apart"})  # fmt: skip
+            skipped.append(
+                {
+                    "distance": d,
+                    "reason": f"does not fit: in a window of {real_length:,} bases, "
+                    f"copies of {length} bases are at most {max(target, 0):,} apart",
+                }
+            )
         else:
             sites.append(ProbeSite(target, d, length))
     return sites, skipped
@@ -162,8 +169,11 @@ def summarise(scores: ProbeScores) -> dict[str, dict[str, np.ndarray]]:
     """Per distance [D]: planted and baseline loss and their gap (token-weighted means over windows, nats per
     base), each with its standard error across windows, and the tokens and windows scored."""
     out = {}
-    for name, sums in (("planted", scores.planted), ("baseline", scores.baseline),
-                       ("gap", scores.baseline - scores.planted)):  # fmt: skip
+    for name, sums in (
+        ("planted", scores.planted),
+        ("baseline", scores.baseline),
+        ("gap", scores.baseline - scores.planted),
+    ):
         out[name] = window_stats(sums, scores.tokens)
     return out
 
@@ -188,16 +198,20 @@ def run_probe(
     distances = [site.distance for site in sites]
     if not distances:
         length = config.probe.probe_length
-        raise ProbeError(f"no distance of probe_distances={config.probe.probe_distances} fits windows of "
-                         f"{longest:,} bases with probe_length={length}: give distances from {length} to "
-                         f"{longest - length}")  # fmt: skip
+        raise ProbeError(
+            f"no distance of probe_distances={config.probe.probe_distances} fits windows of "
+            f"{longest:,} bases with probe_length={length}: give distances from {length} to "
+            f"{longest - length}"
+        )
     for item in skipped:
         print(f"distance {item['distance']:,} skipped: {item['reason']}")
     summaries = {}
     for name, path in (("before", before), ("after", after)):
         began = time.perf_counter()
-        print(f"probing {len(windows)} window(s) at {len(distances)} distance(s) with the {name} model "
-              f"{path}", flush=True)  # fmt: skip
+        print(
+            f"probing {len(windows)} window(s) at {len(distances)} distance(s) with the {name} model {path}",
+            flush=True,
+        )
         model = load(path)
         scores = score_probe(
             model, windows, config.probe.probe_length, distances, config.memory.precision, progress=True
@@ -207,12 +221,18 @@ def run_probe(
         print(f"  {time.perf_counter() - began:.1f} s", flush=True)
     rows = []
     for j, d in enumerate(distances):
-        row: dict = {"distance": d, "windows": int(summaries["after"]["gap"]["windows"][j]),
-                     "tokens": int(summaries["after"]["gap"]["tokens"][j])}  # fmt: skip
+        row: dict = {
+            "distance": d,
+            "windows": int(summaries["after"]["gap"]["windows"][j]),
+            "tokens": int(summaries["after"]["gap"]["tokens"][j]),
+        }
         for name in MODELS:
             stats = summaries[name]
-            row[name] = {f"{curve}{suffix}": float(stats[curve][key][j])
-                         for curve in CURVES for suffix, key in (("", "loss"), ("_se", "se"))}  # fmt: skip
+            row[name] = {
+                f"{curve}{suffix}": float(stats[curve][key][j])
+                for curve in CURVES
+                for suffix, key in (("", "loss"), ("_se", "se"))
+            }
         rows.append(row)
     settings = {
         "run": config.run,
@@ -228,8 +248,11 @@ def run_probe(
     }
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
     models = {"before_model": before, "after_model": after}
-    return {"settings": settings, "distances": rows,
-            "provenance": {**models, **heldout.provenance, "timestamp": timestamp}}
+    return {
+        "settings": settings,
+        "distances": rows,
+        "provenance": {**models, **heldout.provenance, "timestamp": timestamp},
+    }
 
 
 def csv_columns() -> list[str]:
@@ -274,12 +297,16 @@ def format_probe_table(result: dict) -> str:
         cells = [f"{row['distance']:>9,} {row['windows']:>7} {row['tokens']:>7}"]
         for name in MODELS:
             r = row[name]
-            cells.append(f"{format_number(r['planted'], '.4f'):>12} {format_number(r['baseline'], '.4f'):>7} "
-                         f"{format_number(r['gap'], '+.4f'):>7} "
-                         f"{format_number(r['gap_se'], '.4f'):>6}")  # fmt: skip
+            cells.append(
+                f"{format_number(r['planted'], '.4f'):>12} {format_number(r['baseline'], '.4f'):>7} "
+                f"{format_number(r['gap'], '+.4f'):>7} "
+                f"{format_number(r['gap_se'], '.4f'):>6}"
+            )
         lines.append(" | ".join(cells))
-    lines.append(f"(nats/base over the {result['settings']['scored_bases']} bases after the first of each "
-                 f"{result['settings']['probe_length']}-base copy; gap = baseline - copy)")  # fmt: skip
+    lines.append(
+        f"(nats/base over the {result['settings']['scored_bases']} bases after the first of each "
+        f"{result['settings']['probe_length']}-base copy; gap = baseline - copy)"
+    )
     lines += [f"skipped {item['distance']:,}: {item['reason']}" for item in result["settings"]["skipped"]]
     return "\n".join(lines)
 

@@ -90,8 +90,10 @@ def format_table(result: dict) -> str:
     held-out folders, their buckets side by side (`format_side_by_side`)."""
     if "sets" in result:
         return format_side_by_side(result)
-    header = (f"{'bucket':>6} {'context (kb)':>15} {'tokens':>11} {'before':>8} {'s.e.':>7} "
-              f"{'after':>8} {'s.e.':>7} {'change':>8} {'repeat':>8} {'unmasked':>8}")  # fmt: skip
+    header = (
+        f"{'bucket':>6} {'context (kb)':>15} {'tokens':>11} {'before':>8} {'s.e.':>7} "
+        f"{'after':>8} {'s.e.':>7} {'change':>8} {'repeat':>8} {'unmasked':>8}"
+    )
     lines = [header, "-" * len(header)]
     for i, b in enumerate(result["buckets"]):
         span = f"{b['start'] / 1000:.1f}-{b['end'] / 1000:.1f}"
@@ -112,14 +114,19 @@ def format_table(result: dict) -> str:
     cut = result.get("context_cut")
     if cut:
         lines.append("")
-        lines.append(f"context cut: positions {cut['start']}-{cut['end']} scored with only the preceding "
-                     f"{cut['context']} tokens as context")  # fmt: skip
+        lines.append(
+            f"context cut: positions {cut['start']}-{cut['end']} scored with only the preceding "
+            f"{cut['context']} tokens as context"
+        )
         for model in ("before", "after"):
             full, cut_loss = format_number(cut[model]["full"], ".4f"), format_number(cut[model]["cut"], ".4f")
-            lines.append(f"  {model:<6} full context {full}  cut {cut_loss}  "
-                         f"({_pct(cut[model]['cut_change'])})")  # fmt: skip
-        lines.append(f"  change after vs before: full context {_pct(cut['change_full'])}, "
-                     f"cut context {_pct(cut['change_cut'])}")  # fmt: skip
+            lines.append(
+                f"  {model:<6} full context {full}  cut {cut_loss}  ({_pct(cut[model]['cut_change'])})"
+            )
+        lines.append(
+            f"  change after vs before: full context {_pct(cut['change_full'])}, "
+            f"cut context {_pct(cut['change_cut'])}"
+        )
     return "\n".join(lines)
 
 
@@ -147,11 +154,15 @@ def format_side_by_side(result: dict) -> str:
     lines.append(f"{'all':>6} {'':>15}" + "".join(cells))
     lines.append("")
     for name, one in sets:
-        lines.append(f"{name}: {one['settings']['windows']} windows, {one['overall']['tokens']:,} tokens, "
-                     f"from {one['provenance']['data_dir']}")  # fmt: skip
+        lines.append(
+            f"{name}: {one['settings']['windows']} windows, {one['overall']['tokens']:,} tokens, "
+            f"from {one['provenance']['data_dir']}"
+        )
         cut = one.get("context_cut")
         if cut:
-            lines.append(f"  context cut (positions {cut['start']}-{cut['end']} with {cut['context']} tokens "
-                         f"of context): change after vs before {_pct(cut['change_full'])} with full context, "
-                         f"{_pct(cut['change_cut'])} cut")  # fmt: skip
+            lines.append(
+                f"  context cut (positions {cut['start']}-{cut['end']} with {cut['context']} tokens "
+                f"of context): change after vs before {_pct(cut['change_full'])} with full context, "
+                f"{_pct(cut['change_cut'])} cut"
+            )
     return "\n".join(lines)

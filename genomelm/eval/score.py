@@ -72,8 +72,9 @@ def score_windows(
     seq = len(windows[0].input_ids)
     cut_start = last_bucket_start(seq, bucket)
     if context_cut and cut_start < bucket:
-        raise ValueError(f"the context cut needs at least 2 buckets per window; SEQ {seq} holds one of "
-                         f"{bucket}")  # fmt: skip
+        raise ValueError(
+            f"the context cut needs at least 2 buckets per window; SEQ {seq} holds one of {bucket}"
+        )
     loss = np.zeros((len(windows), seq), dtype=np.float32)
     valid = np.zeros((len(windows), seq), dtype=bool)
     softmask = np.zeros((len(windows), seq), dtype=bool)

@@ -92,9 +92,11 @@ class CheckpointReader:
         self.folder = Path(folder)
         self.config = config if config is not None else ModelConfig.from_file(self.folder)
         self.weight_map = self._weight_map()
-        quantization = self.config.extra.get("_outer", {}).get("quantization_config") or self.config.extra.get(
-            "quantization_config"
-        ) or {}
+        quantization = (
+            self.config.extra.get("_outer", {}).get("quantization_config")
+            or self.config.extra.get("quantization_config")
+            or {}
+        )
         rows, cols = quantization.get("weight_block_size", DEFAULT_BLOCK)
         self.fp8_block = (int(rows), int(cols))
         self.targets: dict[str, _Target] = {}
@@ -139,7 +141,9 @@ class CheckpointReader:
         """Internal names on disk: the top-level tensors plus those of `layers` (all layers when None)."""
         wanted = None if layers is None else set(layers)
         return [
-            name for name in self.targets if (layer := layer_of(name)) is None or wanted is None or layer in wanted
+            name
+            for name in self.targets
+            if (layer := layer_of(name)) is None or wanted is None or layer in wanted
         ]
 
     def where(self, name: str) -> str:
@@ -187,10 +191,13 @@ class CheckpointReader:
                     tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block, name=disk_key)
                 return tensor if dtype is None else tensor.to(dtype)
 
-            return {name: self._assemble(self.targets[name], load, experts, dtypes.get(name)) for name in names}
+            return {
+                name: self._assemble(self.targets[name], load, experts, dtypes.get(name)) for name in names
+            }
 
-    def _get(self, stack: contextlib.ExitStack, handles: dict[str, Any], disk_key: str,
-             rows: list[int] | None) -> torch.Tensor:
+    def _get(
+        self, stack: contextlib.ExitStack, handles: dict[str, Any], disk_key: str, rows: list[int] | None
+    ) -> torch.Tensor:
         file = self.weight_map[disk_key]
         if file not in handles:
             path = self.folder / file
@@ -202,10 +209,15 @@ class CheckpointReader:
         if rows is None:
             return handles[file].get_tensor(disk_key)
         view = handles[file].get_slice(disk_key)
-        return torch.cat([view[row:row + 1] for row in rows])
+        return torch.cat([view[row : row + 1] for row in rows])
 
-    def _assemble(self, target: _Target, load: Callable[..., torch.Tensor], experts: list[int] | None,
-                  dtype: torch.dtype | None) -> torch.Tensor:
+    def _assemble(
+        self,
+        target: _Target,
+        load: Callable[..., torch.Tensor],
+        experts: list[int] | None,
+        dtype: torch.dtype | None,
+    ) -> torch.Tensor:
         pieces = target.pieces
         if () in pieces:  # stored whole under this (or its official one-to-one) name
             stacked_experts = experts is not None and is_routed_experts(target.name)
@@ -315,7 +327,9 @@ def load_model(
     reader = CheckpointReader(folder, config)
     for group in [None, *wanted]:  # top-level tensors, then one layer at a time: peak memory ~ one layer
         names = [name for name in expected if layer_of(name) == group]
-        on_disk = {name for name in reader.names(None if group is None else [group]) if layer_of(name) == group}
+        on_disk = {
+            name for name in reader.names(None if group is None else [group]) if layer_of(name) == group
+        }
         unexpected = sorted(on_disk - set(names))
         if unexpected:
             raise CheckpointError(
@@ -343,7 +357,9 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
     The vision tower's weights are not saved (genomelm is text only); transformers initialises them.
     """
-    text = {k: v for k, v in config.text_config_dict().items() if k not in _DROPPED_CONFIG_KEYS - {"model_type"}}
+    text = {
+        k: v for k, v in config.text_config_dict().items() if k not in _DROPPED_CONFIG_KEYS - {"model_type"}
+    }
     outer = {k: text.pop(k) for k in _OUTER_ONLY_KEYS & set(text)}
     outer |= {k: v for k, v in config.extra.get("_outer", {}).items() if k not in _DROPPED_CONFIG_KEYS}
     vision = {
@@ -366,13 +382,17 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def save_model(model: GlmForCausalLM, folder: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+def save_model(
+    model: GlmForCausalLM, folder: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
     """Write `model` in the official layout (see `save_state_dict`)."""
     save_state_dict(model.state_dict(), model.config, folder, max_shard_bytes)
 
 
 def save_state_dict(
-    state: dict[str, torch.Tensor], config: ModelConfig, folder: str | Path,
+    state: dict[str, torch.Tensor],
+    config: ModelConfig,
+    folder: str | Path,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Write an internal-name state dict in the official layout: `model-0000i-of-0000n.safetensors` shards

@@ -120,11 +120,17 @@ class ModelConfig:
                 f"layer {dsa_layers[0]} is the first DSA layer and cannot share ('shared') an earlier indexer"
             )
         if self.qk_rope_head_dim != 0:
-            problems.append(f"GLM-5.3-Flash attention is NoPE: qk_rope_head_dim must be 0, got {self.qk_rope_head_dim}")
+            problems.append(
+                f"GLM-5.3-Flash attention is NoPE: qk_rope_head_dim must be 0, got {self.qk_rope_head_dim}"
+            )
         if self.index_kpool < 1 or self.index_topk % self.index_kpool:
-            problems.append(f"index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})")
+            problems.append(
+                f"index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})"
+            )
         if self.n_routed_experts % self.n_group:
-            problems.append(f"n_routed_experts ({self.n_routed_experts}) must divide into n_group ({self.n_group})")
+            problems.append(
+                f"n_routed_experts ({self.n_routed_experts}) must divide into n_group ({self.n_group})"
+            )
         if not 1 <= self.topk_group <= self.n_group:
             problems.append(f"topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
         if MOE in self.mlp_layer_types and self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
@@ -171,12 +177,21 @@ class ModelConfig:
         if isinstance(linear, dict):  # the checkpoint's nested spelling of the KDA fields
             raw.setdefault("linear_head_dim", linear.get("head_dim", cls.linear_head_dim))
             raw.setdefault("linear_num_heads", linear.get("num_heads", cls.linear_num_heads))
-            raw.setdefault("linear_conv_kernel_dim", linear.get("short_conv_kernel_size", cls.linear_conv_kernel_dim))
+            raw.setdefault(
+                "linear_conv_kernel_dim", linear.get("short_conv_kernel_size", cls.linear_conv_kernel_dim)
+            )
             raw.setdefault("linear_lower_bound", linear.get("gate_lower_bound", cls.linear_lower_bound))
         if raw.get("indexer_types") is None and raw.get("index_topk_pattern") is not None:
             pattern = raw["index_topk_pattern"]
-            raw["indexer_types"] = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-        if "num_key_value_heads" in raw and raw["num_key_value_heads"] not in (None, raw.get("num_attention_heads", 64)):
+            raw["indexer_types"] = (
+                [{"F": "full", "S": "shared"}[c] for c in pattern]
+                if isinstance(pattern, str)
+                else list(pattern)
+            )
+        if "num_key_value_heads" in raw and raw["num_key_value_heads"] not in (
+            None,
+            raw.get("num_attention_heads", 64),
+        ):
             raise ConfigError("GLM-5.3-Flash MLA needs num_key_value_heads == num_attention_heads")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in raw.items() if k in known}

@@ -25,7 +25,10 @@ def is_fp8(tensor: torch.Tensor) -> bool:
 
 
 def dequantize_fp8_blocks(
-    quantized: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, name: str = "weight"
+    quantized: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    name: str = "weight",
 ) -> torch.Tensor:
     """FP8 `quantized` [..., R, C] times its fp32 `scale_inv` [..., ceil(R/br), ceil(C/bc)], per block
     (br, bc) = `block` -> fp32 [..., R, C]."""

@@ -143,7 +143,9 @@ class Indexer(nn.Module):
         with fp32_region(q):
             scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))
             scores.mul_(self.softmax_scale).relu_()
-            index_scores = torch.matmul(weights.float().unsqueeze(-2) * (self.n_heads**-0.5), scores).squeeze(-2)
+            index_scores = torch.matmul(weights.float().unsqueeze(-2) * (self.n_heads**-0.5), scores).squeeze(
+                -2
+            )
         first = min((start + 1) // self.kpool, n_pools)  # pools before this one are visible to every query
         index_scores[..., first:].masked_fill_(
             ~self._visible(start, block, first, n_pools, x.device), torch.finfo(torch.float32).min

@@ -112,9 +112,10 @@ class Checkpointer:
     def complete(self) -> list[Path]:
         """The complete checkpoints of either layout, oldest first."""
         return [
-            p for p in self.steps()
+            p
+            for p in self.steps()
             if (p / TRAINER_FILE).exists() and ((p / MODEL_DIR / CONFIG_FILE).exists() or is_sharded(p))
-        ]  # fmt: skip
+        ]
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -156,8 +157,15 @@ class Checkpointer:
         """The `trainer.pt` of a step folder of either layout."""
         return torch.load(Path(step_dir) / TRAINER_FILE, weights_only=False)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], mesh: Mesh | None = None, keep: int = 0) -> Path:  # fmt: skip
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        mesh: Mesh | None = None,
+        keep: int = 0,
+    ) -> Path:
         """Write `step-<step>` atomically and prune to the newest `keep` complete checkpoints (0: all);
         returns the step folder. With a `mesh`, the sharded layout (collective: every rank calls it); without,
         the one-process layout (that one process calls it)."""
@@ -165,8 +173,14 @@ class Checkpointer:
             return self.save_sharded(step, model, optimizer, trainer_state, mesh, keep)
         return self.save_one_process(step, model, optimizer, trainer_state, keep)
 
-    def load(self, step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], mesh: Mesh | None = None) -> None:  # fmt: skip
+    def load(
+        self,
+        step_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        mesh: Mesh | None = None,
+    ) -> None:
         """Continue from the checkpoint `step_dir` (`trainer_state`: its `read_trainer_state`): a sharded one
         fills model and optimizer and this rank's RNG (`load_sharded`; mesh None in one process); a
         one-process one the optimizer and the RNG, its model being the one read from `step_dir / "model"`."""
@@ -177,8 +191,14 @@ class Checkpointer:
             set_rng_state(trainer_state["rng"])
 
     # ------------------------------------------------------------------------------------- one process
-    def save_one_process(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         trainer_state: dict[str, Any], keep: int = 0) -> Path:  # fmt: skip
+    def save_one_process(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        keep: int = 0,
+    ) -> Path:
         """The one-process layout: the model, and `trainer_state` plus the optimizer state ("optimizer") and
         this process's RNG state ("rng")."""
         state = trainer_state | {"optimizer": optimizer.state_dict(), "rng": rng_state()}
@@ -196,8 +216,15 @@ class Checkpointer:
         return final
 
     # ------------------------------------------------------------------------------------------ sharded
-    def save_sharded(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     trainer_state: dict[str, Any], mesh: Mesh, keep: int = 0) -> Path:  # fmt: skip
+    def save_sharded(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        mesh: Mesh,
+        keep: int = 0,
+    ) -> Path:
         """The sharded layout, from every rank (collective: all must call it); rank 0 renames it into place
         once every rank has written its files."""
         final = self.step_dir(step)
@@ -221,8 +248,9 @@ class Checkpointer:
         return final
 
     @staticmethod
-    def load_sharded(step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     mesh: Mesh | None) -> None:  # fmt: skip
+    def load_sharded(
+        step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | None
+    ) -> None:
         """Fill model and optimizer (already split over this run's mesh, or one process: mesh None) from a
         sharded checkpoint saved at any world size, and restore this rank's RNG (rank 0's for a rank the save
         did not have)."""
@@ -233,9 +261,10 @@ class Checkpointer:
         # skips them)
         saved = dcp.FileSystemReader(step_dir / STATE_DIR).read_metadata().state_dict_metadata
         seen["optimizer"]["state"] = {
-            name: entry for name, entry in seen["optimizer"]["state"].items()
+            name: entry
+            for name, entry in seen["optimizer"]["state"].items()
             if all(f"optimizer.state.{name}.{key}" in saved for key in entry)
-        }  # fmt: skip
+        }
         dcp.load(seen, checkpoint_id=step_dir / STATE_DIR, no_dist=mesh is None)
         shapes = _expert_shapes(model) if mesh is not None else {}
         for name in shapes:  # the global views alias the local rows; copy in case a view was not in place
@@ -277,12 +306,14 @@ def _as_global(value: Tensor, shape: tuple[int, ...], mesh: Mesh) -> DTensor:
     local = value.to_local() if sharded else value
     placements = [Shard(0), Shard(0) if sharded else Replicate()]
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh.expert_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)  # fmt: skip
+    return DTensor.from_local(
+        local, mesh.expert_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
-def _described(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | None
-               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:  # fmt: skip
+def _described(
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(model state, optimizer state, what DCP sees): the last with the expert entries as global DTensors."""
     model_state = get_model_state_dict(model)
     optim_state = get_optimizer_state_dict(model, optimizer)
@@ -291,8 +322,10 @@ def _described(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | 
     seen_state = {}
     for name, entry in optim_state["state"].items():
         if name in shapes:
-            entry = {k: _as_global(v, shapes[name], mesh) if isinstance(v, Tensor) and v.ndim else v
-                     for k, v in entry.items()}  # fmt: skip
+            entry = {
+                k: _as_global(v, shapes[name], mesh) if isinstance(v, Tensor) and v.ndim else v
+                for k, v in entry.items()
+            }
         seen_state[name] = entry
     seen_optim = {"state": seen_state, "param_groups": optim_state["param_groups"]}
     seen = {"model": seen_model, "optimizer": seen_optim}

@@ -145,10 +145,10 @@ def hand_over_states(
 
 
 class _WindowGather(torch.autograd.Function):
-    """Forward: each rank's parts [B, n_i, W_i] packed as bytes into one all-gather (each part keeps its dtype:
-    a bf16 latent and fp32 pooled keys move 2 and 4 bytes per value), each part then restored to global order
-    [B, cp*n_i, W_i] by its layout. Backward: each whole-window gradient put back in rank order, packed in
-    fp32 or wider, one reduce-scatter: this rank's rows' gradients summed over the group."""
+    """Forward: each rank's parts [B, n_i, W_i] packed as bytes into one all-gather (each part keeps its
+    dtype: a bf16 latent and fp32 pooled keys move 2 and 4 bytes per value), each part then restored to global
+    order [B, cp*n_i, W_i] by its layout. Backward: each whole-window gradient put back in rank order, packed
+    in fp32 or wider, one reduce-scatter: this rank's rows' gradients summed over the group."""
 
     @staticmethod
     def forward(  # type: ignore[override]

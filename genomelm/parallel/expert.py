@@ -76,8 +76,9 @@ class ExpertShard:
     received_tokens: int = field(default=0, compare=False)  # (token, expert) rows computed here
 
     @classmethod
-    def split(cls, group: dist.ProcessGroup, ep: int, rank: int, num_experts: int, capacity_factor: float,
-              name: str) -> ExpertShard:  # fmt: skip
+    def split(
+        cls, group: dist.ProcessGroup, ep: int, rank: int, num_experts: int, capacity_factor: float, name: str
+    ) -> ExpertShard:
         """Rank `rank` of `ep`: experts [rank*E/ep, (rank+1)*E/ep)."""
         per_rank = num_experts // ep
         held = range(rank * per_rank, (rank + 1) * per_rank)

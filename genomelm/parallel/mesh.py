@@ -41,12 +41,16 @@ class ParallelDims:
                 raise ValueError(f"{name}={value}: give a number of ranks >= 1")
         if self.world % self.ep:
             works = [n for n in range(1, self.world + 1) if self.world % n == 0]
-            raise ValueError(f"ep={self.ep} does not divide dp*cp={self.world} (expert parallelism borrows "
-                             f"the dp x cp ranks); ep can be one of {works}")  # fmt: skip
+            raise ValueError(
+                f"ep={self.ep} does not divide dp*cp={self.world} (expert parallelism borrows "
+                f"the dp x cp ranks); ep can be one of {works}"
+            )
         if num_experts and num_experts % self.ep:
             works = [n for n in range(1, self.world + 1) if self.world % n == 0 and num_experts % n == 0]
-            raise ValueError(f"ep={self.ep} does not divide the model's {num_experts} routed experts; with "
-                             f"dp*cp={self.world} ep can be one of {works}")  # fmt: skip
+            raise ValueError(
+                f"ep={self.ep} does not divide the model's {num_experts} routed experts; with "
+                f"dp*cp={self.world} ep can be one of {works}"
+            )
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Rank r's place: dp and cp rank, expert-parallel rank, and index among its EP group's replicas."""

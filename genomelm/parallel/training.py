@@ -125,8 +125,13 @@ class ParallelRun:
     def is_output_rank(self) -> bool:
         return self.mesh.rank == 0
 
-    def prepare(self, model: nn.Module, param_dtype: torch.dtype | None, capacity_factor: float,
-                optimizer_offload: bool = False) -> None:  # fmt: skip
+    def prepare(
+        self,
+        model: nn.Module,
+        param_dtype: torch.dtype | None,
+        capacity_factor: float,
+        optimizer_offload: bool = False,
+    ) -> None:
         """Split `model` over the mesh in place: context parallel over the cp group, expert parallel over the
         ep group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs),
         with fp32 gradient reduction; None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU

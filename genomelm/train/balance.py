@@ -1,6 +1,7 @@
 """Auxiliary-loss-free expert load balancing (DeepSeek-V3): after each optimizer step, each MoE layer's
 `e_score_correction_bias` moves by `speed` towards balance: up for experts that got fewer tokens than the mean
-over the step, down for those that got more. The bias steers only which experts are chosen, never their weights.
+over the step, down for those that got more. The bias steers only which experts are chosen, never their
+weights.
 
 Counts are summed over the step's micro-batches, from each forward's router statistics read once (an
 activation recompute routes the same tokens again and is not counted twice).

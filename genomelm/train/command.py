@@ -13,7 +13,8 @@ from genomelm.train.config import TrainConfig
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="genomelm train",
-        description="Fine-tune GLM-5.3-Flash (or a preset of the same architecture) on prepared genome windows.",
+        description="Fine-tune GLM-5.3-Flash (or a preset of the same architecture) on prepared genome "
+        "windows.",
         epilog="Any run setting can be overridden as key=value, e.g. steps=10 seq=1M dry_run=true.",
     )
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/*.yaml)")
@@ -39,31 +40,48 @@ def main(argv: list[str]) -> int:
     try:
         summary = launch_training(config)
     except DataError as exc:
-        print(f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
-              f"(or set data=<prepared folder>)", file=sys.stderr)
+        print(
+            f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
+            f"(or set data=<prepared folder>)",
+            file=sys.stderr,
+        )
         return 2
-    except (ValueError, FileNotFoundError, ConfigError, CheckpointError, NonFiniteLoss, RunMismatch,
-            PlanError) as exc:
+    except (
+        ValueError,
+        FileNotFoundError,
+        ConfigError,
+        CheckpointError,
+        NonFiniteLoss,
+        RunMismatch,
+        PlanError,
+    ) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 2
     except RayLaunchError as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 1
-    print(f"trained {config.run}: steps {summary['start_step']}..{summary['steps']}, "
-          f"last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "
-          f"skipped {summary['skipped']}, checkpoint {summary['checkpoint']}")
+    print(
+        f"trained {config.run}: steps {summary['start_step']}..{summary['steps']}, "
+        f"last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "
+        f"skipped {summary['skipped']}, checkpoint {summary['checkpoint']}"
+    )
     return 0
 
 
 def launch_training(config: TrainConfig) -> dict:
-    """Rank 0's training summary: one process (cp=1, local), `cp` local processes, or `cp` Ray Train workers."""
+    """Rank 0's training summary: one process (cp=1, local), `cp` local processes, or `cp` Ray Train
+    workers."""
     import torch
 
     from genomelm.train.loop import train
 
     # a run on GPUs (here, or on the Ray cluster at ray_address), or one planned for GPUs (gpus=N), is planned
     # first and refused if it cannot fit
-    if torch.cuda.is_available() or (config.parallel.launcher == "ray" and config.parallel.ray_address) or config.plan.gpus:
+    if (
+        torch.cuda.is_available()
+        or (config.parallel.launcher == "ray" and config.parallel.ray_address)
+        or config.plan.gpus
+    ):
         from genomelm.train.plan import check_fits
 
         check_fits(config)
@@ -80,28 +98,51 @@ def check_context_parallel(config: TrainConfig) -> None:
     expert count, or a cp the run's windows (and warm-up crops) cannot split into."""
     from genomelm.data.augment import crop_length
     from genomelm.model import ModelConfig
-    from genomelm.model.config import MOE
+    from genomelm.model.config import MOE, is_preset
     from genomelm.parallel.layout import ContextLayout
     from genomelm.parallel.mesh import ParallelDims
-    from genomelm.model.config import is_preset
 
     kpool, experts = 4, None
     if config.model and (is_preset(config.model) or Path(config.model, "config.json").exists()):
-        model = ModelConfig.preset(config.model) if is_preset(config.model) else ModelConfig.from_file(config.model)
+        model = (
+            ModelConfig.preset(config.model)
+            if is_preset(config.model)
+            else ModelConfig.from_file(config.model)
+        )
         kpool = model.index_kpool if model.dsa_layers else 1
         experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
     ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep).check(experts)
     if config.parallel.optimizer_offload:
         import torch
 
-        if not torch.cuda.is_available() and not (config.parallel.launcher == "ray" and config.parallel.ray_address):
-            raise ValueError("optimizer_offload=true runs on GPUs only (FSDP2's CPUOffloadPolicy moves state off a "
-                             "GPU); on this machine leave it false")  # fmt: skip
+        if not torch.cuda.is_available() and not (
+            config.parallel.launcher == "ray" and config.parallel.ray_address
+        ):
+            raise ValueError(
+                "optimizer_offload=true runs on GPUs only (FSDP2's CPUOffloadPolicy moves state off a "
+                "GPU); on this machine leave it false"
+            )
     steps = range(max(config.data_options.seq_warmup_steps, 0) + 1)
-    lengths = sorted({crop_length(step, config.data_options.seq_warmup_steps, config.seq_len, config.data_options.seq_warmup_start)
-                      for step in steps})  # fmt: skip
+    lengths = sorted(
+        {
+            crop_length(
+                step,
+                config.data_options.seq_warmup_steps,
+                config.seq_len,
+                config.data_options.seq_warmup_start,
+            )
+            for step in steps
+        }
+    )
     for length in lengths:
-        ContextLayout(length, config.parallel.cp, 0, config.parallel.cp_layout, kda_chunk=config.model_options.kda_chunk_size, kpool=kpool)
+        ContextLayout(
+            length,
+            config.parallel.cp,
+            0,
+            config.parallel.cp_layout,
+            kda_chunk=config.model_options.kda_chunk_size,
+            kpool=kpool,
+        )
 
 
 def _train_on_rank(config: TrainConfig, threads: int) -> dict:
@@ -126,8 +167,10 @@ def train_context_parallel(config: TrainConfig) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     world = config.parallel.world
     if device == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"dp={config.parallel.dp} x cp={config.parallel.cp} needs {world} GPUs on this machine, found "
-                         f"{torch.cuda.device_count()}")  # fmt: skip
+        raise ValueError(
+            f"dp={config.parallel.dp} x cp={config.parallel.cp} needs {world} GPUs on this machine, found "
+            f"{torch.cuda.device_count()}"
+        )
     threads = max(1, (os.cpu_count() or 1) // world)
     return launch(_train_on_rank, world, config, threads, device=device)[0]
 

@@ -7,9 +7,11 @@ program that owns them, one small dataclass each, which checks its own values:
 | group | owner | settings |
 |---|---|---|
 | (top level) | the run | run, genome, seq, data, model, allow_random_init, dry_run, runs_dir, results_dir |
-| `optim` | the optimizer and its step | steps, epochs, lr, schedule, clipping, accumulation, seed, expert bias |
+| `optim` | the optimizer and its step | steps, epochs, lr, schedule, clipping, accumulation, seed, |
+| | | expert bias |
 | `data_options` | the training feed | reverse-complement, soft-mask weight, length warm-up |
-| `memory` | what a step keeps, and its precision | recompute, offload, kept selection, chunk recompute, precision |
+| `memory` | what a step keeps, and its precision | recompute, offload, kept selection, chunk recompute, |
+| | | precision |
 | `model_options` | the model (`genomelm.model.RunOptions`) | chunk sizes, block backends, indexer training |
 | `parallel` | the mesh and its launcher | dp, cp, ep, layout, FSDP, capacity, launcher, Ray |
 | `checkpoint` | the checkpointer | save_every, keep_checkpoints, resume |
@@ -17,9 +19,9 @@ program that owns them, one small dataclass each, which checks its own values:
 | `eval`, `probe` | the evaluator and the copy probe | buckets, held-out sets, probe distances |
 | `plan` | the planner | GPUs, GPU kind, search, force, and its assumptions |
 
-A YAML file gives the groups as sections (`optim: {lr: 1e-5}`); flat keys work too. Overrides are the setting's
-own name (`lr=1e-5`: every name is unique across groups) or dotted (`optim.lr=1e-5`). Every run writes under
-`runs/<run>/` (checkpoints, metrics) and `results/<run>/` (evaluation tables and figures).
+A YAML file gives the groups as sections (`optim: {lr: 1e-5}`); flat keys work too. Overrides are the
+setting's own name (`lr=1e-5`: every name is unique across groups) or dotted (`optim.lr=1e-5`). Every run
+writes under `runs/<run>/` (checkpoints, metrics) and `results/<run>/` (evaluation tables and figures).
 """
 
 from __future__ import annotations
@@ -75,8 +77,10 @@ class OptimConfig:
         _require(self.steps >= 0, f"steps={self.steps}: give steps >= 1, or 0 to size the run from epochs")
         _require(self.epochs > 0, f"epochs={self.epochs}: give a number of passes > 0")
         _require(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: give windows per step >= 1")
-        _require(self.lr >= 0 and self.warmup_steps >= 0, f"lr={self.lr}, warmup_steps={self.warmup_steps}: give "
-                 "lr >= 0 and warmup_steps >= 0")
+        _require(
+            self.lr >= 0 and self.warmup_steps >= 0,
+            f"lr={self.lr}, warmup_steps={self.warmup_steps}: give lr >= 0 and warmup_steps >= 0",
+        )
         _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: give a ratio in [0, 1]")
         _require(self.grad_clip > 0, f"grad_clip={self.grad_clip}: give a gradient norm > 0")
         _require(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps}: give a number of steps >= 1")
@@ -93,7 +97,9 @@ class DataOptions:
 
     def validate(self) -> None:
         _require(0 <= self.rc_aug <= 1, f"rc_aug={self.rc_aug}: give a probability in [0, 1]")
-        _require(self.softmask_weight >= 0, f"softmask_weight={self.softmask_weight}: give a loss weight >= 0")
+        _require(
+            self.softmask_weight >= 0, f"softmask_weight={self.softmask_weight}: give a loss weight >= 0"
+        )
         _require(self.seq_warmup_steps >= 0, f"seq_warmup_steps={self.seq_warmup_steps}: give steps >= 0")
         _require(self.seq_warmup_start >= 1, f"seq_warmup_start={self.seq_warmup_start}: give tokens >= 1")
 
@@ -106,8 +112,12 @@ class MemoryConfig:
     recompute: bool = True  # full activation recompute per layer
     offload: bool = True  # CPU offload of each layer's saved input
     keep_selection: bool = True  # keep DSA top-k selections for the recompute (the indexer runs once)
-    recompute_chunks: bool = False  # also recompute each MoE / MLP / indexer-KL chunk on its own (less memory)
-    precision: str = "auto"  # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on CUDA, else fp32
+    recompute_chunks: bool = (
+        False  # also recompute each MoE / MLP / indexer-KL chunk on its own (less memory)
+    )
+    precision: str = (
+        "auto"  # "bf16" (autocast, fp32 master weights), "fp32", or "auto": bf16 on CUDA, else fp32
+    )
 
     def validate(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
@@ -136,13 +146,21 @@ class ParallelConfig:
         ParallelDims(self.dp, self.cp, self.ep).check()  # the model's expert count is checked at launch
         _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
         _check_choice("launcher", self.launcher, LAUNCHERS)
-        _require(self.ep_capacity_factor > 1,
-                 f"ep_capacity_factor={self.ep_capacity_factor}: give a multiple of the mean (> 1)")
-        _require(not self.optimizer_offload or (self.fsdp and self.world > 1),
-                 "optimizer_offload=true is FSDP2's CPU offload: it needs fsdp=true and dp*cp > 1")
-        _require(self.max_failures >= 0, f"max_failures={self.max_failures}: give the number of restarts (>= 0)")
-        _require(self.max_failures == 0 or self.launcher == "ray",
-                 f"max_failures={self.max_failures}: restarts are Ray's (launcher=ray)")
+        _require(
+            self.ep_capacity_factor > 1,
+            f"ep_capacity_factor={self.ep_capacity_factor}: give a multiple of the mean (> 1)",
+        )
+        _require(
+            not self.optimizer_offload or (self.fsdp and self.world > 1),
+            "optimizer_offload=true is FSDP2's CPU offload: it needs fsdp=true and dp*cp > 1",
+        )
+        _require(
+            self.max_failures >= 0, f"max_failures={self.max_failures}: give the number of restarts (>= 0)"
+        )
+        _require(
+            self.max_failures == 0 or self.launcher == "ray",
+            f"max_failures={self.max_failures}: restarts are Ray's (launcher=ray)",
+        )
 
 
 @dataclass
@@ -155,7 +173,9 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         _require(self.save_every >= 1, f"save_every={self.save_every}: give a number of steps >= 1")
-        _require(self.keep_checkpoints >= 0, f"keep_checkpoints={self.keep_checkpoints}: give >= 0 (0 keeps all)")
+        _require(
+            self.keep_checkpoints >= 0, f"keep_checkpoints={self.keep_checkpoints}: give >= 0 (0 keeps all)"
+        )
         _require(bool(self.resume), "resume is empty: give auto, never or a checkpoint folder")
 
 
@@ -165,7 +185,9 @@ class LogConfig:
 
     log_every: int = 1  # optimizer steps between metrics rows
     wandb: str = "offline"  # "offline", "online" or "disabled"
-    track_memory: bool = False  # log `peak_tracked_gb`: torch's MemTracker on each real step (the planner's tool)
+    track_memory: bool = (
+        False  # log `peak_tracked_gb`: torch's MemTracker on each real step (the planner's tool)
+    )
 
     def validate(self) -> None:
         _check_choice("wandb", self.wandb, WANDB_MODES)
@@ -214,17 +236,23 @@ class PlanConfig:
     ib_gbs: float = 50.0  # per GPU per direction between nodes (400 Gb/s NICs), GB/s
     pcie_gbs: float = 50.0  # per GPU per direction to host memory (offload copies), GB/s
     gpus_per_node: int = 8  # GPUs sharing a node (NVLink inside, InfiniBand between)
-    host_gib: float = 2048.0  # host memory per node (DGX B200 / H200: 2 TiB); a layout needing more does not fit
+    host_gib: float = (
+        2048.0  # host memory per node (DGX B200 / H200: 2 TiB); a layout needing more does not fit
+    )
     imbalance: float = 0.0  # busiest EP rank's tokens over the mean; 0: from the run's metrics, else 4
     trace_tokens: int = 2048  # most tokens per rank traced; more are extrapolated
 
     def validate(self) -> None:
         _check_choice("gpu", self.gpu, GPU_KINDS)
-        _require(self.gpus >= 0, f"gpus={self.gpus}: give the number of GPUs to plan for (0: the run's dp * cp)")
+        _require(
+            self.gpus >= 0, f"gpus={self.gpus}: give the number of GPUs to plan for (0: the run's dp * cp)"
+        )
         _require(0 < self.mfu <= 1, f"mfu={self.mfu}: give a fraction of peak in (0, 1]")
         _require(self.imbalance >= 0, f"imbalance={self.imbalance}: give >= 0 (0: measured from the run)")
-        _require(self.trace_tokens >= 1 and self.gpus_per_node >= 1, f"trace_tokens={self.trace_tokens}, "
-                 f"gpus_per_node={self.gpus_per_node}: give each >= 1")
+        _require(
+            self.trace_tokens >= 1 and self.gpus_per_node >= 1,
+            f"trace_tokens={self.trace_tokens}, gpus_per_node={self.gpus_per_node}: give each >= 1",
+        )
 
 
 @dataclass
@@ -253,16 +281,25 @@ class TrainConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     GROUPS: ClassVar[tuple[str, ...]] = (
-        "optim", "data_options", "memory", "model_options", "parallel", "checkpoint", "log", "eval", "probe",
+        "optim",
+        "data_options",
+        "memory",
+        "model_options",
+        "parallel",
+        "checkpoint",
+        "log",
+        "eval",
+        "probe",
         "plan",
-    )  # fmt: skip
+    )
 
     @property
     def seq_len(self) -> int:
         return parse_seq(self.seq)
 
     def total_steps(self, n_windows: int) -> int:
-        """`steps` if set, else enough optimizer steps for `epochs` passes over `n_windows` training windows."""
+        """`steps` if set, else enough optimizer steps for `epochs` passes over `n_windows` training
+        windows."""
         if self.optim.steps > 0:
             return self.optim.steps
         return max(1, math.ceil(self.optim.epochs * n_windows / self.optim.grad_accum))
@@ -294,7 +331,9 @@ class TrainConfig:
         try:
             parse_seq(self.seq)
         except DataError:
-            raise ValueError(f"seq={self.seq!r}: give a positive token count such as 16k, 512k, 1M or 4096") from None
+            raise ValueError(
+                f"seq={self.seq!r}: give a positive token count such as 16k, 512k, 1M or 4096"
+            ) from None
         if not self.run or "/" in self.run:
             raise ValueError(f"run={self.run!r}: give a folder name (runs/<run>/), without '/'")
         for group in self.GROUPS:
@@ -303,8 +342,8 @@ class TrainConfig:
                 check()
         if self.parallel.max_failures > 0 and self.checkpoint.resume != "auto":
             raise ValueError(
-                f"max_failures={self.parallel.max_failures} with resume={self.checkpoint.resume!r}: a restarted "
-                "group continues from the run's newest checkpoint, which is resume=auto"
+                f"max_failures={self.parallel.max_failures} with resume={self.checkpoint.resume!r}: a "
+                "restarted group continues from the run's newest checkpoint, which is resume=auto"
             )
         return self
 
@@ -318,7 +357,9 @@ class TrainConfig:
             if key not in _SETTING_GROUP:
                 raise ValueError(f"unknown run setting {key!r}")
             groups.setdefault(_SETTING_GROUP[key], {})[key] = value
-        parts = {group: dataclasses.replace(getattr(self, group), **values) for group, values in groups.items()}
+        parts = {
+            group: dataclasses.replace(getattr(self, group), **values) for group, values in groups.items()
+        }
         return dataclasses.replace(self, **top, **parts)
 
     @classmethod
@@ -377,7 +418,9 @@ _OPTIONAL = {  # settings that take null / none
 def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
     """A run config file's settings by flat name."""
     if not path.exists():
-        raise FileNotFoundError(f"no run config at {path}; the presets are in configs/train/ (clusters: configs/cluster/)")
+        raise FileNotFoundError(
+            f"no run config at {path}; the presets are in configs/train/ (clusters: configs/cluster/)"
+        )
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a run config is a mapping of settings (key: value)")
@@ -417,7 +460,16 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         raise ValueError(f"setting {key}={value!r}: expected a value like {default!r}")
     try:
         if isinstance(default, bool):
-            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            if isinstance(value, str) and value.lower() in (
+                "true",
+                "false",
+                "yes",
+                "no",
+                "on",
+                "off",
+                "1",
+                "0",
+            ):
                 return value.lower() in ("true", "yes", "on", "1")
             if isinstance(value, bool):
                 return value

@@ -1,4 +1,5 @@
-"""Fault injection for tests: one rank exits hard (no cleanup, like a lost node) after a chosen optimizer step.
+"""Fault injection for tests: one rank exits hard (no cleanup, like a lost node) after a chosen optimizer
+step.
 
 Off unless the environment variable `GENOMELM_FAULT` is `STEP:RANK` (e.g. `3:1`): rank RANK exits with status
 17 right after optimizer step STEP, once per run folder (a marker file there lets a restarted run go on). The
@@ -15,7 +16,8 @@ FAULT_ENV = "GENOMELM_FAULT"
 
 
 def fault_setting() -> tuple[int, int] | None:
-    """(step, rank) from `GENOMELM_FAULT`, or None when unset; a malformed value is an error naming the fix."""
+    """(step, rank) from `GENOMELM_FAULT`, or None when unset; a malformed value is an error naming the
+    fix."""
     spec = os.environ.get(FAULT_ENV, "").strip()
     if not spec:
         return None

@@ -57,8 +57,9 @@ class TrainingData:
         config, options = self.config, self.config.data_options
         source, index = self.order.next()
         window = self.datasets[source][index]
-        draw = torch.rand(2, generator=torch.Generator().manual_seed(
-            config.optim.seed * 1_000_003 + step * 1_009 + micro))  # fmt: skip
+        draw = torch.rand(
+            2, generator=torch.Generator().manual_seed(config.optim.seed * 1_000_003 + step * 1_009 + micro)
+        )
         if draw[0] < options.rc_aug:
             window = window.reverse_complement()
         length = crop_length(step, options.seq_warmup_steps, config.seq_len, options.seq_warmup_start)

@@ -1,6 +1,7 @@
 """Checks the trainer makes before its first step, each with a message that says what to do.
 
-- a random full-size model (a preset, not a checkpoint) is refused unless asked for (`allow_random_init=true`);
+- a random full-size model (a preset, not a checkpoint) is refused unless asked for
+  (`allow_random_init=true`);
 - the data's token ids must be the model's: the tokenizer in a checkpoint folder, or the vocabulary size and
   padding id of a preset;
 - a resumed run must be the same run: model, window length, data and vocabulary.
@@ -23,7 +24,8 @@ class RunMismatch(ValueError):
 
 
 def parameter_count(config: ModelConfig) -> int:
-    """Exact parameter count, from the model built on the meta device (no memory, about a second at full size)."""
+    """Exact parameter count, from the model built on the meta device (no memory, about a second at full
+    size)."""
     from genomelm.model import GlmForCausalLM
 
     model = GlmForCausalLM.from_config(config, device="meta")
@@ -37,10 +39,10 @@ def check_random_init(model: str, preset: ModelConfig | None, allow_random_init:
     count = parameter_count(preset)
     if count > RANDOM_INIT_LIMIT:
         raise RunMismatch(
-            f"model={model} is a preset: {count / 1e9:.1f}B parameters of random weights, so training would start "
-            "from noise (and first save the random weights as the run's 'before' model). Give the released "
-            "checkpoint folder instead: make train MODEL=/path/to/GLM-5.3-Flash (or model=<folder>); for memory "
-            "and speed benchmarks only, add allow_random_init=true"
+            f"model={model} is a preset: {count / 1e9:.1f}B parameters of random weights, so training would "
+            "start from noise (and first save the random weights as the run's 'before' model). Give the "
+            "released checkpoint folder instead: make train MODEL=/path/to/GLM-5.3-Flash "
+            "(or model=<folder>); for memory and speed benchmarks only, add allow_random_init=true"
         )
 
 
@@ -98,10 +100,13 @@ def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], checkpoi
     """Refuse to continue `checkpoint` (whose trainer state stored `saved`) with a different run."""
     if saved is None:
         return
-    differ = [f"{key}: {saved.get(key)!r} then, {value!r} now" for key, value in current.items()
-              if saved.get(key) != value]  # fmt: skip
+    differ = [
+        f"{key}: {saved.get(key)!r} then, {value!r} now"
+        for key, value in current.items()
+        if saved.get(key) != value
+    ]
     if differ:
         raise RunMismatch(
-            f"resume=auto found {checkpoint}, written by a different run ({'; '.join(differ)}). Continue with "
-            "the original settings, start a new run (run=<name>), or resume=never to start this one over"
+            f"resume=auto found {checkpoint}, written by a different run ({'; '.join(differ)}). Continue "
+            "with the original settings, start a new run (run=<name>), or resume=never to start this one over"
         )

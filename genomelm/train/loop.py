@@ -3,9 +3,9 @@ step the planner measures too), record it, save it.
 
 One window per micro-batch, AdamW with warmup + cosine, gradient accumulation and clipping, the memory stack
 around every layer, atomic checkpoints, exact resume, a guard against non-finite steps. Under a launcher
-(dp x cp processes, ep borrowing them) every rank runs this loop: `genomelm.parallel` splits the model over the
-mesh before the optimizer is made, each dp rank reads its own windows, checkpoints are sharded, and rank 0 alone
-logs and prints.
+(dp x cp processes, ep borrowing them) every rank runs this loop: `genomelm.parallel` splits the model over
+the mesh before the optimizer is made, each dp rank reads its own windows, checkpoints are sharded, and rank 0
+alone logs and prints.
 """
 
 from __future__ import annotations
@@ -73,23 +73,36 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train as configured; returns a summary (steps run, last loss, checkpoint path, skipped steps).
 
     Inside a launched group (dp x cp processes) every rank runs this with the same config: each dp rank reads
-    its own windows, each cp rank keeps its shard of them, and rank 0 alone writes metrics and the progress bar.
+    its own windows, each cp rank keeps its shard of them, and rank 0 alone writes metrics and the progress
+    bar.
     """
     run = build_run(config)
     config = run.config
     progress = progress and run.output_rank
     if progress:
-        print(f"model {config.model}: {sum(p.numel() for p in run.model.parameters()):,} parameters on "
-              f"{run.device}\n{run.model.route_table()}\nmemory: {run.runner.describe()}", flush=True)  # fmt: skip
+        print(
+            f"model {config.model}: {sum(p.numel() for p in run.model.parameters()):,} parameters on "
+            f"{run.device}\n{run.model.route_table()}\nmemory: {run.runner.describe()}",
+            flush=True,
+        )
     run.log = MetricsLog(config, resumed_step=run.start_step) if run.output_rank else None
     run.summary = {"start_step": run.start_step, "losses": [], "skipped": 0, "checkpoint": run.resume_from}
-    bar = tqdm(range(run.start_step, config.optim.steps), initial=run.start_step, total=config.optim.steps,
-               disable=not progress, desc=f"train {config.run}", unit="step")  # fmt: skip
+    bar = tqdm(
+        range(run.start_step, config.optim.steps),
+        initial=run.start_step,
+        total=config.optim.steps,
+        disable=not progress,
+        desc=f"train {config.run}",
+        unit="step",
+    )
     try:
         for step in bar:
             record = train_one_step(run, step)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}")  # fmt: skip
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}",
+            )
             if (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.optim.steps:
                 save(run, step + 1)
     finally:
@@ -105,7 +118,9 @@ def build_run(config: TrainConfig) -> Run:
     """Everything a rank needs before its first step: mesh, seeds, data, checks, model, optimizer, state."""
     dims = ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep)
     device = run_device()
-    parallel = ParallelRun.from_environment(dims, config.parallel.cp_layout, config.parallel.fsdp, device.type)
+    parallel = ParallelRun.from_environment(
+        dims, config.parallel.cp_layout, config.parallel.fsdp, device.type
+    )
     torch.manual_seed(config.optim.seed)
     np.random.seed(config.optim.seed)
     random.seed(config.optim.seed)
@@ -125,14 +140,25 @@ def build_run(config: TrainConfig) -> Run:
     identity = run_identity(config, data.manifest)
     resume_from, state = resume_state(config, checkpointer, identity, parallel)
     model = build_model(config, model_config, device, parallel, resume_from, checkpointer)
-    runner = LayerRunner(recompute=config.memory.recompute, offload=config.memory.offload,
-                         keep_selection=config.memory.keep_selection,
-                         recompute_chunks=config.memory.recompute_chunks)  # fmt: skip
+    runner = LayerRunner(
+        recompute=config.memory.recompute,
+        offload=config.memory.offload,
+        keep_selection=config.memory.keep_selection,
+        recompute_chunks=config.memory.recompute_chunks,
+    )
     optimizer = make_optimizer(model, config.optim, device, sharded=parallel is not None and parallel.fsdp)
-    step = TrainStep(model, optimizer, runner, parallel, config.optim,
-                     lambda: autocast_for(config.memory.precision, device),
-                     config.optim.grad_accum * dims.dp)  # fmt: skip
-    run = Run(config, device, parallel, data, model, optimizer, runner, step, checkpointer, identity, resume_from)
+    step = TrainStep(
+        model,
+        optimizer,
+        runner,
+        parallel,
+        config.optim,
+        lambda: autocast_for(config.memory.precision, device),
+        config.optim.grad_accum * dims.dp,
+    )
+    run = Run(
+        config, device, parallel, data, model, optimizer, runner, step, checkpointer, identity, resume_from
+    )
     if state is not None:
         resume(run, state)
     return run
@@ -148,10 +174,16 @@ def checked_model_config(config: TrainConfig, data: TrainingData) -> ModelConfig
     return model_config
 
 
-def build_model(config: TrainConfig, model_config: ModelConfig, device: torch.device, parallel: ParallelRun | None,
-                resume_from: Path | None, checkpointer: Checkpointer) -> GlmForCausalLM:  # fmt: skip
-    """The model to train, split over the mesh when there is one. Under FSDP each rank builds it empty and reads
-    only its own shard of the weights (from the model folder, or later from a sharded checkpoint)."""
+def build_model(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    parallel: ParallelRun | None,
+    resume_from: Path | None,
+    checkpointer: Checkpointer,
+) -> GlmForCausalLM:
+    """The model to train, split over the mesh when there is one. Under FSDP each rank builds it empty and
+    reads only its own shard of the weights (from the model folder, or later from a sharded checkpoint)."""
     sharded_resume = resume_from is not None and checkpointer.is_sharded(resume_from)
     source = str(resume_from / "model") if resume_from is not None and not sharded_resume else config.model
     shard_read = parallel is not None and parallel.fsdp and not is_preset(source)
@@ -167,12 +199,18 @@ def build_model(config: TrainConfig, model_config: ModelConfig, device: torch.de
             except RuntimeError as exc:
                 raise RunMismatch(str(exc)) from exc
     init_dir = config.run_dir / "init"
-    if (parallel is None or parallel.is_output_rank) and resume_from is None and is_preset(config.model) \
-            and not (init_dir / "config.json").exists():  # fmt: skip
+    if (
+        (parallel is None or parallel.is_output_rank)
+        and resume_from is None
+        and is_preset(config.model)
+        and not (init_dir / "config.json").exists()
+    ):
         save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
     if parallel is not None:
         param_dtype = torch.bfloat16 if resolve_precision(config.memory.precision, device) == "bf16" else None
-        parallel.prepare(model, param_dtype, config.parallel.ep_capacity_factor, config.parallel.optimizer_offload)
+        parallel.prepare(
+            model, param_dtype, config.parallel.ep_capacity_factor, config.parallel.optimizer_offload
+        )
         if shard_read:
             model.to_empty(device=device)
             if not sharded_resume:
@@ -184,8 +222,9 @@ def build_model(config: TrainConfig, model_config: ModelConfig, device: torch.de
 
 
 # ------------------------------------------------------------------------------------------------- resume
-def resume_state(config: TrainConfig, checkpointer: Checkpointer, identity: dict[str, Any],
-                 parallel: ParallelRun | None) -> tuple[Path | None, dict[str, Any] | None]:  # fmt: skip
+def resume_state(
+    config: TrainConfig, checkpointer: Checkpointer, identity: dict[str, Any], parallel: ParallelRun | None
+) -> tuple[Path | None, dict[str, Any] | None]:
     """(checkpoint folder, its trainer state) to continue from, or (None, None) for a fresh start; refuses a
     checkpoint of another run, and a one-process checkpoint under a launcher."""
     resume = config.checkpoint.resume
@@ -195,8 +234,10 @@ def resume_state(config: TrainConfig, checkpointer: Checkpointer, identity: dict
     state = checkpointer.read_trainer_state(resume_from)
     check_resume(state.get("identity"), identity, resume_from)
     if parallel is not None and not checkpointer.is_sharded(resume_from):
-        raise RunMismatch(f"{resume_from} is a one-process checkpoint; resume it with one process (dp=1 cp=1 "
-                          "ep=1), or start this run afresh with resume=never")  # fmt: skip
+        raise RunMismatch(
+            f"{resume_from} is a one-process checkpoint; resume it with one process (dp=1 cp=1 "
+            "ep=1), or start this run afresh with resume=never"
+        )
     return resume_from, state
 
 
@@ -253,30 +294,46 @@ def check_bad_steps(run: Run, step: int, outcome: StepOutcome) -> None:
     """Say a non-finite step was skipped; stop the run (every rank alike) after `max_bad_steps` in a row."""
     limit = run.config.optim.max_bad_steps
     if run.output_rank:
-        tqdm.write(f"step {step + 1}: non-finite loss/gradient ({outcome.loss}, {outcome.grad_norm}); step "
-                   f"skipped ({run.bad_in_row} in a row, limit {limit})")  # fmt: skip
+        tqdm.write(
+            f"step {step + 1}: non-finite loss/gradient ({outcome.loss}, {outcome.grad_norm}); step "
+            f"skipped ({run.bad_in_row} in a row, limit {limit})"
+        )
     if run.bad_in_row >= limit:
         metrics = run.config.run_dir / "metrics.jsonl"
-        raise NonFiniteLoss(f"{run.bad_in_row} non-finite steps in a row at step {step + 1}; lower lr or check "
-                            f"the data (metrics: {metrics})")  # fmt: skip
+        raise NonFiniteLoss(
+            f"{run.bad_in_row} non-finite steps in a row at step {step + 1}; lower lr or check "
+            f"the data (metrics: {metrics})"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- record it
-def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, seen: list[Window],
-                elapsed: float) -> dict[str, Any]:  # fmt: skip
+def step_record(
+    run: Run, step: int, lr: float, outcome: StepOutcome, seen: list[Window], elapsed: float
+) -> dict[str, Any]:
     """The metrics row of a step: loss, schedule, speed, memory, the windows of every dp rank, routing."""
     config, parallel = run.config, run.parallel
-    mine = [{"index": w.index, "source": w.source, "reverse": w.reverse, "tokens": len(w.input_ids)} for w in seen]
+    mine = [
+        {"index": w.index, "source": w.source, "reverse": w.reverse, "tokens": len(w.input_ids)} for w in seen
+    ]
     windows = parallel.gather_over_data(mine) if parallel is not None else mine
     rss, peak_rss = host_memory_gb()
     record = {
-        "step": step + 1, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
-        "tokens_per_s": sum(w["tokens"] for w in windows) / elapsed, "step_s": elapsed,
-        "skipped": not outcome.finite, "peak_device_mem_gb": device_peak_gb(), "host_rss_gb": rss,
-        "host_peak_rss_gb": peak_rss, "windows": [w["index"] for w in windows],
-        "sources": [w["source"] for w in windows], "reverse": [w["reverse"] for w in windows],
-        "tokens": [w["tokens"] for w in windows], "loss_weighted": config.data_options.softmask_weight != 1.0,
-    }  # fmt: skip
+        "step": step + 1,
+        "loss": outcome.loss,
+        "lr": lr,
+        "grad_norm": outcome.grad_norm,
+        "tokens_per_s": sum(w["tokens"] for w in windows) / elapsed,
+        "step_s": elapsed,
+        "skipped": not outcome.finite,
+        "peak_device_mem_gb": device_peak_gb(),
+        "host_rss_gb": rss,
+        "host_peak_rss_gb": peak_rss,
+        "windows": [w["index"] for w in windows],
+        "sources": [w["source"] for w in windows],
+        "reverse": [w["reverse"] for w in windows],
+        "tokens": [w["tokens"] for w in windows],
+        "loss_weighted": config.data_options.softmask_weight != 1.0,
+    }
     if config.data_options.softmask_weight != 1.0:
         record["loss_unweighted"] = outcome.loss_unweighted
     rows_by_rank = parallel.expert_rows_by_rank(run.model) if parallel is not None else None
@@ -294,8 +351,8 @@ def step_record(run: Run, step: int, lr: float, outcome: StepOutcome, seen: list
 
 
 def memory_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """torch's MemTracker (what `genomelm plan` measures fake tensors with), entered on this step's real tensors:
-    parameters, gradients, optimizer state, activations and transients by module."""
+    """torch's MemTracker (what `genomelm plan` measures fake tensors with), entered on this step's real
+    tensors: parameters, gradients, optimizer state, activations and transients by module."""
     from torch.distributed._tools.mem_tracker import MemTracker  # only with track_memory=true
 
     tracker = MemTracker()
@@ -307,8 +364,10 @@ def memory_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 def tracked_peak_gb(tracker: Any, device: torch.device) -> float:
     """The step's peak of tracked bytes on `device`, in GB (2^30 bytes, as the plan's GiB)."""
     peaks = tracker.get_tracker_snapshot("peak")
-    return max((by_kind.get("Total", 0) for dev, by_kind in peaks.items() if dev.type == device.type),
-               default=0) / 2**30  # fmt: skip
+    return (
+        max((by_kind.get("Total", 0) for dev, by_kind in peaks.items() if dev.type == device.type), default=0)
+        / 2**30
+    )
 
 
 # ------------------------------------------------------------------------------------------------- save it
@@ -316,10 +375,17 @@ def save(run: Run, step: int) -> None:
     """Checkpoint after optimizer step `step` (every rank takes part under a launcher); after the last step of
     a sharded run, rank 0 also writes the Hugging Face copy `genomelm eval` reads."""
     config = run.config
-    state = {"step": step, "bad_in_row": run.bad_in_row, "data_order": run.data.state(),
-             "config": config.to_dict(), "identity": run.identity}  # fmt: skip
+    state = {
+        "step": step,
+        "bad_in_row": run.bad_in_row,
+        "data_order": run.data.state(),
+        "config": config.to_dict(),
+        "identity": run.identity,
+    }
     mesh = run.parallel.mesh if run.parallel is not None else None
-    path = run.checkpointer.save(step, run.model, run.optimizer, state, mesh, config.checkpoint.keep_checkpoints)
+    path = run.checkpointer.save(
+        step, run.model, run.optimizer, state, mesh, config.checkpoint.keep_checkpoints
+    )
     if mesh is not None and step == config.optim.steps and run.output_rank:
         from genomelm.parallel.export import export_checkpoint  # one layer at a time, at the last step only
 

@@ -2,14 +2,14 @@
 
 Recompute is decided here, once, and reaches the model only through its seams (the `layer_runner` argument and
 the blocks' `chunk_runner`):
-- `recompute=true`: each decoder layer runs under non-reentrant `torch.utils.checkpoint`: the layer keeps only its
-  input for the backward pass and recomputes everything else once; side outputs such as the DSA indexer's KL
-  term keep their graph (the recompute fills it in). A DSA layer may also keep its top-k selection (int32
-  [S, index_topk / index_kpool]) so the recompute does not run the indexer again. The expert forward runs twice
-  per step.
+- `recompute=true`: each decoder layer runs under non-reentrant `torch.utils.checkpoint`: the layer keeps only
+  its input for the backward pass and recomputes everything else once; side outputs such as the DSA indexer's
+  KL term keep their graph (the recompute fills it in). A DSA layer may also keep its top-k selection (int32
+  [S, index_topk / index_kpool]) so the recompute does not run the indexer again. The expert forward runs
+  twice per step.
 - `recompute_chunks=true`: additionally each chunk of the MoE, the dense MLP and the indexer KL term is
-  checkpointed on its own, so a layer's backward holds one chunk's activations instead of the layer's (for very
-  long local sequences; the chunk forward then runs three times per step).
+  checkpointed on its own, so a layer's backward holds one chunk's activations instead of the layer's (for
+  very long local sequences; the chunk forward then runs three times per step).
 - `offload=true`: what a layer keeps for its backward lives in host memory until the backward needs it: with
   recompute, the layer input (`_KeptInput`); without, every tensor autograd saves (`HostOffload`). On CUDA the
   copies run on a side stream into pinned buffers so they overlap compute; on the CPU they are plain copies
@@ -17,7 +17,8 @@ the blocks' `chunk_runner`):
 
 We write the host copies rather than use `torch.autograd.graph.save_on_cpu` because that copies on the compute
 stream and blocks it; the side stream is the point on a GPU. The layer input needs its own holder because
-non-reentrant checkpoint keeps the checkpointed function's arguments alive itself, outside the saved-tensor hooks.
+non-reentrant checkpoint keeps the checkpointed function's arguments alive itself, outside the saved-tensor
+hooks.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
 
 class _KeptInput:
-    """A checkpointed layer's input: the live tensor during the forward, then (with offload) a host copy that the
-    recompute brings back, detached, with the original's `requires_grad` (gradients reach the original through
-    the forward's graph, which non-reentrant checkpoint keeps)."""
+    """A checkpointed layer's input: the live tensor during the forward, then (with offload) a host copy that
+    the recompute brings back, detached, with the original's `requires_grad` (gradients reach the original
+    through the forward's graph, which non-reentrant checkpoint keeps)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
@@ -103,7 +104,8 @@ def checkpointed_chunk(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def set_chunk_recompute(model: nn.Module, enabled: bool) -> None:
-    """Point every chunking block's `chunk_runner` at `checkpointed_chunk` (enabled) or back to the default."""
+    """Point every chunking block's `chunk_runner` at `checkpointed_chunk` (enabled) or back to the
+    default."""
     for module in model.modules():
         if hasattr(module, "chunk_runner"):
             module.chunk_runner = checkpointed_chunk if enabled else run_directly

@@ -38,8 +38,11 @@ class MetricsLog:
         if resumed_step == 0 and self.path.exists():
             self.path.unlink()
         elif self.path.exists():  # drop lines of steps the resumed run will redo
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resumed_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.wandb_run = None
         if config.log.wandb != "disabled":
@@ -47,8 +50,13 @@ class MetricsLog:
             import wandb
 
             self.wandb_run = wandb.init(
-                project="genomelm", name=config.run, dir=str(config.run_dir), mode=config.log.wandb,
-                config=config.to_dict(), resume="allow", id=f"{config.run}",
+                project="genomelm",
+                name=config.run,
+                dir=str(config.run_dir),
+                mode=config.log.wandb,
+                config=config.to_dict(),
+                resume="allow",
+                id=f"{config.run}",
             )
 
     def log(self, record: dict[str, Any]) -> None:

@@ -50,13 +50,16 @@ def model_pair(config: TrainConfig, before: str | None = None, after: str | None
     if after is None:
         checkpoint = Checkpointer(config.run_dir).latest()
         if checkpoint is None:
-            raise ModelChoiceError(f"no trained checkpoint in {config.run_dir}; run `make train` first "
-                                   "(or pass --after PATH)")  # fmt: skip
+            raise ModelChoiceError(
+                f"no trained checkpoint in {config.run_dir}; run `make train` first (or pass --after PATH)"
+            )
         after = str(checkpoint / "model")
         if not Path(after, "config.json").exists():
-            raise ModelChoiceError(f"{checkpoint} is a sharded checkpoint without its Hugging Face copy; "
-                                   f"run `genomelm export {checkpoint} {after}` "
-                                   "(or pass --after PATH)")  # fmt: skip
+            raise ModelChoiceError(
+                f"{checkpoint} is a sharded checkpoint without its Hugging Face copy; "
+                f"run `genomelm export {checkpoint} {after}` "
+                "(or pass --after PATH)"
+            )
     return (base_model_path(config) if before is None else before), after
 
 

@@ -36,8 +36,9 @@ class PlanError(RuntimeError):
     """The run does not fit the GPUs it is planned for."""
 
 
-def make_plan(config: TrainConfig, assumptions: Assumptions | None = None,
-              traces: TraceCache | None = None) -> Plan:
+def make_plan(
+    config: TrainConfig, assumptions: Assumptions | None = None, traces: TraceCache | None = None
+) -> Plan:
     """The plan for the run's own layout (gpus = dp*cp; `gpus` alone: cp = gpus)."""
     assumptions = assumptions or load_assumptions(config)
     dp, cp, ep = config.parallel.dp, config.parallel.cp, config.parallel.ep
@@ -75,10 +76,16 @@ def describe_run(config: TrainConfig) -> str:
     model = GlmForCausalLM.from_config(model_config, device="meta")
     n = sum(p.numel() for p in model.parameters())
     memory = config.memory
-    runner = LayerRunner(recompute=memory.recompute, offload=memory.offload,
-                         keep_selection=memory.keep_selection, recompute_chunks=memory.recompute_chunks)
-    head = (f"run {config.run}: model {config.model or 'not set, sized as glm-5.3-flash'} ({n / 1e9:.2f}B "
-            f"parameters, {len(model_config.kda_layers)} KDA + {len(model_config.dsa_layers)} DSA layers)\n\n"
-            f"layer routes:\n{model.route_table()}\n\nmemory switches: {runner.describe()}\n")
+    runner = LayerRunner(
+        recompute=memory.recompute,
+        offload=memory.offload,
+        keep_selection=memory.keep_selection,
+        recompute_chunks=memory.recompute_chunks,
+    )
+    head = (
+        f"run {config.run}: model {config.model or 'not set, sized as glm-5.3-flash'} ({n / 1e9:.2f}B "
+        f"parameters, {len(model_config.kda_layers)} KDA + {len(model_config.dsa_layers)} DSA layers)\n\n"
+        f"layer routes:\n{model.route_table()}\n\nmemory switches: {runner.describe()}\n"
+    )
     plan, refused = plan_with_refusal(config)
     return head + "\n" + describe(plan) + (f"\n\n{refused}" if refused else "")

@@ -24,8 +24,8 @@ def main(argv: list[str]) -> int:
         prog="genomelm plan",
         description="Trace one rank's training step on fake tensors; say whether the run fits and how fast.",
         epilog="Run settings as key=value (gpus=64 gpu=b200 dp= cp= ep= optimizer_offload=true search=true); "
-               "assumptions: mfu, tflops, nvlink_gbs, ib_gbs, pcie_gbs, gpus_per_node, host_gib, imbalance, "
-               "trace_tokens (README: the settings table).",
+        "assumptions: mfu, tflops, nvlink_gbs, ib_gbs, pcie_gbs, gpus_per_node, host_gib, imbalance, "
+        "trace_tokens (README: the settings table).",
     )
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
@@ -42,12 +42,20 @@ def main(argv: list[str]) -> int:
     gpus = f"{own.gpus} x {config.plan.gpu.upper()}"
     print(describe(own))
     if config.plan.search:
-        print(f"\nevery layout of {gpus} at {config.seq_len:,} tokens, ranked (fitting first, then projected "
-              f"tokens/s):\n{describe_search(plans, limit=40)}")
+        print(
+            f"\nevery layout of {gpus} at {config.seq_len:,} tokens, ranked (fitting first, then projected "
+            f"tokens/s):\n{describe_search(plans, limit=40)}"
+        )
     if not own.fits:  # what `make train` would refuse with (check_fits prints the same line)
-        print("\n" + (refusal(config, own, plans) if config.plan.search else
-                      f"run {config.run} does not fit; search=true names the best layout of {own.gpus} GPUs "
-                      "that does"))
+        print(
+            "\n"
+            + (
+                refusal(config, own, plans)
+                if config.plan.search
+                else f"run {config.run} does not fit; search=true names the best layout of {own.gpus} GPUs "
+                "that does"
+            )
+        )
     print(f"\nwrote {write_plan(config, [own, *plans])}")
     return 0
 

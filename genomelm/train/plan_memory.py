@@ -95,12 +95,28 @@ class TraceCache:
 
     def _key(self, run: TrainConfig, tokens: int, layers: list[int]) -> tuple:
         memory, options = run.memory, run.model_options
-        return (run.parallel.cp, memory.recompute, memory.offload, memory.recompute_chunks,
-                memory.keep_selection, options.moe_chunk_tokens, options.loss_chunk_tokens,
-                options.indexer_query_block, options.attention_query_block, tokens, tuple(layers))
+        return (
+            run.parallel.cp,
+            memory.recompute,
+            memory.offload,
+            memory.recompute_chunks,
+            memory.keep_selection,
+            options.moe_chunk_tokens,
+            options.loss_chunk_tokens,
+            options.indexer_query_block,
+            options.attention_query_block,
+            tokens,
+            tuple(layers),
+        )
 
-    def get(self, run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int],
-            optimizer: bool = False) -> StepTrace:
+    def get(
+        self,
+        run: TrainConfig,
+        model_config: ModelConfig,
+        tokens: int,
+        layers: list[int],
+        optimizer: bool = False,
+    ) -> StepTrace:
         run = self.traced_run(run)
         key = self._key(run, tokens, layers)
         cached = self.cache.get(key)
@@ -108,8 +124,9 @@ class TraceCache:
             cached = self.cache[key] = self._trace(run, model_config, tokens, layers, optimizer)
         return cached
 
-    def prefetch(self, requests: list[tuple[TrainConfig, int, bool]], model_config: ModelConfig,
-                 layers: list[int]) -> None:
+    def prefetch(
+        self, requests: list[tuple[TrainConfig, int, bool]], model_config: ModelConfig, layers: list[int]
+    ) -> None:
         """Trace (run, tokens, optimizer) requests not cached yet, in parallel processes (one per CPU core, at
         most 4): each trace is single-threaded Python (fake tensors compute nothing)."""
         todo, seen = [], set()
@@ -131,14 +148,17 @@ class TraceCache:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = {key: pool.submit(trace_step, run, model_config, tokens, layers, True, optimizer)
-                       for key, run, tokens, optimizer in todo}
+            futures = {
+                key: pool.submit(trace_step, run, model_config, tokens, layers, True, optimizer)
+                for key, run, tokens, optimizer in todo
+            }
             for key, future in futures.items():
                 self.cache[key] = future.result()
 
     @staticmethod
-    def _trace(run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int],
-               optimizer: bool) -> StepTrace:
+    def _trace(
+        run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int], optimizer: bool
+    ) -> StepTrace:
         return trace_step(run, model_config, tokens, layers, fake=True, optimizer=optimizer)
 
 
@@ -164,8 +184,14 @@ class ScaledTraces:
         return extrapolate_quadratic(at_t1, at_t2, self.t1, self.t2, self.tokens)
 
 
-def scaled_traces(config: TrainConfig, model_config: ModelConfig, cp: int, a: Assumptions, traces: TraceCache,
-                  optimizer: bool) -> ScaledTraces:
+def scaled_traces(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    cp: int,
+    a: Assumptions,
+    traces: TraceCache,
+    optimizer: bool,
+) -> ScaledTraces:
     """The traces of one rank of `cp` (from `traces`, tracing what is missing), with the optimizer phase
     traced when `optimizer` (a layout without FSDP: its optimizer bytes are traced, not computed)."""
     tokens = config.seq_len // cp
@@ -212,8 +238,9 @@ class RankMemory:
         return self.peak <= self.usable * GIB and sum(self.host.values()) <= a.host_gib * GIB
 
 
-def module_transients(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces,
-                      a: Assumptions) -> dict[str, float]:
+def module_transients(
+    config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions
+) -> dict[str, float]:
     """Each traced module's transient at the rank's tokens: the chunked modules (feed-forward:
     moe_chunk_tokens, loss head: loss_chunk_tokens) only up to their chunk; the MoE layers by `MOE_RULE` with
     FSDP or EP."""
@@ -225,8 +252,11 @@ def module_transients(config: TrainConfig, model_config: ModelConfig, layout: La
         for k, v in hi.transients.items()
     }
     if layout.ep > 1 or layout.sharded:  # the busiest rank's rows of one chunk
-        rows = ((a.imbalance if layout.ep > 1 else 1.0) * min(tokens, options.moe_chunk_tokens)
-                * model_config.num_experts_per_tok)
+        rows = (
+            (a.imbalance if layout.ep > 1 else 1.0)
+            * min(tokens, options.moe_chunk_tokens)
+            * model_config.num_experts_per_tok
+        )
         per_row = (2 * model_config.hidden_size + 3 * model_config.moe_intermediate_size) * 2 * 2
         for k in transients:
             if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == "sparse":
@@ -234,8 +264,9 @@ def module_transients(config: TrainConfig, model_config: ModelConfig, layout: La
     return transients
 
 
-def saved_activations(config: TrainConfig, model_config: ModelConfig, steps: ScaledTraces,
-                      host_inputs: float) -> float:
+def saved_activations(
+    config: TrainConfig, model_config: ModelConfig, steps: ScaledTraces, host_inputs: float
+) -> float:
     """Bytes the forward leaves for the backward: the traced layers' at the peak, plus what each untraced
     layer keeps until its backward, plus the layer inputs when traced offloaded but run with offload=false."""
     lo, hi = steps.lo, steps.hi
@@ -251,13 +282,20 @@ def saved_activations(config: TrainConfig, model_config: ModelConfig, steps: Sca
     return saved
 
 
-def rank_memory(config: TrainConfig, model_config: ModelConfig, layout: Layout, params: ParameterShare,
-                steps: ScaledTraces, a: Assumptions) -> RankMemory:
+def rank_memory(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    layout: Layout,
+    params: ParameterShare,
+    steps: ScaledTraces,
+    a: Assumptions,
+) -> RankMemory:
     """One rank's device bytes by category and its node's host bytes (`SHARDING_RULE`, `OFFLOAD_RULE`)."""
     hi, opt_offload = steps.hi, layout.optimizer_offload
     transients = module_transients(config, model_config, layout, steps, a)
-    host_inputs = (steps.line(steps.lo.host_bytes, hi.host_bytes) * model_config.num_hidden_layers
-                   / len(steps.layers))
+    host_inputs = (
+        steps.line(steps.lo.host_bytes, hi.host_bytes) * model_config.num_hidden_layers / len(steps.layers)
+    )
     device = {
         "parameters (fp32)": 0.0 if opt_offload else 4 * params.local,
         "buffers": _categories(hi, "Buffer") * params.total / sum(hi.param_numel.values()),
@@ -267,10 +305,13 @@ def rank_memory(config: TrainConfig, model_config: ModelConfig, layout: Layout, 
         "largest transient (module below)": max(transients.values(), default=0.0),
     }
     if layout.sharded:
-        device["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] = (
-            _largest_layer(model_config, layout, params) * (2 * 2 + 2 + 4))
-        opt_phase = sum(device[k] for k in ("parameters (fp32)", "buffers", "gradients (fp32)",
-                                            "optimizer state (AdamW, 2 x fp32)"))
+        device["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] = _largest_layer(
+            model_config, layout, params
+        ) * (2 * 2 + 2 + 4)
+        opt_phase = sum(
+            device[k]
+            for k in ("parameters (fp32)", "buffers", "gradients (fp32)", "optimizer state (AdamW, 2 x fp32)")
+        )
     else:  # traced: the gradient sum, clipping and AdamW (its temporaries), per parameter
         opt_phase = hi.optimizer_peak_total * params.local / sum(hi.param_numel.values())
     peak = max(sum(device.values()), opt_phase)

@@ -35,7 +35,8 @@ def check_layout(config: TrainConfig, model_config: ModelConfig, dp: int, cp: in
         raise ValueError(f"seq {seq:,} does not split into cp={cp} shards of whole 128-token pieces")
     if world % ep or model_config.n_routed_experts % ep:
         raise ValueError(
-            f"ep={ep} must divide dp*cp={world} and the {model_config.n_routed_experts} routed experts")
+            f"ep={ep} must divide dp*cp={world} and the {model_config.n_routed_experts} routed experts"
+        )
     sharded = config.parallel.fsdp and world > 1
     return Layout(dp, cp, ep, sharded, config.parallel.optimizer_offload and sharded)
 
@@ -45,9 +46,16 @@ def splits(seq: int, cp: int) -> bool:
     return not (seq % cp or (seq // cp) % 128)
 
 
-def plan_layout(config: TrainConfig, dp: int, cp: int, ep: int, assumptions: Assumptions,
-                traces: TraceCache | None = None, model_config: ModelConfig | None = None,
-                numel: dict[str, int] | None = None) -> Plan:
+def plan_layout(
+    config: TrainConfig,
+    dp: int,
+    cp: int,
+    ep: int,
+    assumptions: Assumptions,
+    traces: TraceCache | None = None,
+    model_config: ModelConfig | None = None,
+    numel: dict[str, int] | None = None,
+) -> Plan:
     """The plan of one layout (dp x cp ranks, experts over ep) for `config`'s window and switches (fsdp,
     offload, optimizer_offload)."""
     model_config = model_config or resolve_model_config(config)
@@ -62,16 +70,27 @@ def plan_layout(config: TrainConfig, dp: int, cp: int, ep: int, assumptions: Ass
     return _plan(config, layout, a, memory, time, _notes(config, model_config, layout, steps))
 
 
-def _plan(config: TrainConfig, layout: Layout, a: Assumptions, memory: RankMemory, time: StepTime,
-          notes: list[str]) -> Plan:
+def _plan(
+    config: TrainConfig, layout: Layout, a: Assumptions, memory: RankMemory, time: StepTime, notes: list[str]
+) -> Plan:
     """The layout's `Plan`: GiB, totals per optimizer step, and for plan.json the assumptions and rules."""
     seq, accum = config.seq_len, config.optim.grad_accum
     tokens = seq // layout.cp
     return Plan(
-        run=config.run, seq=seq, gpus=layout.world, gpu=config.plan.gpu, dp=layout.dp, cp=layout.cp,
-        ep=layout.ep, recompute=config.memory.recompute, offload=config.memory.offload,
-        optimizer_offload=layout.optimizer_offload, fsdp=layout.sharded, fits=memory.fits(a),
-        usable_gib=memory.usable, peak_gib_per_rank=memory.peak / GIB,
+        run=config.run,
+        seq=seq,
+        gpus=layout.world,
+        gpu=config.plan.gpu,
+        dp=layout.dp,
+        cp=layout.cp,
+        ep=layout.ep,
+        recompute=config.memory.recompute,
+        offload=config.memory.offload,
+        optimizer_offload=layout.optimizer_offload,
+        fsdp=layout.sharded,
+        fits=memory.fits(a),
+        usable_gib=memory.usable,
+        peak_gib_per_rank=memory.peak / GIB,
         device_gib={k: v / GIB for k, v in memory.device.items()},
         transients_gib={k: v / GIB for k, v in memory.transients.items()},
         host_gib_per_node={k: v / GIB for k, v in memory.host.items()},
@@ -79,11 +98,16 @@ def _plan(config: TrainConfig, layout: Layout, a: Assumptions, memory: RankMemor
         comm_bytes_per_step={k: v * accum for k, v in time.comm.items()},
         step_s=time.step_s * accum,
         tokens_per_s_projected=layout.dp * seq / max(time.step_s, 1e-9),
-        assumptions=dataclasses.asdict(a) | {
-            "compute_s": time.compute_s, "comm_s": time.comm_s, "host_copy_s": time.host_s,
+        assumptions=dataclasses.asdict(a)
+        | {
+            "compute_s": time.compute_s,
+            "comm_s": time.comm_s,
+            "host_copy_s": time.host_s,
             "busiest_rank_flops_per_token": time.busiest_flops / tokens,
             "overlap": "none: compute, every collective and the offload copies add up",
-            "sharding": SHARDING_RULE, "moe": MOE_RULE, "offload": OFFLOAD_RULE,
+            "sharding": SHARDING_RULE,
+            "moe": MOE_RULE,
+            "offload": OFFLOAD_RULE,
         },
         notes=notes,
     )
@@ -96,15 +120,18 @@ def _notes(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps
         notes.append("optimizer_offload needs FSDP over more than one rank (fsdp=true, dp*cp > 1): ignored")
     traced = f"traced {len(steps.layers)} of {model_config.num_hidden_layers} layers"
     if steps.t1 != steps.t2:
-        notes.append(f"{traced} at {steps.t1:,} and {steps.t2:,} tokens per rank; bytes extrapolated "
-                     f"linearly to {steps.tokens:,}, FLOPs as a*t + b*t^2")
+        notes.append(
+            f"{traced} at {steps.t1:,} and {steps.t2:,} tokens per rank; bytes extrapolated "
+            f"linearly to {steps.tokens:,}, FLOPs as a*t + b*t^2"
+        )
     else:
         notes.append(f"{traced} at {steps.tokens:,} tokens per rank, scaled by the layer counts")
     return notes
 
 
-def search(config: TrainConfig, assumptions: Assumptions | None = None,
-           traces: TraceCache | None = None) -> list[Plan]:
+def search(
+    config: TrainConfig, assumptions: Assumptions | None = None, traces: TraceCache | None = None
+) -> list[Plan]:
     """Every dp x cp x ep layout of `config.plan.gpus` (64 if unset), with offload and optimizer_offload on
     and off, ranked (`rank`). One pair of traces per cp (see `TraceCache`), traced first, in parallel."""
     assumptions = assumptions or load_assumptions(config)
@@ -137,8 +164,10 @@ def search(config: TrainConfig, assumptions: Assumptions | None = None,
 
 def rank(plans: list[Plan]) -> list[Plan]:
     """Fitting first; then by projected tokens/s; at equal speed the smaller peak, then less host memory."""
-    return sorted(plans, key=lambda p: (not p.fits, -round(p.tokens_per_s_projected), p.peak_gib_per_rank,
-                                        p.host_gib_total))
+    return sorted(
+        plans,
+        key=lambda p: (not p.fits, -round(p.tokens_per_s_projected), p.peak_gib_per_rank, p.host_gib_total),
+    )
 
 
 def powers_of_two(n: int) -> list[int]:

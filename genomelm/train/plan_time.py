@@ -27,16 +27,27 @@ class StepTime:
         return self.compute_s + self.comm_s + self.host_s
 
 
-def step_time(config: TrainConfig, model_config: ModelConfig, layout: Layout, params: ParameterShare,
-              steps: ScaledTraces, host_inputs: float, a: Assumptions) -> StepTime:
+def step_time(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    layout: Layout,
+    params: ParameterShare,
+    steps: ScaledTraces,
+    host_inputs: float,
+    a: Assumptions,
+) -> StepTime:
     """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads."""
     lo, hi, rep_of = steps.lo, steps.hi, steps.rep_of
     layers = range(model_config.num_hidden_layers)
     sparse = [i for i in layers if model_config.mlp_layer_types[i] == "sparse"]
     flops = {k: steps.quadratic(lo.flops[k], hi.flops[k]) for k in hi.flops}
     rank_flops = flops["rest"] + sum(flops[f"layers.{rep_of[i]}"] for i in layers)
-    expert_flops = sum(steps.line(lo.expert_flops.get(f"layers.{rep_of[i]}", 0),
-                                  hi.expert_flops.get(f"layers.{rep_of[i]}", 0)) for i in sparse)
+    expert_flops = sum(
+        steps.line(
+            lo.expert_flops.get(f"layers.{rep_of[i]}", 0), hi.expert_flops.get(f"layers.{rep_of[i]}", 0)
+        )
+        for i in sparse
+    )
     busiest_flops = rank_flops + (a.imbalance - 1) * expert_flops if layout.ep > 1 else rank_flops
     comm, comm_s = comm_bytes(model_config, layout, params, steps, a)
     compute_s = busiest_flops / (a.tflops * 1e12 * a.mfu)
@@ -54,8 +65,9 @@ def link_bytes_per_s(a: Assumptions, ranks: int) -> float:
     return (a.nvlink_gbs if ranks <= a.gpus_per_node else a.ib_gbs) * 1e9
 
 
-def comm_bytes(model_config: ModelConfig, layout: Layout, params: ParameterShare, steps: ScaledTraces,
-               a: Assumptions) -> tuple[dict[str, float], float]:
+def comm_bytes(
+    model_config: ModelConfig, layout: Layout, params: ParameterShare, steps: ScaledTraces, a: Assumptions
+) -> tuple[dict[str, float], float]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
     computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over."""
     lo, hi, cp, world, ep = steps.lo, steps.hi, layout.cp, layout.world, layout.ep
@@ -76,8 +88,9 @@ def comm_bytes(model_config: ModelConfig, layout: Layout, params: ParameterShare
             add(f"cp {kind}", size, cp)
     if layout.sharded:
         edp = world // ep
-        gathered = ((params.total - params.experts) * (world - 1) / world
-                    + params.experts / ep * (edp - 1) / edp)
+        gathered = (params.total - params.experts) * (world - 1) / world + params.experts / ep * (
+            edp - 1
+        ) / edp
         add("fsdp all_gather (bf16, forward + recompute)", 2 * 2 * gathered, world)
         add("fsdp reduce_scatter (fp32 gradients)", 4 * gathered, world)
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
@@ -86,6 +99,9 @@ def comm_bytes(model_config: ModelConfig, layout: Layout, params: ParameterShare
         moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
         rows = steps.tokens * model_config.num_experts_per_tok
         per_layer = rows * model_config.hidden_size * 2 * (ep - 1) / ep
-        add("ep all_to_all (dispatch + combine; forward, recompute, backward)",
-            per_layer * 2 * 3 * moe_layers * a.imbalance, ep)
+        add(
+            "ep all_to_all (dispatch + combine; forward, recompute, backward)",
+            per_layer * 2 * 3 * moe_layers * a.imbalance,
+            ep,
+        )
     return out, seconds

@@ -1,4 +1,5 @@
-"""One rank's share of a real training step, traced with torch's own tools (the measuring half of the planner).
+"""One rank's share of a real training step, traced with torch's own tools (the measuring half of the
+planner).
 
 `trace_step` runs the trainer's own step (`genomelm.train.step.TrainStep.run`: `window_loss` with the
 `LayerRunner`, context parallelism through `ParallelRun`, the gradient sum, clipping and the AdamW step) and
@@ -7,17 +8,18 @@ records:
   and, unless `optimizer=False`, the optimizer-step peak, separately), what each decoder layer leaves live
   between its forward and its backward, and each module's transient peak;
 - FLOPs per decoder layer with `torch.utils.flop_counter`'s formulas (those of `FlopCounterMode`; recompute
-  included: what the GPU runs), the routed experts' grouped GEMMs also apart, and the bytes of every collective,
-  both counted as dispatched in the same pass (one forward + backward per trace).
-The KDA core runs its torch path (`kda_backend="torch"`): fla's Triton kernels cannot run on fake tensors, and the
-torch path holds more (per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper bound.
-With `fake=True` everything runs on `FakeTensorMode` tensors (no data, no compute) and, under context
-parallelism, on torch's fake process group ("fake" backend, `FakeStore`): collectives trace without peers. With
-`fake=False` the same code runs on real tensors (the tests compare the two).
+  included: what the GPU runs), the routed experts' grouped GEMMs also apart, and the bytes of every
+  collective, both counted as dispatched in the same pass (one forward + backward per trace).
+The KDA core runs its torch path (`kda_backend="torch"`): fla's Triton kernels cannot run on fake tensors, and
+the torch path holds more (per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper
+bound. With `fake=True` everything runs on `FakeTensorMode` tensors (no data, no compute) and, under context
+parallelism, on torch's fake process group ("fake" backend, `FakeStore`): collectives trace without peers.
+With `fake=False` the same code runs on real tensors (the tests compare the two).
 
 Two substitutions, both exact for the trace: `torch.bincount` of expert ids (whose output length fake tensors
-cannot know) returns its `minlength` (the ids are < n_routed_experts, so that is its length), and the host copies
-of `offload=true` go to the meta device, so MemTracker counts them apart from the device (the host side).
+cannot know) returns its `minlength` (the ids are < n_routed_experts, so that is its length), and the host
+copies of `offload=true` go to the meta device, so MemTracker counts them apart from the device (the host
+side).
 """
 
 from __future__ import annotations
@@ -56,13 +58,21 @@ class StepTrace:
     param_numel: dict[str, int]  # "layers.<i>" per traced layer, "rest" (embedding, norm, head)
     step_peak: dict[str, int]  # forward + backward: bytes per category at the device peak
     optimizer_peak: dict[str, int]  # gradient sum (cp > 1), clip, AdamW step: bytes per category at the peak
-    kept: dict[int, int]  # traced layer index -> device bytes its forward leaves live until its backward (live
+    kept: dict[
+        int, int
+    ]  # traced layer index -> device bytes its forward leaves live until its backward (live
     # bytes as the next layer, or the final norm, starts minus as it starts: with offload, its input is gone)
-    transients: dict[str, int]  # module -> its peak minus the live bytes when it started (forward or backward)
+    transients: dict[
+        str, int
+    ]  # module -> its peak minus the live bytes when it started (forward or backward)
     flops: dict[str, int]  # "layers.<i>" per traced layer and "rest"
-    comm: dict[str, dict[str, int]] = field(default_factory=dict)  # "layers.<i>"/"rest" -> collective -> bytes
+    comm: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # "layers.<i>"/"rest" -> collective -> bytes
     host_bytes: int = 0  # offloaded to host memory during the step (peak)
-    expert_flops: dict[str, int] = field(default_factory=dict)  # of `flops`, the routed experts' grouped GEMMs
+    expert_flops: dict[str, int] = field(
+        default_factory=dict
+    )  # of `flops`, the routed experts' grouped GEMMs
 
     @property
     def step_peak_total(self) -> int:
@@ -71,7 +81,6 @@ class StepTrace:
     @property
     def optimizer_peak_total(self) -> int:
         return sum(self.optimizer_peak.values())
-
 
 
 class _ExpertCountShape(TorchDispatchMode):
@@ -108,9 +117,10 @@ _COLLECTIVES = {
 
 
 class _Counter(TorchDispatchMode):
-    """FLOPs (torch's `FlopCounterMode` formulas, `flop_registry`) and bytes per collective (the largest tensor
-    argument: what one rank sends or receives), attributed to the decoder layer whose forward, recompute or
-    backward runs them (`where()` names it). Counted in the memory-tracked pass itself: one pass, not two."""
+    """FLOPs (torch's `FlopCounterMode` formulas, `flop_registry`) and bytes per collective (the largest
+    tensor argument: what one rank sends or receives), attributed to the decoder layer whose forward,
+    recompute or backward runs them (`where()` names it). Counted in the memory-tracked pass itself: one pass,
+    not two."""
 
     def __init__(self, where: Any) -> None:
         super().__init__()
@@ -131,7 +141,9 @@ class _Counter(TorchDispatchMode):
                 self.expert_flops[part] = self.expert_flops.get(part, 0) + flops
         kind = _COLLECTIVES.get(func._opname) if func.namespace == "c10d" else None
         if kind is not None:
-            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            tensors = [
+                t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            ]
             size = max(t.numel() * t.element_size() for t in tensors)
             slot = self.bytes.setdefault(self.where(), {})
             slot[kind] = slot.get(kind, 0) + size
@@ -166,9 +178,9 @@ class _Tracker(MemTracker):
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    """FLOPs of `torch._grouped_mm` (FlopCounterMode has no formula for it): each row meets one group's matrix,
-    so 2 x output elements x inner size; for the weight gradient ([M, T] x [T, N] -> [G, M, N]) each token's
-    column counts once: 2 x M x N x T."""
+    """FLOPs of `torch._grouped_mm` (FlopCounterMode has no formula for it): each row meets one group's
+    matrix, so 2 x output elements x inner size; for the weight gradient ([M, T] x [T, N] -> [G, M, N]) each
+    token's column counts once: 2 x M x N x T."""
     if len(out_shape) == 3 and len(a_shape) == 2 and len(b_shape) == 2:
         return 2 * out_shape[1] * out_shape[2] * a_shape[-1]
     return 2 * math.prod(out_shape) * a_shape[-1]
@@ -203,7 +215,11 @@ def _snapshot_total(tracker: MemTracker, device: torch.device) -> int:
 
 
 def _categories(snapshot: dict[Any, int]) -> dict[str, int]:
-    return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items() if str(getattr(k, "value", k)) in CATEGORIES}
+    return {
+        str(getattr(k, "value", k)): int(v)
+        for k, v in snapshot.items()
+        if str(getattr(k, "value", k)) in CATEGORIES
+    }
 
 
 @contextmanager
@@ -246,28 +262,45 @@ def trace_step(
         if fake:
             stack.enter_context(FakeTensorMode())
             stack.enter_context(_ExpertCountShape())
-        model = GlmForCausalLM.from_config(config, options=dataclasses.replace(run.model_options, kda_backend="torch"))
+        model = GlmForCausalLM.from_config(
+            config, options=dataclasses.replace(run.model_options, kda_backend="torch")
+        )
         set_chunk_recompute(model, run.memory.recompute_chunks)
         if parallel is not None:
             parallel.prepare(model, None, run.parallel.ep_capacity_factor)
         model.train()
-        runner = LayerRunner(recompute=run.memory.recompute, offload=run.memory.offload,
-                             keep_selection=run.memory.keep_selection,
-                             recompute_chunks=run.memory.recompute_chunks)  # fmt: skip
+        runner = LayerRunner(
+            recompute=run.memory.recompute,
+            offload=run.memory.offload,
+            keep_selection=run.memory.keep_selection,
+            recompute_chunks=run.memory.recompute_chunks,
+        )
         if runner.copier is not None and fake:
             runner.copier = _MetaHostCopier()
         window = tokens_per_rank * cp
-        rows = [torch.zeros(1, window, dtype=torch.long), torch.zeros(1, window, dtype=torch.long),
-                torch.ones(1, window)]  # fmt: skip
+        rows = [
+            torch.zeros(1, window, dtype=torch.long),
+            torch.zeros(1, window, dtype=torch.long),
+            torch.ones(1, window),
+        ]
         if not fake:
             rows[0] = torch.randint(0, min(config.vocab_size, 5), (1, window))
             rows[1] = torch.roll(rows[0], -1, dims=1)
         return _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
 
 
-def _measure(model: GlmForCausalLM, rows: list[torch.Tensor], runner: LayerRunner, parallel: ParallelRun | None,
-             run: TrainConfig, layers: list[int], tokens_per_rank: int, optimizer: bool) -> StepTrace:  # fmt: skip
-    """`TrainStep.run` of one window with the trackers around its two phases (forward + backward; the update)."""
+def _measure(
+    model: GlmForCausalLM,
+    rows: list[torch.Tensor],
+    runner: LayerRunner,
+    parallel: ParallelRun | None,
+    run: TrainConfig,
+    layers: list[int],
+    tokens_per_rank: int,
+    optimizer: bool,
+) -> StepTrace:
+    """`TrainStep.run` of one window with the trackers around its two phases (forward + backward; the
+    update)."""
     device = torch.device("cpu")
     opt = make_optimizer(model, run.optim, device)
     names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
@@ -314,8 +347,15 @@ def _measure(model: GlmForCausalLM, rows: list[torch.Tensor], runner: LayerRunne
         with opt_tracker, counter:
             yield
 
-    step = TrainStep(model, opt, counting_runner, parallel, run.optim,
-                     lambda: torch.autocast(device.type, dtype=torch.bfloat16), run.optim.grad_accum)  # fmt: skip
+    step = TrainStep(
+        model,
+        opt,
+        counting_runner,
+        parallel,
+        run.optim,
+        lambda: torch.autocast(device.type, dtype=torch.bfloat16),
+        run.optim.grad_accum,
+    )
     step.run(run.optim.lr, [rows], StepPhases(forward_backward, update, assume_finite=True))
     handle.remove()
     step_peak = _categories(tracker.get_tracker_snapshot("peak").get(device, {}))
@@ -323,7 +363,9 @@ def _measure(model: GlmForCausalLM, rows: list[torch.Tensor], runner: LayerRunne
     host = tracker.get_tracker_snapshot("peak").get(torch.device("meta"), {}).get("Total", 0)
     if runner.copier is not None and not isinstance(runner.copier, _MetaHostCopier):
         host = runner.copier.bytes_offloaded
-    optimizer_peak = _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {})) if optimizer else {}
+    optimizer_peak = (
+        _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {})) if optimizer else {}
+    )
     return StepTrace(
         tokens_per_rank=tokens_per_rank,
         cp=parallel.dims.cp if parallel is not None else 1,

@@ -2,8 +2,8 @@
 
 `bf16`: parameters stay fp32 (the optimizer's master weights); the large matmuls run in bf16 under autocast,
 and the model keeps its own fp32 regions (see `genomelm.model.precision`). `fp32`: no autocast. `auto`: bf16
-on CUDA, fp32 on the CPU. bf16 also runs on the CPU through CPU autocast, which is how the tests hold the GPU's
-numerics.
+on CUDA, fp32 on the CPU. bf16 also runs on the CPU through CPU autocast, which is how the tests hold the
+GPU's numerics.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """"auto" -> "bf16" on CUDA, "fp32" elsewhere; "bf16" and "fp32" as given."""
+    """ "auto" -> "bf16" on CUDA, "fp32" elsewhere; "bf16" and "fp32" as given."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     if precision == "auto":

@@ -55,8 +55,12 @@ def start_ray(address: str | None = None) -> None:
         os.environ.setdefault(key, value)
     import ray
 
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"worker_process_setup_hook": f"{__name__}.quiet_ray_loggers"})  # fmt: skip
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        runtime_env={"worker_process_setup_hook": f"{__name__}.quiet_ray_loggers"},
+    )
 
 
 def quiet_ray_loggers() -> None:
@@ -85,8 +89,11 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
             _worker,
             train_loop_config={"config": config, "cwd": os.getcwd(), "environment": _forwarded_environment()},
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-            scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
-                                         resources_per_worker=_resources_per_worker(workers, use_gpu)),
+            scaling_config=ScalingConfig(
+                num_workers=workers,
+                use_gpu=use_gpu,
+                resources_per_worker=_resources_per_worker(workers, use_gpu),
+            ),
             run_config=RunConfig(
                 name=config.run,
                 storage_path=str(Path(config.runs_dir).resolve()),
@@ -159,11 +166,15 @@ def _worker(payload: dict[str, Any]) -> None:
     last = summary["checkpoint"]
     report_checkpoint = context.get_world_rank() == 0 and last is not None
     ray.train.report(
-        {"start_step": summary["start_step"], "steps": summary["steps"], "losses": summary["losses"],
-         "skipped": summary["skipped"]},
+        {
+            "start_step": summary["start_step"],
+            "steps": summary["steps"],
+            "losses": summary["losses"],
+            "skipped": summary["skipped"],
+        },
         checkpoint=Checkpoint.from_directory(str(Path(last).resolve())) if report_checkpoint else None,
         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-    )  # fmt: skip
+    )
 
 
 def _rank_error(exc: Exception) -> BaseException:

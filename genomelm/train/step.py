@@ -2,9 +2,9 @@
 
 `TrainStep.run` is the step: for each of this rank's windows the forward and backward (`window_loss`, the
 memory stack's `LayerRunner`, context parallelism through the `ParallelRun`), then the gradient sum over the
-mesh, global-norm clipping and the AdamW update with expert-bias balancing, or a skipped update when the loss or
-the gradient norm is not finite. The planner runs the same `run` on fake tensors, entering its memory trackers
-around the two phases through `StepPhases`.
+mesh, global-norm clipping and the AdamW update with expert-bias balancing, or a skipped update when the loss
+or the gradient norm is not finite. The planner runs the same `run` on fake tensors, entering its memory
+trackers around the two phases through `StepPhases`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def window_loss(
     """The training loss of one window, or this rank's share of it under context parallelism.
 
     rows: input_ids, labels [1, S] long and loss weights [1, S] fp32 of the whole window. Returns the loss
-    (with graph): the token-weighted mean sum(w * nll) / sum(w) over the whole window, plus the indexer KL terms
-    when trained; under CP each rank holds its shard and divides by the window's total weight, so the ranks'
-    losses add up to the window's. Also [total weight, valid labels, nll sum] over the window (no graph).
+    (with graph): the token-weighted mean sum(w * nll) / sum(w) over the whole window, plus the indexer KL
+    terms when trained; under CP each rank holds its shard and divides by the window's total weight, so the
+    ranks' losses add up to the window's. Also [total weight, valid labels, nll sum] over the window (no
+    graph).
     """
     if context is not None:
         layout = context.layout(rows[0].shape[1], model.options.kda_chunk_size, model.config.index_kpool)
@@ -49,15 +50,20 @@ def window_loss(
     return loss, totals
 
 
-def make_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device,
-                   sharded: bool = False) -> torch.optim.AdamW:  # fmt: skip
-    """AdamW over fp32 master weights; no weight decay on vectors (norms, biases, gates, decays). `sharded`: the
-    parameters are DTensors on two meshes (FSDP2 with expert parallel), which one foreach kernel cannot mix."""
+def make_optimizer(
+    model: nn.Module, optim: OptimConfig, device: torch.device, sharded: bool = False
+) -> torch.optim.AdamW:
+    """AdamW over fp32 master weights; no weight decay on vectors (norms, biases, gates, decays). `sharded`:
+    the parameters are DTensors on two meshes (FSDP2 with expert parallel), which one foreach kernel cannot
+    mix."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     fast = {"foreach": False} if sharded else {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, **fast)
 
@@ -73,8 +79,8 @@ def lr_factor(step: int, optim: OptimConfig, steps: int) -> float:
 
 @dataclass
 class StepPhases:
-    """What runs around the step's two phases (the planner's memory trackers; nothing for training), and whether
-    the update may assume a finite step: fake tensors hold no values to test."""
+    """What runs around the step's two phases (the planner's memory trackers; nothing for training), and
+    whether the update may assume a finite step: fake tensors hold no values to test."""
 
     forward_backward: Callable[[], AbstractContextManager] = nullcontext
     update: Callable[[], AbstractContextManager] = nullcontext
@@ -100,14 +106,23 @@ class TrainStep:
     stack around each decoder layer; `autocast`: the precision context of the forward.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, runner: LayerRunnerFn | None,
-                 parallel: ParallelRun | None, optim: OptimConfig, autocast: Callable[[], AbstractContextManager],
-                 windows_per_step: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        runner: LayerRunnerFn | None,
+        parallel: ParallelRun | None,
+        optim: OptimConfig,
+        autocast: Callable[[], AbstractContextManager],
+        windows_per_step: int,
+    ) -> None:
         self.model, self.optimizer, self.runner, self.parallel = model, optimizer, runner, parallel
         self.optim, self.autocast, self.windows_per_step = optim, autocast, windows_per_step
         self.context = parallel.context if parallel is not None else None
 
-    def run(self, lr: float, windows: Iterable[list[Tensor]], phases: StepPhases | None = None) -> StepOutcome:
+    def run(
+        self, lr: float, windows: Iterable[list[Tensor]], phases: StepPhases | None = None
+    ) -> StepOutcome:
         """Forward and backward of each of this rank's `windows` (rows as `window_loss` takes them), then the
         gradient sum, clipping and the update at learning rate `lr`."""
         phases = phases or StepPhases()
@@ -132,7 +147,9 @@ class TrainStep:
         whole = self.context.global_sum(local) if self.context is not None else local
         return whole, totals[2] / totals[1].clamp_min(1)
 
-    def _update(self, losses: list[tuple[Tensor, Tensor]], load: ExpertLoad, assume_finite: bool) -> StepOutcome:
+    def _update(
+        self, losses: list[tuple[Tensor, Tensor]], load: ExpertLoad, assume_finite: bool
+    ) -> StepOutcome:
         """Sum the gradients over the mesh, clip them, and apply AdamW and the expert bias (or skip the update
         of a non-finite step)."""
         accum = self.windows_per_step // (self.parallel.dims.dp if self.parallel is not None else 1)
