@@ -135,9 +135,9 @@ def test_killed_worker_without_restarts_fails_with_its_exit(
 
 
 def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
-    from genomelm.train import command, ray_launch
+    from genomelm.train import command
 
-    monkeypatch.setattr(ray_launch, "train_with_ray", None)  # nothing may start
+    monkeypatch.setattr(command, "train_with_ray", None)  # nothing may start
     with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4"):  # the mesh checks run first
         command.launch_training(
             TrainConfig.load(None, ["model=tiny", "launcher=ray", "dp=2", "cp=2", "ep=3"])

@@ -10,7 +10,10 @@ window is split over N local processes (`run_scoring`, which `genomelm probe` us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,13 +24,21 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.utils.data import Subset
 
+from genomelm.data import DataError, WindowDataset
+from genomelm.data.augment import check_compatible
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucketed_loss, compare, relative_change
 from genomelm.eval.plot import save_figure
 from genomelm.eval.report import format_table, write_csv, write_json
 from genomelm.eval.score import Scores, last_bucket_start, score_windows
+from genomelm.model.config import ConfigError
+from genomelm.parallel.launch import launch
+from genomelm.train.command import check_context_parallel
 from genomelm.train.config import TrainConfig
+from genomelm.train.models import load_scoring_model, model_pair, run_device
 
 
 class EvalError(Exception):
@@ -87,10 +98,6 @@ class HeldoutSet:
 def load_heldout(folder: str | Path, wanted: int, name: str | None = None) -> HeldoutSet:
     """`wanted` held-out windows (0: all) of the prepared `folder`, spread evenly over it and read one at a
     time, as the set `name` (default: the folder's name); EvalError when the folder has none."""
-    from torch.utils.data import Subset
-
-    from genomelm.data import WindowDataset
-
     heldout = WindowDataset(folder, "heldout")
     if not len(heldout):
         raise EvalError(
@@ -246,10 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, ValueError, FileNotFoundError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
-    # model and data are imported here: both are slow to import and not needed for --help or bad settings
-    from genomelm.data import DataError
-    from genomelm.model.config import ConfigError
-    from genomelm.train.models import model_pair
 
     try:
         before, after = model_pair(config, args.before, args.after)
@@ -275,9 +278,6 @@ def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> 
     result. `score` is a module-level function (the ranks receive it pickled)."""
     if config.parallel.cp == 1:
         return score(config, *args)
-    from genomelm.parallel.launch import launch
-    from genomelm.train.command import check_context_parallel
-    from genomelm.train.models import run_device
 
     check_context_parallel(config)
     return launch(_score_on_rank, config.parallel.cp, score, config, *args, device=run_device().type)[0]
@@ -285,12 +285,6 @@ def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> 
 
 def _score_on_rank(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:
     """`score(config, *args)` on one rank of `run_scoring`'s group; only rank 0 prints its progress."""
-    import contextlib
-    import io
-    import os
-
-    import torch.distributed as dist
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.cp))
     quiet = dist.get_rank() != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
@@ -299,9 +293,6 @@ def _score_on_rank(score: Callable[..., dict], config: TrainConfig, *args: Any) 
 
 def evaluate_config(config: TrainConfig, before: str, after: str) -> dict:
     """`genomelm eval`'s result: the run's held-out sets scored with the models `before` and `after`."""
-    from genomelm.data.augment import check_compatible
-    from genomelm.train.models import load_scoring_model
-
     folders = heldout_folders(config)
     check_compatible(folders)  # same SEQ and vocabulary, or an error naming both folders
     names = set_names(folders)

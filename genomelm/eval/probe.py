@@ -36,9 +36,13 @@ from genomelm.data.regions import parse_seq
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import window_stats
+from genomelm.eval.command import EvalError, load_heldout, parse_run_args, print_written, run_scoring
+from genomelm.eval.plot import save_probe_figure
 from genomelm.eval.report import format_number, jsonable, write_atomic
 from genomelm.eval.score import token_losses
+from genomelm.model.config import ConfigError
 from genomelm.train.config import TrainConfig
+from genomelm.train.models import load_scoring_model, model_pair
 
 if TYPE_CHECKING:
     from genomelm.eval.command import HeldoutSet
@@ -274,8 +278,6 @@ def write_probe_csv(result: dict, path: Path) -> Path:
 
 def write_probe_outputs(result: dict, folder: Path) -> dict[str, Path]:
     """Write copy_probe.json, copy_probe.csv and copy_probe.png into ``folder`` (created if needed)."""
-    from genomelm.eval.plot import save_probe_figure
-
     folder.mkdir(parents=True, exist_ok=True)
     return {
         "json": write_atomic(
@@ -312,7 +314,6 @@ def format_probe_table(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from genomelm.eval.command import parse_run_args
 
     return parse_run_args(
         argv,
@@ -325,7 +326,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from genomelm.eval.command import EvalError, print_written, run_scoring
 
     try:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
@@ -333,9 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ProbeError, ValueError, FileNotFoundError) as exc:
         print(f"genomelm probe: {exc}", file=sys.stderr)
         return 1
-    # model and data are imported here: both are slow to import and not needed for --help or bad settings
-    from genomelm.model.config import ConfigError
-    from genomelm.train.models import model_pair
 
     try:
         before, after = model_pair(config, args.before, args.after)
@@ -349,9 +346,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def probe_config(config: TrainConfig, before: str, after: str) -> dict:
     """`genomelm probe`'s result: the run's held-out windows probed with the models `before` and `after`."""
-    from genomelm.eval.command import load_heldout
-    from genomelm.train.models import load_scoring_model
-
     heldout = load_heldout(config.data_dir, config.probe.probe_windows)
     return run_probe(config, heldout, functools.partial(load_scoring_model, config=config), before, after)
 

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+import torch
+
 from genomelm.data import DataError
+from genomelm.data.augment import crop_length
+from genomelm.model.checkpoint import CheckpointError
+from genomelm.model.config import MOE, ConfigError, is_preset
+from genomelm.parallel.launch import launch
+from genomelm.parallel.layout import ContextLayout
+from genomelm.parallel.mesh import ParallelDims
 from genomelm.train.config import TrainConfig
+from genomelm.train.guards import RunMismatch
+from genomelm.train.loop import NonFiniteLoss, train
+from genomelm.train.models import model_config_of, run_device
+from genomelm.train.plan import PlanError, check_fits, describe_run
+from genomelm.train.ray_launch import RayLaunchError, train_with_ray
 
 
 def main(argv: list[str]) -> int:
@@ -26,17 +40,8 @@ def main(argv: list[str]) -> int:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 2
     if config.dry_run:
-        from genomelm.train.plan import describe_run
-
         print(describe_run(config))
         return 0
-    from genomelm.model.checkpoint import CheckpointError
-    from genomelm.model.config import ConfigError
-    from genomelm.train.guards import RunMismatch
-    from genomelm.train.loop import NonFiniteLoss
-    from genomelm.train.plan import PlanError
-    from genomelm.train.ray_launch import RayLaunchError
-
     try:
         summary = launch_training(config)
     except DataError as exc:
@@ -71,10 +76,6 @@ def main(argv: list[str]) -> int:
 def launch_training(config: TrainConfig) -> dict:
     """Rank 0's training summary: one process (cp=1, local), `cp` local processes, or `cp` Ray Train
     workers."""
-    import torch
-
-    from genomelm.train.loop import train
-
     # a run on GPUs (here, or on the Ray cluster at ray_address), or one planned for GPUs (gpus=N), is planned
     # first and refused if it cannot fit
     if (
@@ -82,12 +83,8 @@ def launch_training(config: TrainConfig) -> dict:
         or (config.parallel.launcher == "ray" and config.parallel.ray_address)
         or config.plan.gpus
     ):
-        from genomelm.train.plan import check_fits
-
         check_fits(config)
     if config.parallel.launcher == "ray":
-        from genomelm.train.ray_launch import train_with_ray
-
         check_context_parallel(config)
         return train_with_ray(config)
     return train(config) if config.parallel.world == 1 else train_context_parallel(config)
@@ -96,26 +93,14 @@ def launch_training(config: TrainConfig) -> dict:
 def check_context_parallel(config: TrainConfig) -> None:
     """Refuse, before any process starts, a dp x cp x ep layout that cannot run: ep not dividing dp*cp or the
     expert count, or a cp the run's windows (and warm-up crops) cannot split into."""
-    from genomelm.data.augment import crop_length
-    from genomelm.model import ModelConfig
-    from genomelm.model.config import MOE, is_preset
-    from genomelm.parallel.layout import ContextLayout
-    from genomelm.parallel.mesh import ParallelDims
-
     kpool, experts = 4, None
     if config.model and (is_preset(config.model) or Path(config.model, "config.json").exists()):
-        model = (
-            ModelConfig.preset(config.model)
-            if is_preset(config.model)
-            else ModelConfig.from_file(config.model)
-        )
+        model = model_config_of(config.model)
         kpool = model.index_kpool if model.dsa_layers else 1
         experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
     ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep).check(experts)
     if config.parallel.optimizer_offload:
-        import torch
-
-        if not torch.cuda.is_available() and not (
+        if run_device().type != "cuda" and not (
             config.parallel.launcher == "ray" and config.parallel.ray_address
         ):
             raise ValueError(
@@ -146,10 +131,6 @@ def check_context_parallel(config: TrainConfig) -> None:
 
 
 def _train_on_rank(config: TrainConfig, threads: int) -> dict:
-    import torch
-
-    from genomelm.train.loop import train
-
     torch.set_num_threads(threads)
     return train(config)
 
@@ -157,14 +138,8 @@ def _train_on_rank(config: TrainConfig, threads: int) -> dict:
 def train_context_parallel(config: TrainConfig) -> dict:
     """`train(config)` on dp * cp local processes (gloo on the CPU, NCCL with one GPU each); rank 0's
     summary. A rank's error is raised here with its traceback; a hang is reported with every rank's stack."""
-    import os
-
-    import torch
-
-    from genomelm.parallel.launch import launch
-
     check_context_parallel(config)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = run_device().type
     world = config.parallel.world
     if device == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(

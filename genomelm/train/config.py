@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from genomelm.data.augment import parse_blend
 from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
 from genomelm.model.config import RunOptions
@@ -309,7 +310,6 @@ class TrainConfig:
         """The training folders with their normalised weights (one folder: weight 1)."""
         if not self.data:
             return [(str(Path("data/prepared") / f"{self.genome}-{seq_label(self.seq_len)}"), 1.0)]
-        from genomelm.data.augment import parse_blend
 
         return parse_blend(self.data)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from genomelm.data.vocab import Vocabulary
-from genomelm.model import ModelConfig
+from genomelm.data.vocab import Vocabulary, tokenizer_vocabulary
+from genomelm.model import GlmForCausalLM, ModelConfig
 
 RANDOM_INIT_LIMIT = 1e9  # parameters above which a random initialisation is refused without allow_random_init
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -26,8 +26,6 @@ class RunMismatch(ValueError):
 def parameter_count(config: ModelConfig) -> int:
     """Exact parameter count, from the model built on the meta device (no memory, about a second at full
     size)."""
-    from genomelm.model import GlmForCausalLM
-
     model = GlmForCausalLM.from_config(config, device="meta")
     return sum(p.numel() for p in model.parameters())
 
@@ -57,8 +55,6 @@ def check_vocabulary(data_vocab: Vocabulary, data_dir: Path, model: str, config:
     source = model if folder.is_dir() else "/path/to/the/checkpoint/folder"  # a preset has no tokenizer
     fix = f"make data TOKENIZER={source} (genomelm data --tokenizer {source})"
     if folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES):
-        from genomelm.data.vocab import tokenizer_vocabulary
-
         wanted = tokenizer_vocabulary(folder)
         if tuple(wanted.code_to_id) != tuple(data_vocab.code_to_id):
             raise RunMismatch(

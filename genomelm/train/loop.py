@@ -23,7 +23,9 @@ from tqdm import tqdm
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model, save_model
 from genomelm.model.config import MOE, is_preset
 from genomelm.parallel.checkpoint import Checkpointer
+from genomelm.parallel.export import export_checkpoint
 from genomelm.parallel.mesh import ParallelDims
+from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ParallelRun
 from genomelm.train.config import TrainConfig
 from genomelm.train.faults import inject_fault
@@ -214,8 +216,6 @@ def build_model(
         if shard_read:
             model.to_empty(device=device)
             if not sharded_resume:
-                from genomelm.parallel.rank_loading import load_rank_shard
-
                 load_rank_shard(model, source)
     model.train()
     return model
@@ -387,7 +387,5 @@ def save(run: Run, step: int) -> None:
         step, run.model, run.optimizer, state, mesh, config.checkpoint.keep_checkpoints
     )
     if mesh is not None and step == config.optim.steps and run.output_rank:
-        from genomelm.parallel.export import export_checkpoint  # one layer at a time, at the last step only
-
         export_checkpoint(path, path / "model", dtype=torch.float32)
     run.summary["checkpoint"] = path

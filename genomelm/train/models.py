@@ -17,6 +17,7 @@ from torch import nn
 from genomelm.model import ModelConfig, load_model
 from genomelm.model.config import is_preset
 from genomelm.parallel.checkpoint import Checkpointer
+from genomelm.parallel.context import apply_context_parallel
 from genomelm.parallel.training import ContextParallelScorer, ContextRun
 from genomelm.train.config import TrainConfig
 
@@ -71,7 +72,6 @@ def load_scoring_model(path: str, config: TrainConfig) -> nn.Module:
     context = ContextRun.from_environment(config.parallel.cp_layout)
     if context is None:
         return model
-    from genomelm.parallel.context import apply_context_parallel
 
     apply_context_parallel(model, context.group, context.kind)
     return ContextParallelScorer(model, context)

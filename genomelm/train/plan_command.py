@@ -12,13 +12,13 @@ import sys
 
 from genomelm.data import DataError
 from genomelm.train.config import TrainConfig
+from genomelm.train.plan import make_plan
+from genomelm.train.plan_memory import TraceCache
+from genomelm.train.plan_report import describe, describe_search, refusal, write_plan
+from genomelm.train.plan_search import search
 
 
 def main(argv: list[str]) -> int:
-    from genomelm.train.plan import make_plan
-    from genomelm.train.plan_memory import TraceCache
-    from genomelm.train.plan_report import describe, describe_search, refusal, write_plan
-    from genomelm.train.plan_search import search
 
     parser = argparse.ArgumentParser(
         prog="genomelm plan",

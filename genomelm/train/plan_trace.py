@@ -41,7 +41,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.training import ParallelRun
-from genomelm.train.config import TrainConfig
+from genomelm.train.config import OptimConfig, TrainConfig
 from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
 from genomelm.train.step import StepPhases, TrainStep, make_optimizer
 
@@ -301,85 +301,103 @@ def _measure(
 ) -> StepTrace:
     """`TrainStep.run` of one window with the trackers around its two phases (forward + backward; the
     update)."""
-    device = torch.device("cpu")
-    opt = make_optimizer(model, run.optim, device)
-    names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
-    tracker = _Tracker()
-    tracker.track_external(model, opt)
-    marks: list[int] = []  # live device bytes as each layer starts, and as the final norm starts
-    in_forward = [True]
+    probe = _StepProbe(model, runner, run.optim, layers, optimizer)
+    step = TrainStep(
+        model,
+        probe.optimizer,
+        probe.counting_runner,
+        parallel,
+        run.optim,
+        lambda: torch.autocast(probe.device.type, dtype=torch.bfloat16),
+        run.optim.grad_accum,
+    )
+    step.run(run.optim.lr, [rows], StepPhases(probe.forward_backward, probe.update, assume_finite=True))
+    return probe.trace(tokens_per_rank, parallel.dims.cp if parallel is not None else 1)
 
-    def mark() -> None:
-        if in_forward[0]:
-            marks.append(_snapshot_total(tracker, device))
 
-    def counting_runner(layer: nn.Module, hidden: torch.Tensor, selection: Any) -> Any:
-        mark()
-        return runner(layer, hidden, selection)
+class _StepProbe:
+    """The planner's instruments on one traced step: MemTracker over the forward + backward and, apart, over
+    the update; the live bytes as each decoder layer (and the final norm) starts; FLOPs and collective bytes
+    by decoder layer (`_Counter`)."""
 
-    def end_of_forward(_module: nn.Module, _args: Any) -> None:
-        mark()
-        in_forward[0] = False  # the final norm starts: what follows is the head, the loss and the backward
+    def __init__(
+        self,
+        model: GlmForCausalLM,
+        runner: LayerRunner,
+        optim: OptimConfig,
+        layers: list[int],
+        optimizer: bool,
+    ) -> None:
+        self.model, self.runner, self.layers, self.track_update = model, runner, layers, optimizer
+        self.device = torch.device("cpu")
+        self.optimizer = make_optimizer(model, optim, self.device)
+        self.names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
+        self.tracker, self.update_tracker = _Tracker(), _Tracker()
+        self.tracker.track_external(model, self.optimizer)
+        self.counter = _Counter(self.where)
+        self.marks: list[int] = []  # live device bytes as each layer starts, and as the final norm starts
+        self.in_forward = True
+        self.handle = model.norm.register_forward_pre_hook(self.end_of_forward)
 
-    handle = model.norm.register_forward_pre_hook(end_of_forward)
+    def mark(self) -> None:
+        if self.in_forward:
+            self.marks.append(_snapshot_total(self.tracker, self.device))
 
-    def where() -> str:
-        for parent in tracker._mod_tracker.parents:
-            for layer, name in names.items():
+    def counting_runner(self, layer: nn.Module, hidden: torch.Tensor, selection: Any) -> Any:
+        self.mark()
+        return self.runner(layer, hidden, selection)
+
+    def end_of_forward(self, _module: nn.Module, _args: Any) -> None:
+        self.mark()
+        self.in_forward = False  # the final norm starts: what follows is the head, the loss and the backward
+
+    def where(self) -> str:
+        """The traced decoder layer whose forward, recompute or backward runs now, else "rest"."""
+        for parent in self.tracker._mod_tracker.parents:
+            for layer, name in self.names.items():
                 if parent == f"GlmForCausalLM.layers.{layer.layer_idx}":
                     return name
         return "rest"
 
-    counter = _Counter(where)
-    opt_tracker = _Tracker()
-
     @contextmanager
-    def forward_backward() -> Iterator[None]:
-        with tracker, counter:
+    def forward_backward(self) -> Iterator[None]:
+        with self.tracker, self.counter:
             yield
 
     @contextmanager
-    def update() -> Iterator[None]:  # the gradient sum (cp > 1), clipping and the AdamW step, tracked apart
-        if not optimizer:  # runs untraced: its bytes and collectives do not depend on the tokens
+    def update(self) -> Iterator[None]:
+        """The gradient sum (cp > 1), clipping and the AdamW step, tracked apart; untraced without
+        `optimizer` (its bytes and collectives do not depend on the tokens)."""
+        if not self.track_update:
             yield
             return
-        opt_tracker.track_external(model, opt)  # after the backward: the gradients exist
-        with opt_tracker, counter:
+        self.update_tracker.track_external(self.model, self.optimizer)  # after the backward: gradients exist
+        with self.update_tracker, self.counter:
             yield
 
-    step = TrainStep(
-        model,
-        opt,
-        counting_runner,
-        parallel,
-        run.optim,
-        lambda: torch.autocast(device.type, dtype=torch.bfloat16),
-        run.optim.grad_accum,
-    )
-    step.run(run.optim.lr, [rows], StepPhases(forward_backward, update, assume_finite=True))
-    handle.remove()
-    step_peak = _categories(tracker.get_tracker_snapshot("peak").get(device, {}))
-    kept = {layers[i]: marks[i + 1] - marks[i] for i in range(len(layers))}
-    host = tracker.get_tracker_snapshot("peak").get(torch.device("meta"), {}).get("Total", 0)
-    if runner.copier is not None and not isinstance(runner.copier, _MetaHostCopier):
-        host = runner.copier.bytes_offloaded
-    optimizer_peak = (
-        _categories(opt_tracker.get_tracker_snapshot("peak").get(device, {})) if optimizer else {}
-    )
-    return StepTrace(
-        tokens_per_rank=tokens_per_rank,
-        cp=parallel.dims.cp if parallel is not None else 1,
-        layers=layers,
-        param_numel=_numel_by_part(model, names),
-        step_peak=step_peak,
-        optimizer_peak=optimizer_peak,
-        kept=kept,
-        transients=_transients(tracker, device, names),
-        flops=_flops_by_part(counter, names),
-        comm=counter.bytes,
-        expert_flops=counter.expert_flops,
-        host_bytes=host,
-    )
+    def trace(self, tokens_per_rank: int, cp: int) -> StepTrace:
+        """What the step held and did, once it has run."""
+        self.handle.remove()
+        device, layers, names = self.device, self.layers, self.names
+        peaks = self.tracker.get_tracker_snapshot("peak")
+        host = peaks.get(torch.device("meta"), {}).get("Total", 0)
+        if self.runner.copier is not None and not isinstance(self.runner.copier, _MetaHostCopier):
+            host = self.runner.copier.bytes_offloaded
+        update_peak = self.update_tracker.get_tracker_snapshot("peak").get(device, {})
+        return StepTrace(
+            tokens_per_rank=tokens_per_rank,
+            cp=cp,
+            layers=layers,
+            param_numel=_numel_by_part(self.model, names),
+            step_peak=_categories(peaks.get(device, {})),
+            optimizer_peak=_categories(update_peak) if self.track_update else {},
+            kept={layers[i]: self.marks[i + 1] - self.marks[i] for i in range(len(layers))},
+            transients=_transients(self.tracker, device, names),
+            flops=_flops_by_part(self.counter, names),
+            comm=self.counter.bytes,
+            expert_flops=self.counter.expert_flops,
+            host_bytes=host,
+        )
 
 
 def _numel_by_part(model: GlmForCausalLM, names: dict[nn.Module, str]) -> dict[str, int]:
