@@ -48,10 +48,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_fla_kda(device: torch.device, smoke: bool) -> list[Row]:
-    from genomelm.model.kda_chunk import chunk_kda_torch, fla_chunk_kda
+    from genomelm.model.kda_chunk import fla_chunk_kda, kda_core
 
-    chunk_kda = fla_chunk_kda()
-    if device.type != "cuda" or chunk_kda is None:
+    if device.type != "cuda" or fla_chunk_kda() is None:
         why = "no CUDA" if device.type != "cuda" else "fla-core not installed: pip install -e '.[gpu]'"
         return [
             Row("fla chunk_kda vs torch KDA", f"not run ({why})", None if device.type != "cuda" else False)
@@ -73,19 +72,7 @@ def check_fla_kda(device: torch.device, smoke: bool) -> list[Row]:
     for name in ("fla", "torch"):
         leaves = [t.detach().clone().requires_grad_(True) for t in base]
         q, k, v, g, beta, state = leaves
-        if name == "fla":
-            out, final = chunk_kda(
-                q,
-                k,
-                v,
-                g=g,
-                beta=beta,
-                initial_state=state,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-            )
-        else:
-            out, final = chunk_kda_torch(q, k, v, g, beta, state, 64, gate_bound=5.0)
+        out, final = kda_core(name, q, k, v, g, beta, state, 64, gate_bound=5.0)  # the model's own dispatch
         weight = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(1))
         ((out.float() * weight).sum() + final.float().sum()).backward()
         results[name] = [out.float(), final.float()] + [t.grad.float() for t in leaves]

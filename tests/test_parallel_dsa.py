@@ -46,9 +46,9 @@ BLOCKS = {"indexer_query_block": 24, "attention_query_block": 20}  # blocks that
 PROBLEMS = {"full-rows": (512, 16), "cut-rows": (768, 8)}  # name: (seq_len, index_topk)
 MODEL_SEQ_LEN = 512  # zigzag cp 4: 8 segments of 64 tokens (4 KDA chunks of 16, 16 k-pools)
 # the whole model in fp32: four layers, MoE and mHC, whose sums over tokens the split reorders
-# fp32 throughout: a gradient summed over every token (mHC `scale`, the short conv's weight) rounds differently
-# as cp partial sums than as one sum, by an amount that depends on the CPU's kernels (AMD EPYC at cp=4: 1.6e-4
-# for mHC `scale`, 6e-5 for a conv weight; 1e-5 at cp=2); a wrong exchange is off by orders more
+# fp32 throughout: a gradient summed over every token (mHC `scale`, the short conv's weight) rounds
+# differently as cp partial sums than as one sum, by an amount that depends on the CPU's kernels (AMD EPYC at
+# cp=4: 1.6e-4 for mHC `scale`, 6e-5 for a conv weight; 1e-5 at cp=2); a wrong exchange is off by orders more
 MODEL_TOLERANCE = 3e-4
 # (problem, layout, dtype, variant): "sparse" / "dense" (dsa_backend), "kl" (sparse with train_indexer, the
 # loss adding the indexer's KL term), "bf16" (sparse under bf16 autocast)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_fixtures import fly_windows
 
-from genomelm.data.command import main as data_main
 from genomelm.model import load_model
 from genomelm.parallel.checkpoint import TMP_PREFIX, Checkpointer
 from genomelm.train.config import TrainConfig
@@ -21,41 +21,18 @@ from genomelm.train.loop import NonFiniteLoss, train
 from genomelm.train.memory import LayerRunner
 
 ROOT = Path(__file__).resolve().parents[1]
-GENOME = ROOT / "data" / "dmel_chr4.fa.gz"
-
-
-def prepare(out: Path, train_region: str, seq: int) -> Path:
-    code = data_main(
-        [
-            "--fasta",
-            str(GENOME),
-            "--genome",
-            out.name,
-            "--train",
-            train_region,
-            "--heldout",
-            "NC_004353.4:200001-201024",
-            "--seq",
-            str(seq),
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
-    )
-    assert code == 0
-    return out
 
 
 @pytest.fixture(scope="module")
 def one_window(tmp_path_factory) -> Path:
     """One 256-base training window of real fly DNA."""
-    return prepare(tmp_path_factory.mktemp("data") / "one", "NC_004353.4:100001-100256", 256)
+    return fly_windows(tmp_path_factory.mktemp("data") / "one", "100001-100256", 256)
 
 
 @pytest.fixture(scope="module")
 def many_windows(tmp_path_factory) -> Path:
     """32 training windows of 128 bases."""
-    return prepare(tmp_path_factory.mktemp("data") / "many", "NC_004353.4:300001-304096", 128)
+    return fly_windows(tmp_path_factory.mktemp("data") / "many", "300001-304096", 128)
 
 
 def settings(tmp_path: Path, data: Path, **overrides) -> list[str]:

@@ -8,49 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_fixtures import fly_windows
 
-from genomelm.data.command import main as data_main
 from genomelm.data.errors import DataError
 from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.train.config import TrainConfig
 from genomelm.train.feed import TrainingData
 from genomelm.train.loop import train
 
-ROOT = Path(__file__).resolve().parents[1]
-GENOME = ROOT / "data" / "dmel_chr4.fa.gz"
-
-
-def prepare(out: Path, region: str, seq: int) -> Path:
-    assert (
-        data_main(
-            [
-                "--fasta",
-                str(GENOME),
-                "--genome",
-                out.name,
-                "--train",
-                region,
-                "--heldout",
-                "NC_004353.4:200001-201024",
-                "--seq",
-                str(seq),
-                "--out",
-                str(out),
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
-    return out
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("data")
     return {
-        "a": prepare(root / "a", "NC_004353.4:1-2048", 256),  # 8 windows, 26% soft-masked
-        "b": prepare(root / "b", "NC_004353.4:4097-6144", 256),  # 8 windows
-        "short": prepare(root / "short", "NC_004353.4:700001-701024", 128),
+        "a": fly_windows(root / "a", "1-2048", 256),  # 8 windows, 26% soft-masked
+        "b": fly_windows(root / "b", "4097-6144", 256),  # 8 windows
+        "short": fly_windows(root / "short", "700001-701024", 128),
     }
 
 
