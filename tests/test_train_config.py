@@ -66,12 +66,28 @@ def test_chunk_sizes_have_one_set_of_defaults() -> None:
         ("bucket=0", "bucket=0"),
         ("save_every=0", "save_every=0"),
         ("run=a/b", "without '/'"),
+        ("run=..", "without '/'"),
+        ("grad_clip=0", "grad_clip=0.0: give a gradient norm > 0, or none"),
+        ("grad_clip=-1", "grad_clip=-1.0"),
+        ("weight_decay=-1", "weight_decay=-1.0: give a decay >= 0"),
+        ("lr=-1", "lr=-1.0"),
+        ("min_lr_ratio=5", r"min_lr_ratio=5.0: give a ratio in \[0, 1\]"),
+        ("log_every=0", "log_every=0"),
+        ("seq_warmup_steps=-1", "seq_warmup_steps=-1"),
+        (
+            "model=nosuch",
+            r"model=nosuch: no such checkpoint folder or preset.*\(demo, glm-5.3-flash, small, tiny\)",
+        ),
         ("seq=12q", "12q"),
     ],
 )
 def test_each_group_validates_itself(setting: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TrainConfig.from_args([setting])
+
+
+def test_none_turns_clipping_off() -> None:
+    assert TrainConfig.from_args(["grad_clip=none"]).optim.grad_clip is None
 
 
 def test_replace_finds_each_settings_group() -> None:

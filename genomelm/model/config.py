@@ -210,7 +210,11 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         if not path.exists():
-            raise ConfigError(f"no model config at {path}")
+            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+            raise ConfigError(
+                f"no model config at {path}: give a checkpoint folder holding config.json, or a preset "
+                f"({presets})"
+            )
         text = path.read_text()
         raw = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
         if not isinstance(raw, dict):

@@ -22,6 +22,7 @@ from genomelm.train.loop import NonFiniteLoss, train
 from genomelm.train.models import model_config_of, run_device
 from genomelm.train.plan import PlanError, check_fits, describe_run
 from genomelm.train.ray_launch import RayLaunchError, train_with_ray
+from genomelm.train.run_lock import RunLock, RunLocked
 
 
 def main(argv: list[str]) -> int:
@@ -58,6 +59,7 @@ def main(argv: list[str]) -> int:
         CheckpointError,
         NonFiniteLoss,
         RunMismatch,
+        RunLocked,
         PlanError,
     ) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
@@ -74,8 +76,13 @@ def main(argv: list[str]) -> int:
 
 
 def launch_training(config: TrainConfig) -> dict:
-    """Rank 0's training summary: one process (cp=1, local), `cp` local processes, or `cp` Ray Train
-    workers."""
+    """Rank 0's training summary: one process (cp=1, local), dp * cp local processes, or dp * cp Ray Train
+    workers. This process holds the run folder's lock (`RunLock`) throughout; the ranks do not."""
+    with RunLock(config.run_dir):
+        return _launch(config)
+
+
+def _launch(config: TrainConfig) -> dict:
     # a run on GPUs (here, or on the Ray cluster at ray_address), or one planned for GPUs (gpus=N), is planned
     # first and refused if it cannot fit
     if (

@@ -37,7 +37,7 @@ import yaml
 from genomelm.data.augment import parse_blend
 from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
-from genomelm.model.config import RunOptions
+from genomelm.model.config import PRESET_DIR, RunOptions, is_preset
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.train.precision import PRECISIONS
 
@@ -68,7 +68,7 @@ class OptimConfig:
     warmup_steps: int = 50  # linear warmup, then cosine
     weight_decay: float = 0.1  # AdamW, on matrices only (not on norms, biases, gates, decays)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW
-    grad_clip: float = 1.0  # global L2 norm the gradients are clipped to
+    grad_clip: float | None = 1.0  # global L2 norm the gradients are clipped to; none: no clipping
     grad_accum: int = 1  # windows per optimizer step (per dp rank)
     seed: int = 1234  # data order, augmentation draws and initialisation
     expert_bias_speed: float = 1e-3  # auxiliary-loss-free expert balancing per step (DeepSeek-V3); 0 = off
@@ -83,7 +83,12 @@ class OptimConfig:
             f"lr={self.lr}, warmup_steps={self.warmup_steps}: give lr >= 0 and warmup_steps >= 0",
         )
         _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: give a ratio in [0, 1]")
-        _require(self.grad_clip > 0, f"grad_clip={self.grad_clip}: give a gradient norm > 0")
+        _require(
+            self.grad_clip is None or self.grad_clip > 0,
+            f"grad_clip={self.grad_clip}: give a gradient norm > 0, or none for no clipping",
+        )
+        _require(self.weight_decay >= 0, f"weight_decay={self.weight_decay}: give a decay >= 0")
+        _require(all(0 <= b < 1 for b in self.betas), f"betas={self.betas}: give two values in [0, 1)")
         _require(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps}: give a number of steps >= 1")
 
 
@@ -334,7 +339,13 @@ class TrainConfig:
             raise ValueError(
                 f"seq={self.seq!r}: give a positive token count such as 16k, 512k, 1M or 4096"
             ) from None
-        if not self.run or "/" in self.run:
+        if self.model and not is_preset(self.model) and not Path(self.model).exists():
+            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+            raise ValueError(
+                f"model={self.model}: no such checkpoint folder or preset; give a folder holding config.json "
+                f"(make train MODEL=/path/to/GLM-5.3-Flash) or a preset ({presets})"
+            )
+        if not self.run or "/" in self.run or self.run in (".", ".."):
             raise ValueError(f"run={self.run!r}: give a folder name (runs/<run>/), without '/'")
         for group in self.GROUPS:
             check = getattr(getattr(self, group), "validate", None)

@@ -228,6 +228,13 @@ def resume_state(
     """(checkpoint folder, its trainer state) to continue from, or (None, None) for a fresh start; refuses a
     checkpoint of another run, and a one-process checkpoint under a launcher."""
     resume = config.checkpoint.resume
+    if resume == "never" and checkpointer.complete():
+        names = ", ".join(path.name for path in checkpointer.complete())
+        raise RunMismatch(
+            f"resume=never, but {checkpointer.root} holds checkpoints of an earlier run ({names}): a "
+            "fresh run there would mix with them (pruning keeps the highest steps). Continue that run with "
+            "resume=auto, or give this one another name: run=NAME"
+        )
     resume_from = checkpointer.latest() if resume == "auto" else None if resume == "never" else Path(resume)
     if resume_from is None:
         return None, None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import warnings
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -29,6 +31,25 @@ def device_peak_gb() -> float:
     return peak
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a `metrics.jsonl`. A torn last line (a write cut short: disk full, a kill) is skipped with
+    a warning naming the file; a damaged line before the last is an error naming the file and line."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number < len(lines):
+                raise ValueError(
+                    f"{path}, line {number}: not a metrics row ({exc}); remove the line"
+                ) from None
+            warnings.warn(
+                f"{path}: skipped its torn last line (a write cut short): {line[:60]!r}", stacklevel=2
+            )
+    return rows
+
+
 class MetricsLog:
     """Appends one JSON object per step to `runs/<run>/metrics.jsonl` and mirrors it to wandb."""
 
@@ -37,13 +58,9 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resumed_step == 0 and self.path.exists():
             self.path.unlink()
-        elif self.path.exists():  # drop lines of steps the resumed run will redo
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resumed_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():  # drop the rows of steps the resumed run will redo, and a torn last line
+            kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= resumed_step]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         self.wandb_run = None
         if config.log.wandb != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")

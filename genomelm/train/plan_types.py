@@ -4,11 +4,11 @@ metrics), a layout of the GPUs and its verdict."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from genomelm.train.config import PlanConfig, TrainConfig
+from genomelm.train.metrics import read_metrics
 
 GIB = 2**30
 GPUS = {  # usable device memory (GiB), dense bf16 peak (TFLOP/s), NVLink per GPU per direction (GB/s)
@@ -62,8 +62,7 @@ def measured_imbalance(config: TrainConfig) -> float | None:
     if not path.exists():
         return None
     ratios = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line) if line.strip() else {}
+    for record in read_metrics(path):
         ratios += [v for k, v in record.items() if k.startswith("router/") and k.endswith("/max_over_mean")]
     return max(ratios) if ratios else None
 

@@ -154,12 +154,13 @@ class TrainStep:
         of a non-finite step)."""
         accum = self.windows_per_step // (self.parallel.dims.dp if self.parallel is not None else 1)
         parallel, model = self.parallel, self.model
+        max_norm = math.inf if self.optim.grad_clip is None else self.optim.grad_clip  # inf: the norm alone
         if parallel is not None:
             parallel.reduce_gradients(model)
             load.counts = parallel.sum_counts(load.counts)
-            grad_norm = parallel.clip_grad_norm_(model, self.optim.grad_clip)
+            grad_norm = parallel.clip_grad_norm_(model, max_norm)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if assume_finite:
             self.optimizer.step()
             update_expert_bias(model.layers, load, self.optim.expert_bias_speed)

@@ -1,0 +1,102 @@
+"""One owner per run folder: `genomelm train` holds `runs/<run>/.lock` for as long as the run goes on.
+
+The lock is a small JSON file (pid, host, start time) created with O_EXCL before anything of the run is
+written, by the process that launches the run (the one process, the local launcher, or the Ray driver; the
+ranks it starts do not take it). A second run on the same folder is refused with a message naming the holder.
+A lock whose pid no longer runs on this host (a killed run) is taken over with a warning; one held from
+another host is never taken over, since this host cannot tell whether that process still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+
+LOCK_FILE = ".lock"
+
+
+class RunLocked(RuntimeError):
+    """The run folder belongs to another live run; the message names it and the way out."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user: it runs
+        return True
+    return True
+
+
+class RunLock:
+    """`with RunLock(run_dir):` holds the run folder's lock for the block (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.owner = {"pid": os.getpid(), "host": socket.gethostname()}
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the lock, or take over a stale one; RunLocked when a live run holds it."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        record = self.owner | {"started": datetime.now(UTC).isoformat(timespec="seconds")}
+        for _attempt in range(3):
+            try:
+                handle = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._refuse_or_clear()
+                continue
+            with os.fdopen(handle, "w") as out:
+                json.dump(record, out)
+            return
+        raise RunLocked(f"could not take {self.path}: other processes keep taking it; is a run restarting?")
+
+    def _refuse_or_clear(self) -> None:
+        """RunLocked naming a live holder; remove the lock of a dead one (this host) with a warning."""
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return  # released meanwhile: try again
+        except (OSError, ValueError):
+            holder = {}  # torn: a kill while it was written
+        pid, host = holder.get("pid"), holder.get("host")
+        if isinstance(pid, int) and host == self.owner["host"] and not _alive(pid):
+            warnings.warn(
+                f"{self.path}: taking over the lock of pid {pid} on {host} (started "
+                f"{holder.get('started')}), which no longer runs",
+                stacklevel=3,
+            )
+            self.path.unlink(missing_ok=True)
+            return
+        if not holder:
+            raise RunLocked(
+                f"{self.path} exists but cannot be read; if no run uses {self.run_dir}, remove the file and "
+                "run again"
+            )
+        raise RunLocked(
+            f"run folder {self.run_dir} is in use by pid {pid} on {host} since {holder.get('started')} "
+            f"(lock {self.path}); wait for that run to end or stop it, or give this one another name: "
+            "run=NAME"
+        )
+
+    def release(self) -> None:
+        """Remove the lock if this process holds it."""
+        try:
+            holder = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]:
+            self.path.unlink(missing_ok=True)
