@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,3 +124,22 @@ def test_torn_metrics_line_is_skipped_and_repaired_on_resume(fly: Path, tmp_path
     metrics.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ValueError, match="metrics.jsonl, line 2: not a metrics row"):
         read_metrics(metrics)
+
+
+@pytest.mark.slow
+def test_rerun_finishes_a_final_export_a_kill_cut_short(fly: Path, tmp_path: Path) -> None:
+    """A cp=2 run killed while rank 0 exported its last checkpoint has `step-N/` without `model/`: running it
+    again writes the export (and says there is nothing left to train) instead of exiting with nothing done."""
+    from genomelm.train.command import main as train_main
+
+    run = settings(fly, tmp_path, cp=2, steps=2, save_every=2)
+    assert train_main(run) == 0
+    final = tmp_path / "runs" / "r" / "checkpoints" / "step-0000002"
+    exported = {
+        p.relative_to(final / "model"): p.read_bytes() for p in (final / "model").rglob("*") if p.is_file()
+    }
+    shutil.rmtree(final / "model")  # as a kill during the export leaves it (the export is renamed in last)
+    assert train_main(run) == 0
+    assert {
+        p.relative_to(final / "model"): p.read_bytes() for p in (final / "model").rglob("*") if p.is_file()
+    } == (exported)

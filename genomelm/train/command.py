@@ -67,6 +67,12 @@ def main(argv: list[str]) -> int:
     except RayLaunchError as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 1
+    if not summary["losses"]:
+        print(
+            f"nothing to train: run {config.run} is at step {summary['start_step']} of {summary['steps']} "
+            f"(checkpoint {summary['checkpoint']}); give steps= beyond it to train on"
+        )
+        return 0
     print(
         f"trained {config.run}: steps {summary['start_step']}..{summary['steps']}, "
         f"last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "

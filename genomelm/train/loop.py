@@ -111,6 +111,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         bar.close()
         if run.log is not None:
             run.log.close()
+    if run.start_step == config.optim.steps and run.resume_from is not None:
+        export_final(run, run.resume_from)  # a run resumed at its end: finish an export a kill cut short
     run.summary["steps"] = config.optim.steps
     return run.summary
 
@@ -393,6 +395,18 @@ def save(run: Run, step: int) -> None:
     path = run.checkpointer.save(
         step, run.model, run.optimizer, state, mesh, config.checkpoint.keep_checkpoints
     )
-    if mesh is not None and step == config.optim.steps and run.output_rank:
-        export_checkpoint(path, path / "model", dtype=torch.float32)
+    if step == config.optim.steps:
+        export_final(run, path)
     run.summary["checkpoint"] = path
+
+
+def export_final(run: Run, path: Path) -> None:
+    """Rank 0 writes the Hugging Face copy (`model/`, what `genomelm eval` reads) of the run's last
+    checkpoint when it is sharded and the copy is missing (written atomically: a kill leaves none, and a
+    re-run writes it)."""
+    if (
+        run.output_rank
+        and run.checkpointer.is_sharded(path)
+        and not (path / "model" / "config.json").exists()
+    ):
+        export_checkpoint(path, path / "model", dtype=torch.float32)
