@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from data_fixtures import fly_windows
 
+from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.train.config import TrainConfig
 from genomelm.train.guards import RunMismatch
 from genomelm.train.loop import train
@@ -143,3 +144,89 @@ def test_rerun_finishes_a_final_export_a_kill_cut_short(fly: Path, tmp_path: Pat
     assert {
         p.relative_to(final / "model"): p.read_bytes() for p in (final / "model").rglob("*") if p.is_file()
     } == (exported)
+
+
+def _wait_for_rows(metrics: Path, rows: int, process: subprocess.Popen, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < rows:
+        assert process.poll() is None and time.monotonic() < deadline, "the run did not get that far"
+        time.sleep(0.1)
+
+
+def _wait_until_gone(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Until no process of `process`'s process group (its session) is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, "processes of the run are still running"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [1, 2])
+def test_sigterm_stops_after_a_step_with_a_checkpoint_and_resumes_exactly(fly: Path, tmp_path: Path, cp: int):
+    """SIGTERM to `genomelm train` (the one process, or the local launcher of cp=2): every rank finishes its
+    step, a checkpoint of that step is written, every process of the run exits, the launcher exits 0 saying
+    how to continue; the same command then continues with the losses of an uninterrupted run."""
+    command = [sys.executable, "-m", "genomelm.cli", "train"]
+    # lr constant after warm-up (min_lr_ratio=1): the schedule does not depend on the number of steps
+    common = {"cp": cp, "min_lr_ratio": 1.0, "save_every": 1000, "warmup_steps": 1}
+    reference = train(TrainConfig.load(None, settings(fly, tmp_path, run="whole", steps=6, **common)))[
+        "losses"
+    ]
+    stopped_run = settings(fly, tmp_path, run="stopped", steps=1000, **common)
+    process = subprocess.Popen(
+        [*command, *stopped_run],
+        cwd=ROOT,
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    metrics = tmp_path / "runs" / "stopped" / "metrics.jsonl"
+    try:
+        _wait_for_rows(metrics, 2, process)
+        os.kill(process.pid, signal.SIGTERM)
+        out, err = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err
+    step = int(out.split("stopped by SIGTERM after step ")[1].split()[0])
+    assert 2 <= step < 6 and "resume=auto" in out
+    assert [row["step"] for row in read_metrics(metrics)] == list(range(1, step + 1))
+    assert Checkpointer(tmp_path / "runs" / "stopped").latest().name == f"step-{step:07d}"
+    _wait_until_gone(process)  # no process of the run is left: ranks, forkserver, resource tracker
+    resumed = train(TrainConfig.load(None, settings(fly, tmp_path, run="stopped", steps=6, **common)))
+    assert resumed["start_step"] == step
+    assert [row["loss"] for row in read_metrics(metrics)] == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [1, 2])
+def test_second_signal_ends_the_run_at_once(fly: Path, tmp_path: Path, cp: int) -> None:
+    """A second SIGTERM does not wait for the step: the one process dies of it, the launcher kills its ranks
+    and exits 143; no process of the run is left."""
+    command = [sys.executable, "-m", "genomelm.cli", "train"]
+    run = settings(fly, tmp_path, cp=cp, steps=1000, save_every=1000)
+    process = subprocess.Popen(
+        [*command, *run],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_rows(tmp_path / "runs" / "r" / "metrics.jsonl", 1, process)
+        os.kill(process.pid, signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == (-signal.SIGTERM if cp == 1 else 128 + signal.SIGTERM)
+    _wait_until_gone(process)

@@ -15,6 +15,9 @@ Failures end the whole launch instead of hanging it:
 - a rank dies without reporting (a signal, os._exit): `LaunchError` with its exit code;
 - ranks still running after `timeout_s`: each dumps the Python stacks of all its threads (faulthandler on
   SIGUSR1), all are stopped, and `LaunchTimeout` carries the stacks in its message.
+
+A SIGTERM or SIGINT to the launching process is passed on to the ranks as SIGTERM, and the launch goes on
+collecting their reports (a training rank stops after its step and checkpoints); a second signal kills them.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -120,7 +125,8 @@ def launch(
                 process.start()
                 writer.close()  # the child holds the only write end: its exit closes the pipe
                 ranks.append(_Rank(rank, process, reader, stack_path))
-            return _collect(ranks, fn, timeout_s)
+            with _forward_signals(ranks):
+                return _collect(ranks, fn, timeout_s)
         finally:
             _stop([r.process for r in ranks])
 
@@ -156,6 +162,35 @@ def _collect(ranks: Sequence[_Rank], fn: Callable[..., Any], timeout_s: float | 
             results[r.rank] = report[1]
             del pending[r.rank]
     return [results[rank] for rank in range(len(ranks))]
+
+
+@contextmanager
+def _forward_signals(ranks: Sequence[_Rank]) -> Iterator[None]:
+    """While the ranks run: the first SIGTERM or SIGINT to this process is passed on to every rank as SIGTERM
+    (a rank that handles it finishes its work and reports as usual: `genomelm.train.stop`); a second one kills
+    the ranks and ends the launch at once (SystemExit 128 + signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        for r in ranks:
+            if r.process.is_alive():
+                if len(received) == 1:
+                    os.kill(r.process.pid, signal.SIGTERM)
+                else:
+                    r.process.kill()
+        if len(received) > 1:
+            raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _receive(reader: Connection, wait_s: float) -> tuple[Any, ...] | None:

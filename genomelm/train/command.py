@@ -67,6 +67,13 @@ def main(argv: list[str]) -> int:
     except RayLaunchError as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 1
+    if "stopped" in summary:
+        stopped = summary["stopped"]
+        print(
+            f"stopped by {stopped['signal']} after step {stopped['step']} of {summary['steps']}: checkpoint "
+            f"{summary['checkpoint']}; the same command continues the run from there (resume=auto)"
+        )
+        return 0
     if not summary["losses"]:
         print(
             f"nothing to train: run {config.run} is at step {summary['start_step']} of {summary['steps']} "

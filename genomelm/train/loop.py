@@ -36,6 +36,7 @@ from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
 from genomelm.train.models import model_config_of, run_device
 from genomelm.train.precision import autocast_for, resolve_precision
 from genomelm.train.step import StepOutcome, TrainStep, lr_factor, make_optimizer
+from genomelm.train.stop import StopRequest
 
 
 class NonFiniteLoss(RuntimeError):
@@ -98,15 +99,22 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         unit="step",
     )
     try:
-        for step in bar:
-            record = train_one_step(run, step)
-            bar.set_postfix(
-                loss=f"{record['loss']:.4f}",
-                tok_s=f"{record['tokens_per_s']:.0f}",
-                mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}",
-            )
-            if (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.optim.steps:
-                save(run, step + 1)
+        with StopRequest(exit_on_second=run.parallel is None) as stop:
+            for step in bar:
+                record = train_one_step(run, step)
+                bar.set_postfix(
+                    loss=f"{record['loss']:.4f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}",
+                )
+                saved = (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.optim.steps
+                if saved:
+                    save(run, step + 1)
+                if step + 1 < config.optim.steps and stop.agreed(run.device):
+                    if not saved:
+                        save(run, step + 1)
+                    run.summary["stopped"] = {"step": step + 1, "signal": stop.received or "a signal"}
+                    break
     finally:
         bar.close()
         if run.log is not None:
