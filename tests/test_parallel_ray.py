@@ -5,7 +5,11 @@ local Ray serves the whole module (its start-up is the slow part on a small mach
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,3 +154,40 @@ def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=slurm"]))
     with pytest.raises(ValueError, match="multiple of 384 tokens"):  # the cp checks run first too
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "seq=16k", "cp=3"]))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_driver_stops_the_workers_after_a_step_with_a_checkpoint(
+    fly: Path, tmp_path: Path
+) -> None:
+    """The Ray driver gets SIGTERM (as Kubernetes or Slurm send it): it asks the workers to stop (the run
+    folder's stop file), they checkpoint the step they finished, and the driver exits 0 saying how to go
+    on."""
+    from genomelm.parallel.checkpoint import Checkpointer
+    from genomelm.train.stop import STOP_FILE
+
+    settings = run_settings(fly, tmp_path, "stopped", "launcher=ray", "steps=1000", "save_every=1000")
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "genomelm.cli", "train", *settings],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+            assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read()
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGTERM)
+        out, err = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 0, err
+    step = int(out.split("stopped by SIGTERM after step ")[1].split()[0])
+    assert Checkpointer(tmp_path / "stopped").latest().name == f"step-{step:07d}"
+    assert len(metrics.read_text().splitlines()) == step
+    assert not (tmp_path / "stopped" / STOP_FILE).exists()

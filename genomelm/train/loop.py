@@ -36,7 +36,7 @@ from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
 from genomelm.train.models import model_config_of, run_device
 from genomelm.train.precision import autocast_for, resolve_precision
 from genomelm.train.step import StepOutcome, TrainStep, lr_factor, make_optimizer
-from genomelm.train.stop import StopRequest
+from genomelm.train.stop import StopRequest, clear_stop
 
 
 class NonFiniteLoss(RuntimeError):
@@ -99,7 +99,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         unit="step",
     )
     try:
-        with StopRequest(exit_on_second=run.parallel is None) as stop:
+        with StopRequest(exit_on_second=run.parallel is None, run_dir=config.run_dir) as stop:
             for step in bar:
                 record = train_one_step(run, step)
                 bar.set_postfix(
@@ -147,6 +147,7 @@ def build_run(config: TrainConfig) -> Run:
     if parallel is None or parallel.is_output_rank:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         checkpointer.clean_interrupted_writes()
+        clear_stop(config.run_dir)  # a request left by an earlier, stopped run
     model_config = checked_model_config(config, data)
     dims.check(model_config.n_routed_experts if MOE in model_config.mlp_layer_types else None)
     identity = run_identity(config, data.manifest)

@@ -25,11 +25,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from genomelm.train.config import TrainConfig
 from genomelm.train.faults import FAULT_ENV
+from genomelm.train.stop import SIGNALS, clear_stop, request_stop
 
 QUIET_ENVIRONMENT = {
     "RAY_AUTH_MODE": "disabled",  # no token prompt for a cluster this process starts on localhost
@@ -102,10 +108,12 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
             ),
         )
         try:
-            result = trainer.fit()
+            with _stop_on_signal(config.run_dir):
+                result = trainer.fit()
         except ray.train.TrainingFailedError as exc:
             raise _rank_error(exc) from exc
     finally:
+        clear_stop(config.run_dir)
         if started_here:
             ray.shutdown()
     metrics = result.metrics or {}
@@ -115,7 +123,28 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
         "losses": metrics.get("losses", []),
         "skipped": metrics.get("skipped", 0),
         "checkpoint": Path(result.checkpoint.path) if result.checkpoint else None,
-    }
+    } | ({"stopped": metrics["stopped"]} if metrics.get("stopped") else {})
+
+
+@contextmanager
+def _stop_on_signal(run_dir: Path) -> Iterator[None]:
+    """While Ray trains: the first SIGTERM or SIGINT to the driver asks the workers to stop after their step
+    and checkpoint (the stop file, `genomelm.train.stop`); a second one ends the driver at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        request_stop(run_dir, signal.Signals(signum).name)
+        for sig in SIGNALS:  # a second signal: the default action
+            signal.signal(sig, previous[sig])
+
+    previous = {sig: signal.signal(sig, handle) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _forwarded_environment() -> dict[str, str]:
@@ -171,7 +200,8 @@ def _worker(payload: dict[str, Any]) -> None:
             "steps": summary["steps"],
             "losses": summary["losses"],
             "skipped": summary["skipped"],
-        },
+        }
+        | ({"stopped": summary["stopped"]} if "stopped" in summary else {}),
         checkpoint=Checkpoint.from_directory(str(Path(last).resolve())) if report_checkpoint else None,
         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
     )
