@@ -27,10 +27,13 @@ moment leaves the previous checkpoint as the newest complete one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,61 @@ TRAINER_FILE = "trainer.pt"
 STATE_DIR = "state"  # the DCP checkpoint of a sharded run
 METADATA_FILE = ".metadata"  # written by dcp.save once every rank has written its shard
 RNG_DIR = "rng"  # rank-00000.pt, ... of a sharded run
+CHECKSUMS_DIR = "checksums"  # rank-00000.json, ...: size and BLAKE2b of every file each writer wrote
+
+
+def file_checksum(path: Path) -> dict[str, Any]:
+    """{"size": bytes, "blake2b": hex digest} of a file, read in 64 MiB blocks (hashlib's own loop)."""
+    with open(path, "rb") as handle:
+        digest = hashlib.file_digest(handle, "blake2b").hexdigest()
+    return {"size": Path(path).stat().st_size, "blake2b": digest}
+
+
+def write_checksums(step_dir: Path, files: list[Path], name: str) -> None:
+    """Record the checksums of `files` (inside `step_dir`) as `checksums/<name>.json`, written atomically."""
+    folder = Path(step_dir) / CHECKSUMS_DIR
+    folder.mkdir(exist_ok=True)
+    entries = {str(p.relative_to(step_dir)): file_checksum(p) for p in sorted(files)}
+    tmp = folder / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(entries, indent=1) + "\n")
+    os.replace(tmp, folder / f"{name}.json")
+
+
+def recorded_checksums(step_dir: Path) -> dict[str, dict[str, Any]] | None:
+    """Every file's recorded checksum, by path inside `step_dir`; None for a checkpoint written without
+    them."""
+    folder = Path(step_dir) / CHECKSUMS_DIR
+    if not folder.is_dir():
+        return None
+    entries: dict[str, dict[str, Any]] = {}
+    for part in sorted(folder.glob("*.json")):
+        try:
+            entries |= json.loads(part.read_text())
+        except (OSError, ValueError):
+            entries[str(part.relative_to(step_dir))] = {"unreadable": True}
+    return entries
+
+
+def verify_checkpoint(step_dir: Path, share: tuple[int, int] = (0, 1), prefix: str = "") -> list[str]:
+    """What is wrong with the files of a checkpoint against their recorded checksums (empty: nothing), each
+    naming the file; `share` (i, n): only every n-th file from the i-th (the ranks split the reading);
+    `prefix`: only the files under it (e.g. "model/")."""
+    recorded = recorded_checksums(step_dir)
+    if recorded is None:
+        return []
+    names = sorted(name for name in recorded if name.startswith(prefix))
+    problems = []
+    for name in names[share[0] :: share[1]]:
+        path, expected = Path(step_dir) / name, recorded[name]
+        if expected.get("unreadable"):
+            problems.append(f"{path}: unreadable checksum record")
+        elif not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != expected["size"]:
+            problems.append(f"{path}: {path.stat().st_size:,} bytes, {expected['size']:,} written")
+        elif file_checksum(path)["blake2b"] != expected["blake2b"]:
+            problems.append(f"{path}: its bytes differ from those written (BLAKE2b mismatch)")
+    return problems
 
 
 def is_sharded(step_dir: Path) -> bool:
@@ -121,6 +179,25 @@ class Checkpointer:
         """The newest complete checkpoint, or None."""
         found = self.complete()
         return found[-1] if found else None
+
+    def latest_verified(
+        self, share: tuple[int, int] = (0, 1), agree: Callable[[int], int] | None = None
+    ) -> Path | None:
+        """The newest complete checkpoint whose files match their checksums; a damaged one (changed, missing
+        or truncated files) is skipped with a warning naming the files, for the one before it. `share`: this
+        rank's part of the files to read; `agree`: sums a count over the ranks (every rank then picks the same
+        checkpoint)."""
+        for step_dir in reversed(self.complete()):
+            problems = verify_checkpoint(step_dir, share)
+            bad = agree(len(problems)) if agree is not None else len(problems)
+            if not bad:
+                return step_dir
+            if problems:
+                warnings.warn(
+                    f"{step_dir} is damaged, falling back to the checkpoint before it: {'; '.join(problems)}",
+                    stacklevel=2,
+                )
+        return None
 
     def clean_interrupted_writes(self) -> list[Path]:
         """Remove the temporary folders of writes a kill interrupted; returns what was removed. Call it on one
@@ -212,6 +289,7 @@ class Checkpointer:
         tmp.mkdir()
         save_model(model, tmp / MODEL_DIR)
         torch.save(state, tmp / TRAINER_FILE)
+        write_checksums(tmp, [p for p in tmp.rglob("*") if p.is_file()], "rank-00000")
         self._publish(tmp, final, keep)
         return final
 
@@ -236,11 +314,14 @@ class Checkpointer:
         dist.barrier()
         _, _, seen = _described(model, optimizer, mesh)
         dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
-        torch.save(rng_state(), tmp / RNG_DIR / f"rank-{rank:05d}.pt")
+        mine = [tmp / RNG_DIR / f"rank-{rank:05d}.pt", *(tmp / STATE_DIR).glob(f"__{rank}_*.distcp")]
+        torch.save(rng_state(), mine[0])
         if rank == 0:
             config = hf_config_dict(model.config, torch.float32)
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             torch.save(trainer_state | {"world": mesh.dims.__dict__}, tmp / TRAINER_FILE)
+            mine += [tmp / CONFIG_FILE, tmp / TRAINER_FILE, tmp / STATE_DIR / METADATA_FILE]
+        write_checksums(tmp, mine, f"rank-{rank:05d}")  # each rank hashes what it wrote
         dist.barrier()  # every rank's files are written
         if rank == 0:
             self._publish(tmp, final, keep)

@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model, save_model
 from genomelm.model.config import MOE, is_preset
-from genomelm.parallel.checkpoint import Checkpointer
+from genomelm.parallel.checkpoint import Checkpointer, write_checksums
 from genomelm.parallel.export import export_checkpoint
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
@@ -246,7 +247,11 @@ def resume_state(
             "fresh run there would mix with them (pruning keeps the highest steps). Continue that run with "
             "resume=auto, or give this one another name: run=NAME"
         )
-    resume_from = checkpointer.latest() if resume == "auto" else None if resume == "never" else Path(resume)
+    if resume == "auto":  # the newest checkpoint whose bytes are as written, the ranks sharing the reading
+        share = (parallel.rank, parallel.dims.world) if parallel is not None else (0, 1)
+        resume_from = checkpointer.latest_verified(share, _sum_over_ranks if parallel is not None else None)
+    else:
+        resume_from = None if resume == "never" else Path(resume)
     if resume_from is None:
         return None, None
     state = checkpointer.read_trainer_state(resume_from)
@@ -257,6 +262,13 @@ def resume_state(
             "ep=1), or start this run afresh with resume=never"
         )
     return resume_from, state
+
+
+def _sum_over_ranks(count: int) -> int:
+    """`count` summed over every rank of the launched group (on the device its backend takes)."""
+    total = torch.tensor([count], dtype=torch.int64, device=run_device())
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def resume(run: Run, state: dict[str, Any]) -> None:
@@ -419,3 +431,4 @@ def export_final(run: Run, path: Path) -> None:
         and not (path / "model" / "config.json").exists()
     ):
         export_checkpoint(path, path / "model", dtype=torch.float32)
+        write_checksums(path, [p for p in (path / "model").rglob("*") if p.is_file()], "model")

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from genomelm.model import ModelConfig, load_model
 from genomelm.model.config import is_preset
-from genomelm.parallel.checkpoint import Checkpointer
+from genomelm.parallel.checkpoint import Checkpointer, verify_checkpoint
 from genomelm.parallel.context import apply_context_parallel
 from genomelm.parallel.training import ContextParallelScorer, ContextRun
 from genomelm.train.config import TrainConfig
@@ -49,19 +50,34 @@ def model_pair(config: TrainConfig, before: str | None = None, after: str | None
     """The before/after model folders: explicit ones, else the run's base model and its newest checkpoint's
     Hugging Face copy."""
     if after is None:
-        checkpoint = Checkpointer(config.run_dir).latest()
-        if checkpoint is None:
-            raise ModelChoiceError(
-                f"no trained checkpoint in {config.run_dir}; run `make train` first (or pass --after PATH)"
-            )
-        after = str(checkpoint / "model")
-        if not Path(after, "config.json").exists():
-            raise ModelChoiceError(
-                f"{checkpoint} is a sharded checkpoint without its Hugging Face copy; "
-                f"run `genomelm export {checkpoint} {after}` "
-                "(or pass --after PATH)"
-            )
+        after = str(_newest_intact_model(Checkpointer(config.run_dir)))
     return (base_model_path(config) if before is None else before), after
+
+
+def _newest_intact_model(checkpointer: Checkpointer) -> Path:
+    """The Hugging Face copy of the newest checkpoint whose model files match their checksums; a damaged one
+    is skipped with a warning naming its files."""
+    found = checkpointer.complete()
+    if not found:
+        raise ModelChoiceError(
+            f"no trained checkpoint in {checkpointer.run_dir}; run `make train` first (or pass --after PATH)"
+        )
+    if not (found[-1] / "model" / "config.json").exists():
+        raise ModelChoiceError(
+            f"{found[-1]} is a sharded checkpoint without its Hugging Face copy; run `genomelm export "
+            f"{found[-1]} {found[-1] / 'model'}` (or pass --after PATH)"
+        )
+    damaged = []
+    for checkpoint in reversed(found):
+        if not (checkpoint / "model" / "config.json").exists():
+            continue
+        problems = verify_checkpoint(checkpoint, prefix="model/")
+        if not problems:
+            if damaged:
+                warnings.warn(f"damaged, using {checkpoint} instead: {'; '.join(damaged)}", stacklevel=3)
+            return checkpoint / "model"
+        damaged += problems
+    raise ModelChoiceError(f"every trained model in {checkpointer.root} is damaged: {'; '.join(damaged)}")
 
 
 def load_scoring_model(path: str, config: TrainConfig) -> nn.Module:

@@ -1,0 +1,92 @@
+"""Checkpoint bytes are checked: every file's size and BLAKE2b are recorded when written, resume=auto and eval
+verify them and fall back to the checkpoint before a damaged one, naming the damaged files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from data_fixtures import fly_windows
+
+from genomelm.parallel.checkpoint import Checkpointer, verify_checkpoint
+from genomelm.train.config import TrainConfig
+from genomelm.train.loop import train
+from genomelm.train.metrics import read_metrics
+from genomelm.train.models import model_pair
+
+
+@pytest.fixture(scope="module")
+def fly(tmp_path_factory) -> Path:
+    return fly_windows(tmp_path_factory.mktemp("data") / "fly", "1-4096", 512)
+
+
+def settings(fly: Path, tmp_path: Path, **overrides) -> TrainConfig:
+    values = {
+        "data": fly,
+        "seq": 512,
+        "model": "tiny",
+        "run": "r",
+        "runs_dir": tmp_path / "runs",
+        "wandb": "disabled",
+        "warmup_steps": 1,
+        "steps": 4,
+        "save_every": 2,
+    } | overrides
+    return TrainConfig.load(None, [f"{key}={value}" for key, value in values.items()])
+
+
+def flip(path: Path, offset: int, count: int) -> None:
+    """XOR `count` bytes of `path` from `offset` (the file keeps its size)."""
+    data = bytearray(path.read_bytes())
+    for i in range(offset, offset + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_one_process_resume_falls_back_from_a_damaged_checkpoint(fly: Path, tmp_path: Path) -> None:
+    config = settings(fly, tmp_path)
+    losses = train(config, progress=False)["losses"]
+    checkpointer = Checkpointer(config.run_dir)
+    newest = checkpointer.latest()
+    weights = sorted((newest / "model").glob("*.safetensors"))[0]
+    flip(weights, weights.stat().st_size // 2, 400)
+    assert verify_checkpoint(newest) == [f"{weights}: its bytes differ from those written (BLAKE2b mismatch)"]
+    with pytest.warns(UserWarning, match=f"{newest} is damaged.*{weights.name}"):
+        resumed = train(config, progress=False)  # the same run again: continues from step 2, not from 4
+    assert resumed["start_step"] == 2
+    assert resumed["losses"] == losses[2:]
+    assert [row["loss"] for row in read_metrics(config.run_dir / "metrics.jsonl")] == losses
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_and_eval_falls_back(fly: Path, tmp_path: Path) -> None:
+    config = settings(fly, tmp_path)
+    train(config, progress=False)
+    checkpointer = Checkpointer(config.run_dir)
+    first, newest = checkpointer.complete()
+    trainer = newest / "trainer.pt"
+    trainer.write_bytes(trainer.read_bytes()[:100])  # a disk full mid-write of a later copy
+    assert checkpointer.latest_verified() == first
+    weights = sorted((newest / "model").glob("*.safetensors"))[0]
+    flip(weights, 64, 16)
+    with pytest.warns(UserWarning, match=f"damaged, using {first} instead.*{weights.name}"):
+        assert model_pair(config)[1] == str(first / "model")
+
+
+def _sharded_summary(config: TrainConfig) -> dict:
+    from genomelm.train.command import launch_training
+
+    return launch_training(config)
+
+
+@pytest.mark.slow
+def test_sharded_resume_falls_back_from_a_damaged_shard(fly: Path, tmp_path: Path) -> None:
+    """16 bytes changed inside one rank's `.distcp` shard of the newest sharded checkpoint: both ranks verify
+    their share of the files, agree, and resume from the checkpoint before it."""
+    config = settings(fly, tmp_path, cp=2)
+    losses = _sharded_summary(config)["losses"]
+    newest = Checkpointer(config.run_dir).latest()
+    shard = newest / "state" / "__1_0.distcp"
+    flip(shard, shard.stat().st_size // 3, 16)
+    resumed = _sharded_summary(config)
+    assert resumed["start_step"] == 2
+    assert resumed["losses"] == pytest.approx(losses[2:], rel=1e-6)
