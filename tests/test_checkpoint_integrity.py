@@ -90,3 +90,53 @@ def test_sharded_resume_falls_back_from_a_damaged_shard(fly: Path, tmp_path: Pat
     resumed = _sharded_summary(config)
     assert resumed["start_step"] == 2
     assert resumed["losses"] == pytest.approx(losses[2:], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(28, "No space left on device"),
+        RuntimeError(
+            "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: ...}) os error 28"
+        ),
+    ],
+)
+def test_disk_full_while_checkpointing_names_the_device_and_keeps_the_previous(
+    fly: Path, tmp_path: Path, monkeypatch, capsys, failure: Exception
+) -> None:
+    """A full disk during the step-4 checkpoint (an OSError, or safetensors' own error): one line saying where
+    space ran out and how much the checkpoint needs, exit 1; step 2 stays the newest, intact, and no
+    half-written folder is left."""
+    from genomelm.parallel import checkpoint
+    from genomelm.train.command import main as train_main
+
+    real_save_model, calls = checkpoint.save_model, []
+
+    def save_model(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise failure
+        real_save_model(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_model", save_model)
+    config = settings(fly, tmp_path)
+    argv = [
+        f"{key}={value}"
+        for key, value in {
+            "data": fly,
+            "seq": 512,
+            "model": "tiny",
+            "wandb": "disabled",
+            "runs_dir": tmp_path / "runs",
+            "warmup_steps": 1,
+            "steps": 4,
+            "save_every": 2,
+            "run": "r",
+        }.items()
+    ]
+    assert train_main(argv) == 1
+    message = capsys.readouterr().err
+    assert "no space left on the device of" in message and "GB are free" in message and "resume" in message
+    checkpointer = Checkpointer(config.run_dir)
+    assert checkpointer.latest_verified().name == "step-0000002"
+    assert not list(checkpointer.root.glob(".tmp-*"))

@@ -32,7 +32,7 @@ from genomelm.data.augment import check_compatible
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucketed_loss, compare, relative_change
 from genomelm.eval.plot import save_figure
-from genomelm.eval.report import format_table, write_csv, write_json
+from genomelm.eval.report import WriteError, format_table, write_csv, write_json, write_result_set
 from genomelm.eval.score import Scores, last_bucket_start, score_windows
 from genomelm.model.config import ConfigError
 from genomelm.parallel.launch import launch
@@ -216,12 +216,22 @@ def evaluate_sets(
 
 
 def write_outputs(result: dict, folder: Path) -> dict[str, Path]:
-    """Write buckets.json, buckets.csv and loss_by_position.png into `folder` (created if needed)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write buckets.json, buckets.csv and loss_by_position.png into `folder` (created if needed) as one set,
+    `write_result_set`'s set "buckets": readers see the previous three files or the new three, never a mix,
+    and a failure (WriteError for a full disk) leaves the previous ones. The probe's files are not touched."""
+    paths = write_result_set(
+        folder,
+        "buckets",
+        {
+            "buckets.json": lambda path: write_json(result, path),
+            "buckets.csv": lambda path: write_csv(result, path),
+            "loss_by_position.png": lambda path: save_figure(result, path),
+        },
+    )
     return {
-        "json": write_json(result, folder / "buckets.json"),
-        "csv": write_csv(result, folder / "buckets.csv"),
-        "figure": save_figure(result, folder / "loss_by_position.png"),
+        "json": paths["buckets.json"],
+        "csv": paths["buckets.csv"],
+        "figure": paths["loss_by_position.png"],
     }
 
 
@@ -260,16 +270,25 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
-    print_written(format_table(result), write_outputs(result, config.results_path))
-    return 0
+    return print_written(
+        "genomelm eval", format_table(result), lambda: write_outputs(result, config.results_path)
+    )
 
 
-def print_written(table: str, paths: dict[str, Path]) -> None:
-    """The result table, then where its JSON, CSV and figure were written."""
+def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -> int:
+    """Print the result table, `write()` the result's files, then print where its JSON, CSV and figure went:
+    0. When the write fails (WriteError: disk full, no permission) the table is printed all the same and the
+    error as one line `prog: ...` on stderr: 1."""
     print()
     print(table)
+    try:
+        paths = write()
+    except WriteError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     print(f"\nwrote {paths['json']} and {paths['csv']}")
     print(f"figure: {paths['figure']}")
+    return 0
 
 
 def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:

@@ -81,10 +81,15 @@ def save_figure(result: dict, path: Path) -> Path:
 
 
 def save_png(figure: Figure, path: Path) -> Path:
-    """Write ``figure`` as PNG to ``path`` through a temporary name in the same folder."""
+    """Write ``figure`` as PNG to ``path`` through a temporary name in the same folder (removed if the write
+    fails). `genomelm eval` and `genomelm probe` call this inside `genomelm.eval.report.write_result_set`."""
     tmp = path.with_name(path.name + ".tmp")
-    figure.savefig(tmp, format="png", dpi=120)
-    os.replace(tmp, path)
+    try:
+        figure.savefig(tmp, format="png", dpi=120)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

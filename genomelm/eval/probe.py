@@ -38,7 +38,7 @@ from genomelm.data.windows import Window
 from genomelm.eval.buckets import window_stats
 from genomelm.eval.command import EvalError, load_heldout, parse_run_args, print_written, run_scoring
 from genomelm.eval.plot import save_probe_figure
-from genomelm.eval.report import format_number, jsonable, write_atomic
+from genomelm.eval.report import format_number, jsonable, write_atomic, write_result_set
 from genomelm.eval.score import token_losses
 from genomelm.model.config import ConfigError
 from genomelm.train.config import TrainConfig
@@ -277,14 +277,24 @@ def write_probe_csv(result: dict, path: Path) -> Path:
 
 
 def write_probe_outputs(result: dict, folder: Path) -> dict[str, Path]:
-    """Write copy_probe.json, copy_probe.csv and copy_probe.png into ``folder`` (created if needed)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write copy_probe.json, copy_probe.csv and copy_probe.png into ``folder`` (created if needed) as one
+    set, `genomelm.eval.report.write_result_set`'s set "copy_probe": readers see the previous three files or
+    the new three, never a mix, and a failure (WriteError for a full disk) leaves the previous ones. Eval's
+    files in the same folder are not touched."""
+    text = json.dumps(jsonable(result), indent=2, allow_nan=False) + "\n"
+    paths = write_result_set(
+        folder,
+        "copy_probe",
+        {
+            "copy_probe.json": lambda path: write_atomic(path, text),
+            "copy_probe.csv": lambda path: write_probe_csv(result, path),
+            "copy_probe.png": lambda path: save_probe_figure(result, path),
+        },
+    )
     return {
-        "json": write_atomic(
-            folder / "copy_probe.json", json.dumps(jsonable(result), indent=2, allow_nan=False) + "\n"
-        ),
-        "csv": write_probe_csv(result, folder / "copy_probe.csv"),
-        "figure": save_probe_figure(result, folder / "copy_probe.png"),
+        "json": paths["copy_probe.json"],
+        "csv": paths["copy_probe.csv"],
+        "figure": paths["copy_probe.png"],
     }
 
 
@@ -340,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ProbeError, EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"genomelm probe: {exc}", file=sys.stderr)
         return 1
-    print_written(format_probe_table(result), write_probe_outputs(result, config.results_path))
-    return 0
+    table = format_probe_table(result)
+    return print_written("genomelm probe", table, lambda: write_probe_outputs(result, config.results_path))
 
 
 def probe_config(config: TrainConfig, before: str, after: str) -> dict:

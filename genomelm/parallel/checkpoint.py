@@ -27,13 +27,15 @@ moment leaves the previous checkpoint as the newest complete one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,48 @@ STATE_DIR = "state"  # the DCP checkpoint of a sharded run
 METADATA_FILE = ".metadata"  # written by dcp.save once every rank has written its shard
 RNG_DIR = "rng"  # rank-00000.pt, ... of a sharded run
 CHECKSUMS_DIR = "checksums"  # rank-00000.json, ...: size and BLAKE2b of every file each writer wrote
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint write that ran out of disk space; the message names the device, the path and the size."""
+
+
+def _out_of_space(error: BaseException, folder: Path, needed: int) -> bool:
+    """Whether `error` (an OSError, safetensors' or torch's own error) came from a full disk."""
+    chain = [error]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for exc in chain:
+        text = str(exc)
+        if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text:
+            return True
+    # torch.save reports a short write as "unexpected pos": a full disk when the space left cannot hold it
+    return "unexpected pos" in str(error) and shutil.disk_usage(folder).free < needed
+
+
+@contextmanager
+def _space_checked(tmp: Path, needed: int) -> Iterator[None]:
+    """Writes into `tmp`: on a full disk, remove `tmp` and say where space ran out and how much is needed."""
+    try:
+        yield
+    except Exception as exc:
+        if not _out_of_space(exc, tmp.parent, needed):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        raise CheckpointSpaceError(
+            errno.ENOSPC,
+            f"no space left on the device of {tmp.parent} writing {tmp} (this rank's share of the checkpoint "
+            f"needs about {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free); the previous checkpoint is "
+            "intact: free space, or lower keep_checkpoints, and resume",
+        ) from exc
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """What this process holds of the model and the optimizer state, in bytes (a checkpoint's share)."""
+    tensors = [*model.state_dict().values()]
+    tensors += [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, Tensor)]
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
 
 
 def file_checksum(path: Path) -> dict[str, Any]:
@@ -279,17 +323,20 @@ class Checkpointer:
         """The one-process layout: the model, and `trainer_state` plus the optimizer state ("optimizer") and
         this process's RNG state ("rng")."""
         state = trainer_state | {"optimizer": optimizer.state_dict(), "rng": rng_state()}
-        return self._write_one_process(step, model, state, keep)
+        return self._write_one_process(step, model, state, keep, state_bytes(model, optimizer))
 
-    def _write_one_process(self, step: int, model: nn.Module, state: dict[str, Any], keep: int) -> Path:
+    def _write_one_process(
+        self, step: int, model: nn.Module, state: dict[str, Any], keep: int, needed: int
+    ) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.step_dir(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_model(model, tmp / MODEL_DIR)
-        torch.save(state, tmp / TRAINER_FILE)
-        write_checksums(tmp, [p for p in tmp.rglob("*") if p.is_file()], "rank-00000")
+        with _space_checked(tmp, needed):
+            save_model(model, tmp / MODEL_DIR)
+            torch.save(state, tmp / TRAINER_FILE)
+            write_checksums(tmp, [p for p in tmp.rglob("*") if p.is_file()], "rank-00000")
         self._publish(tmp, final, keep)
         return final
 
@@ -313,15 +360,16 @@ class Checkpointer:
             (tmp / RNG_DIR).mkdir(parents=True)
         dist.barrier()
         _, _, seen = _described(model, optimizer, mesh)
-        dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
-        mine = [tmp / RNG_DIR / f"rank-{rank:05d}.pt", *(tmp / STATE_DIR).glob(f"__{rank}_*.distcp")]
-        torch.save(rng_state(), mine[0])
-        if rank == 0:
-            config = hf_config_dict(model.config, torch.float32)
-            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-            torch.save(trainer_state | {"world": mesh.dims.__dict__}, tmp / TRAINER_FILE)
-            mine += [tmp / CONFIG_FILE, tmp / TRAINER_FILE, tmp / STATE_DIR / METADATA_FILE]
-        write_checksums(tmp, mine, f"rank-{rank:05d}")  # each rank hashes what it wrote
+        with _space_checked(tmp, state_bytes(model, optimizer)):  # on every rank whose write fails
+            dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
+            mine = [tmp / RNG_DIR / f"rank-{rank:05d}.pt", *(tmp / STATE_DIR).glob(f"__{rank}_*.distcp")]
+            torch.save(rng_state(), mine[0])
+            if rank == 0:
+                config = hf_config_dict(model.config, torch.float32)
+                (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+                torch.save(trainer_state | {"world": mesh.dims.__dict__}, tmp / TRAINER_FILE)
+                mine += [tmp / CONFIG_FILE, tmp / TRAINER_FILE, tmp / STATE_DIR / METADATA_FILE]
+            write_checksums(tmp, mine, f"rank-{rank:05d}")  # each rank hashes what it wrote
         dist.barrier()  # every rank's files are written
         if rank == 0:
             self._publish(tmp, final, keep)

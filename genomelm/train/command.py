@@ -13,6 +13,7 @@ from genomelm.data import DataError
 from genomelm.data.augment import crop_length
 from genomelm.model.checkpoint import CheckpointError
 from genomelm.model.config import MOE, ConfigError, is_preset
+from genomelm.parallel.checkpoint import CheckpointSpaceError
 from genomelm.parallel.launch import launch
 from genomelm.parallel.layout import ContextLayout
 from genomelm.parallel.mesh import ParallelDims
@@ -64,7 +65,7 @@ def main(argv: list[str]) -> int:
     ) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 2
-    except RayLaunchError as exc:
+    except (RayLaunchError, CheckpointSpaceError) as exc:
         print(f"genomelm train: {exc}", file=sys.stderr)
         return 1
     if "stopped" in summary:
