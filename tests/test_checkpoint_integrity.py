@@ -20,7 +20,8 @@ def fly(tmp_path_factory) -> Path:
     return fly_windows(tmp_path_factory.mktemp("data") / "fly", "1-4096", 512)
 
 
-def settings(fly: Path, tmp_path: Path, **overrides) -> TrainConfig:
+def arguments(fly: Path, tmp_path: Path, **overrides) -> list[str]:
+    """The run's `key=value` settings, as `genomelm train` takes them."""
     values = {
         "data": fly,
         "seq": 512,
@@ -32,7 +33,11 @@ def settings(fly: Path, tmp_path: Path, **overrides) -> TrainConfig:
         "steps": 4,
         "save_every": 2,
     } | overrides
-    return TrainConfig.load(None, [f"{key}={value}" for key, value in values.items()])
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def settings(fly: Path, tmp_path: Path, **overrides) -> TrainConfig:
+    return TrainConfig.load(None, arguments(fly, tmp_path, **overrides))
 
 
 def flip(path: Path, offset: int, count: int) -> None:
@@ -120,21 +125,7 @@ def test_disk_full_while_checkpointing_names_the_device_and_keeps_the_previous(
 
     monkeypatch.setattr(checkpoint, "save_model", save_model)
     config = settings(fly, tmp_path)
-    argv = [
-        f"{key}={value}"
-        for key, value in {
-            "data": fly,
-            "seq": 512,
-            "model": "tiny",
-            "wandb": "disabled",
-            "runs_dir": tmp_path / "runs",
-            "warmup_steps": 1,
-            "steps": 4,
-            "save_every": 2,
-            "run": "r",
-        }.items()
-    ]
-    assert train_main(argv) == 1
+    assert train_main(arguments(fly, tmp_path)) == 1
     message = capsys.readouterr().err
     assert "no space left on the device of" in message and "GB are free" in message and "resume" in message
     checkpointer = Checkpointer(config.run_dir)
