@@ -29,22 +29,26 @@ def contents(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in names}
 
 
-def hidden(folder: Path) -> list[str]:
-    """The set machinery's entries in `folder`, generation names replaced by `gen`."""
+def entries(folder: Path) -> list[str]:
+    """The names in `folder`, sorted, a generation's `.<set>.gen-<hex>` written `.<set>.gen`."""
     return sorted(
         e.name.split(".gen-")[0] + ".gen" if ".gen-" in e.name else e.name for e in folder.iterdir()
     )
 
 
-def generations(folder: Path, name: str) -> set[str]:
-    """The generations the files of set `name` resolve into: exactly one for a whole set."""
-    return {Path(os.path.realpath(folder / file)).parent.name for file in name.split()}
+def generations(folder: Path, files: tuple[str, ...]) -> set[str]:
+    """The generation folders `files` resolve into: exactly one for a whole set."""
+    return {Path(os.path.realpath(folder / file)).parent.name for file in files}
 
 
 def no_space(result: dict, path: Path) -> None:
     """A figure writer on a full disk: part of the PNG, then ENOSPC, after the JSON and CSV were written."""
     assert (path.parent / "buckets.json").is_file() and (path.parent / "buckets.csv").is_file()
     path.write_bytes(b"\x89PNG\r\n")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def no_space_probe(result: dict, path: Path) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -68,8 +72,8 @@ def test_disk_full_mid_set_keeps_the_previous_set_whole(tmp_path, monkeypatch) -
     assert raised.value.errno == errno.ENOSPC
     assert contents(tmp_path, EVAL_FILES) == previous  # complete: the old JSON, CSV and figure
     assert json.loads(previous["buckets.json"])["settings"]["seq"] == 10
-    assert hidden(tmp_path) == [".buckets", ".buckets.gen", ".buckets.lock", *sorted(EVAL_FILES)]
-    assert len(generations(tmp_path, " ".join(EVAL_FILES))) == 1
+    assert entries(tmp_path) == [".buckets", ".buckets.gen", ".buckets.lock", *sorted(EVAL_FILES)]
+    assert len(generations(tmp_path, EVAL_FILES)) == 1
 
 
 def test_an_exception_in_plotting_leaves_the_previous_set(tmp_path, monkeypatch) -> None:
@@ -83,7 +87,7 @@ def test_an_exception_in_plotting_leaves_the_previous_set(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="a bug in the figure"):
         run_synthetic_eval(tmp_path, seq=12, bucket=3)
     assert contents(tmp_path, EVAL_FILES) == previous
-    assert hidden(tmp_path) == [".buckets", ".buckets.gen", ".buckets.lock", *sorted(EVAL_FILES)]
+    assert entries(tmp_path) == [".buckets", ".buckets.gen", ".buckets.lock", *sorted(EVAL_FILES)]
 
 
 def test_a_second_eval_replaces_the_whole_set(tmp_path) -> None:
@@ -95,8 +99,9 @@ def test_a_second_eval_replaces_the_whole_set(tmp_path) -> None:
     assert json.loads(second["buckets.json"])["settings"]["seq"] == 12
     assert len(second["buckets.csv"].decode().splitlines()) == 1 + 4  # header, buckets of 3 in 12
     assert second["loss_by_position.png"][:8] == b"\x89PNG\r\n\x1a\n"
-    assert hidden(tmp_path) == [".buckets", ".buckets.gen", ".buckets.lock", *sorted(EVAL_FILES)]
+    assert entries(tmp_path) == [".buckets", ".buckets.gen", ".buckets.lock", *sorted(EVAL_FILES)]
     assert all((tmp_path / name).is_symlink() for name in EVAL_FILES)  # the paths readers open are kept
+    assert len(generations(tmp_path, EVAL_FILES)) == 1
 
 
 def test_probe_and_eval_sets_share_the_folder(tmp_path, monkeypatch) -> None:
@@ -113,20 +118,16 @@ def test_probe_and_eval_sets_share_the_folder(tmp_path, monkeypatch) -> None:
     assert json.loads((tmp_path / "buckets.json").read_text())["settings"]["seq"] == 12
     eval_files = contents(tmp_path, EVAL_FILES)
 
-    monkeypatch.setattr(probe, "save_probe_figure", lambda result, path: no_space_probe(path))
+    monkeypatch.setattr(probe, "save_probe_figure", no_space_probe)
     with pytest.raises(WriteError, match="no space left on .* writing .*copy_probe.png"):
         write_probe_outputs(probe_result(), tmp_path)
     assert contents(tmp_path, EVAL_FILES) == eval_files
     assert json.loads((tmp_path / "copy_probe.json").read_text())["settings"]["distances"] == [16, 32]
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
-    assert hidden(tmp_path) == sorted(
+    assert entries(tmp_path) == sorted(
         [".buckets", ".buckets.gen", ".buckets.lock", ".copy_probe", ".copy_probe.gen", ".copy_probe.lock"]
         + [*EVAL_FILES, *PROBE_FILES, "notes.txt"]
     )
-
-
-def no_space_probe(path: Path) -> None:
-    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_plain_files_of_an_older_layout_are_adopted(tmp_path) -> None:
@@ -144,13 +145,13 @@ def test_plain_files_of_an_older_layout_are_adopted(tmp_path) -> None:
         write_result_set(tmp_path, "a", {**writers, "a.png": fail})
     assert contents(tmp_path, ("a.json", "a.csv")) == old  # now through links to the adopted generation
     assert not (tmp_path / "a.png").exists()  # as before: no figure
-    assert hidden(tmp_path) == [".a", ".a.gen", ".a.lock", "a.csv", "a.json"]
+    assert entries(tmp_path) == [".a", ".a.gen", ".a.lock", "a.csv", "a.json"]
     assert os.readlink(tmp_path / "a.json") == ".a/a.json"
 
     paths = write_result_set(tmp_path, "a", writers)
     assert paths == {name: tmp_path / name for name in old}
     assert contents(tmp_path, ("a.json", "a.csv")) == {"a.json": b"new a.json", "a.csv": b"new a.csv"}
-    assert hidden(tmp_path) == [".a", ".a.gen", ".a.lock", "a.csv", "a.json"]
+    assert entries(tmp_path) == [".a", ".a.gen", ".a.lock", "a.csv", "a.json"]
 
 
 def test_what_a_killed_write_left_is_removed(tmp_path) -> None:
@@ -161,7 +162,7 @@ def test_what_a_killed_write_left_is_removed(tmp_path) -> None:
     (tmp_path / ".ab.gen-89").mkdir()  # another set's: kept
     write_result_set(tmp_path, "a", {"a.txt": lambda path: path.write_text("two")})
     assert (tmp_path / "a.txt").read_text() == "two"
-    assert hidden(tmp_path) == [".a", ".a.gen", ".a.lock", ".ab.gen", "a.txt"]
+    assert entries(tmp_path) == [".a", ".a.gen", ".a.lock", ".ab.gen", "a.txt"]
 
 
 def test_write_error_messages(tmp_path) -> None:
@@ -189,11 +190,11 @@ def test_commands_print_a_full_disk_as_one_line(tmp_path, monkeypatch, capsys) -
     assert err.count("\n") == 1 and err.startswith("genomelm eval: no space left on ")
     assert f"writing {tmp_path / 'synthetic' / 'loss_by_position.png'};" in err
     assert not (tmp_path / "synthetic" / "buckets.json").exists()
-    assert hidden(tmp_path / "synthetic") == [".buckets.lock"]  # a failed first write: nothing to open
+    assert entries(tmp_path / "synthetic") == [".buckets.lock"]  # a failed first write: nothing to open
 
     monkeypatch.setattr(probe, "model_pair", lambda config, before, after: ("a", "b"))
     monkeypatch.setattr(probe, "run_scoring", lambda score, config, *args: probe_result())
-    monkeypatch.setattr(probe, "save_probe_figure", lambda result, path: no_space_probe(path))
+    monkeypatch.setattr(probe, "save_probe_figure", no_space_probe)
     assert probe.main([*argv, "probe_distances=32,64", "probe_length=16"]) == 1
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("genomelm probe: no space left on ")

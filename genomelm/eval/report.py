@@ -81,6 +81,7 @@ def write_result_set(
     rename(2), so `folder/buckets.json` and `folder/loss_by_position.png` always resolve into the same
     generation. The previous generation is removed afterwards. A reader that must read several files of one
     set while a write may happen resolves `folder/.buckets` once (`os.path.realpath`) and reads from there.
+    The fixed links of a first write are made after its swap (until then there is nothing to open).
 
     On any failure (an OSError, also an exception in a writer) the new generation is removed and the link
     still points at the previous set, complete; OSErrors are raised as `WriteError`, "no space left on
@@ -98,9 +99,10 @@ def write_result_set(
             _remove_leftovers(folder, name, keep=current)
             if current is None:
                 _adopt_plain_files(folder, name, list(writers))
-            for file in writers:
+            for file in writers:  # what readers can open there now becomes a link before the swap
                 where = folder / file
-                _ensure_link(where, f"{pointer.name}/{file}", name)
+                if os.path.lexists(where):
+                    _ensure_link(where, f"{pointer.name}/{file}", name)
             where = folder
             generation = _new_generation(folder, name)
             try:
@@ -115,6 +117,10 @@ def write_result_set(
             except BaseException:
                 shutil.rmtree(generation, ignore_errors=True)
                 raise
+            for file in writers:  # the links of a first write (or of files new to the set) after it
+                where = folder / file
+                _ensure_link(where, f"{pointer.name}/{file}", name)
+            where = folder
             _fsync(folder)
             if old is not None and old != generation.name:
                 shutil.rmtree(folder / old, ignore_errors=True)
