@@ -91,5 +91,7 @@ def index_lengths(idx_path: str | Path) -> np.ndarray:
     count, documents = struct.unpack_from("<QQ", data, head)
     needed = head + 16 + 12 * count + 8 * documents
     if len(data) != needed:
-        raise ValueError(f"{len(data):,} bytes, but {count:,} sequences in {documents:,} documents need {needed:,}")
+        raise ValueError(
+            f"{len(data):,} bytes, but {count:,} sequences in {documents:,} documents need {needed:,}"
+        )
     return np.frombuffer(data, dtype=np.int32, count=count, offset=head + 16)

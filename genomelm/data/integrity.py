@@ -2,8 +2,9 @@
 
 ``genomelm data`` records in ``manifest.json`` (key ``checksums``) each ``.bin`` / ``.idx`` file's size and
 the xxh3-128 digest of every 64 MiB block of it (the last block shorter), hashed as the bytes are written.
-xxh3 (the ``xxhash`` package) hashes at ~15 GB/s on one core, ~16x BLAKE2b, so checking a whole folder costs
-about what reading it from the page cache does (``benchmarks/data_verify.py``).
+xxh3 (the ``xxhash`` package) hashes ~20 GB/s on one core here, ~20x hashlib's BLAKE2b, so checking a folder
+costs about what reading it does: ~0.1 s per GB from the page cache, the disk's speed when cold
+(``benchmarks/data_verify.py``).
 
 Readers (:class:`~genomelm.data.dataset.WindowDataset`) check through :class:`FolderCheck`: at open, every
 file of the split is present with its recorded size, the small ``.idx`` files are hashed and agree with the
@@ -28,12 +29,13 @@ import xxhash
 
 from genomelm.data.errors import DataError
 from genomelm.data.indexed import index_lengths
+from genomelm.data.vocab import CODE_NAMES
 
 FORMAT_VERSION = 1  # part of the data fingerprint: changing it changes every folder's identity
 SPLITS = ("train", "heldout")
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
-HASH_BLOCK_BYTES = 64 << 20  # a 1 GB file has 16 blocks; one block hashes in ~5 ms
+HASH_BLOCK_BYTES = 64 << 20  # a 1 GB file has 16 blocks; one is read and hashed in ~7 ms from the page cache
 UNKNOWN_COMMAND = "genomelm data ... --force"
 _READ_BYTES = 8 << 20  # read buffer: verifying maps no file pages into the process (RSS stays flat)
 
@@ -75,7 +77,9 @@ class BlockHasher:
         return {"bytes": self.size, "blocks": blocks}
 
 
-def block_digests(path: Path, size: int, block_bytes: int, blocks: Iterable[int]) -> Iterable[tuple[int, str]]:
+def block_digests(
+    path: Path, size: int, block_bytes: int, blocks: Iterable[int]
+) -> Iterable[tuple[int, str]]:
     """(block, xxh3-128 hex digest) of the given blocks of the file, ``size`` bytes long, read in 8 MiB
     pieces. A block the file ends in is hashed as far as it goes (so its digest differs)."""
     buffer = memoryview(bytearray(min(_READ_BYTES, max(size, 1))))
@@ -96,7 +100,9 @@ def block_digests(path: Path, size: int, block_bytes: int, blocks: Iterable[int]
 
 def split_files(info: dict) -> list[str]:
     """The four files of one split's manifest entry: codes .bin and .idx, soft-mask .bin and .idx."""
-    return [f"{prefix}{ext}" for prefix in (info["prefix"], info["softmask_prefix"]) for ext in (".bin", ".idx")]
+    return [
+        f"{prefix}{ext}" for prefix in (info["prefix"], info["softmask_prefix"]) for ext in (".bin", ".idx")
+    ]
 
 
 def folder_files(manifest: dict) -> list[str]:
@@ -104,7 +110,9 @@ def folder_files(manifest: dict) -> list[str]:
     return [name for split in SPLITS for name in split_files(manifest["splits"][split])]
 
 
-OUR_NAMES = {MANIFEST} | {f"{split}{kind}{ext}" for split in SPLITS for kind in ("", ".softmask") for ext in (".bin", ".idx")}
+OUR_NAMES = {MANIFEST} | {
+    f"{split}{kind}{ext}" for split in SPLITS for kind in ("", ".softmask") for ext in (".bin", ".idx")
+}
 
 
 def holds_only_prepared_files(folder: Path) -> bool:
@@ -133,7 +141,8 @@ def fix_for(manifest: dict | None) -> str:
 
 
 def _salvage_command(text: str) -> dict | None:
-    """``{"command": ...}`` from the text of a manifest that is no longer valid JSON, if that line survived."""
+    """``{"command": ...}`` from the text of a manifest that is no longer valid JSON, if that line
+    survived."""
     found = re.search(r'"command":\s*("(?:[^"\\\n]|\\.)*")', text)
     if found is None:
         return None
@@ -161,12 +170,15 @@ def load_manifest(folder: str | Path) -> dict | None:
     return manifest
 
 
-def _missing(entry: dict, keys: dict[str, type | tuple[type, ...]], where: str) -> str | None:
+def _missing(entry: dict, keys: dict[str, type], where: str) -> str | None:
+    """What is wrong with ``entry`` (at dotted path ``where``): a key of ``keys`` missing, or of another
+    type; None if nothing."""
     for key, kind in keys.items():
         if key not in entry:
-            return f"no {where}{key!r} entry"
-        if not isinstance(entry[key], kind) or isinstance(entry[key], bool) and kind is not bool:
-            return f"{where}{key!r} is {type(entry[key]).__name__}, not {getattr(kind, '__name__', kind)}"
+            return f"no '{where}{key}' entry"
+        value = entry[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            return f"'{where}{key}' is {type(value).__name__}, not {kind.__name__}"
     return None
 
 
@@ -180,8 +192,12 @@ def manifest_problem(manifest: object) -> str | None:
         return problem
     if manifest["format_version"] != FORMAT_VERSION:
         return f"format_version {manifest['format_version']}, but this genomelm reads {FORMAT_VERSION}"
-    if "code_to_id" not in manifest["vocab"]:
-        return "no 'vocab.code_to_id' entry"
+    problem = _missing(manifest["vocab"], {"code_to_id": list, "vocab_size": int}, "vocab.")
+    if problem is not None:
+        return problem
+    ids = manifest["vocab"]["code_to_id"]
+    if len(ids) != len(CODE_NAMES) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return f"'vocab.code_to_id' is {ids!r}, not {len(CODE_NAMES)} token ids ({', '.join(CODE_NAMES)})"
     for split in SPLITS:
         if split not in manifest["splits"]:
             return f"no 'splits.{split}' entry"
@@ -222,7 +238,8 @@ def _checksums_problem(manifest: dict) -> str | None:
         if problem is not None:
             return problem
         if len(entry["blocks"]) != -(-entry["bytes"] // sums["block_bytes"]):
-            return f"'checksums.files.{name}' has {len(entry['blocks'])} block digests for {entry['bytes']:,} bytes"
+            count = len(entry["blocks"])
+            return f"'checksums.files.{name}' has {count} block digests for {entry['bytes']:,} bytes"
     return None
 
 
@@ -294,8 +311,9 @@ class FolderCheck:
                 self.fail(data, f"{sizes[data]:,} bytes, but {idx} needs {needed:,} ({how})")
 
     def verify(self, name: str, start: int = 0, end: int | None = None) -> None:
-        """Hash the blocks of ``name`` that bytes [start, end) touch and were not verified yet (all of the file
-        by default); DamagedFolder naming the first block whose digest differs. No-op without checksums."""
+        """Hash the blocks of ``name`` that bytes [start, end) touch and were not verified yet (all of the
+        file by default); DamagedFolder naming the first block whose digest differs. No-op without
+        checksums."""
         if self.files is None:
             return
         entry = self.files[name]
@@ -317,17 +335,10 @@ class FolderCheck:
             if digest != entry["blocks"][block]:
                 self.fail(
                     name,
-                    f"bytes {lo:,}-{hi:,} (block {block + 1} of {len(done)}) changed since `genomelm data` wrote "
-                    f"them ({HASH} differs from {MANIFEST})",
+                    f"bytes {lo:,}-{hi:,} (block {block + 1} of {len(done)}) changed since `genomelm data` "
+                    f"wrote them ({HASH} differs from {MANIFEST})",
                 )
             done[block] = True
-
-    def verified(self, name: str) -> bool:
-        """Whether every block of ``name`` has been verified (always False without checksums)."""
-        done = self._verified.get(name)
-        if self.files is None:
-            return False
-        return bool(done.all()) if done is not None else self.files[name]["bytes"] == 0
 
     def verify_folder(self) -> None:
         """Every file of every split: present, the recorded size, each block's checksum, the indexes agreeing
