@@ -1,4 +1,4 @@
-"""What checking a checkpoint's bytes costs: BLAKE2b (`genomelm.parallel.checkpoint.file_checksum`) of a
+"""What checking a checkpoint's bytes costs: xxh3-128 (`genomelm.parallel.checkpoint.file_checksum`) of a
 shard-sized file on this machine, and what that means per rank for the full-size sharded checkpoint.
 
     .venv/bin/python benchmarks/checkpoint_verify.py [--mib 1024]
@@ -38,7 +38,7 @@ def main() -> None:
     gb = args.mib * (1 << 20) / 1e9
     rate = gb / seconds
     print(
-        f"| what | bytes | seconds | GB/s |\n|---|---|---|---|\n| BLAKE2b of one file | {gb:.2f} GB | "
+        f"| what | bytes | seconds | GB/s |\n|---|---|---|---|\n| xxh3-128 of one file | {gb:.2f} GB | "
         f"{seconds:.2f} | {rate:.2f} |"
     )
     total = FULL_SIZE_PARAMETERS * BYTES_PER_PARAMETER / 1e9

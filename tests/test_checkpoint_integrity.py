@@ -1,5 +1,5 @@
-"""Checkpoint bytes are checked: every file's size and BLAKE2b are recorded when written, resume=auto and eval
-verify them and fall back to the checkpoint before a damaged one, naming the damaged files."""
+"""Checkpoint bytes are checked: every file's size and xxh3-128 are recorded when written, resume=auto and
+eval verify them and fall back to the checkpoint before a damaged one, naming the damaged files."""
 
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def test_one_process_resume_falls_back_from_a_damaged_checkpoint(fly: Path, tmp_
     newest = checkpointer.latest()
     weights = sorted((newest / "model").glob("*.safetensors"))[0]
     flip(weights, weights.stat().st_size // 2, 400)
-    assert verify_checkpoint(newest) == [f"{weights}: its bytes differ from those written (BLAKE2b mismatch)"]
+    assert verify_checkpoint(newest) == [
+        f"{weights}: its bytes differ from those written (xxh3-128 mismatch)"
+    ]
     with pytest.warns(UserWarning, match=f"{newest} is damaged.*{weights.name}"):
         resumed = train(config, progress=False)  # the same run again: continues from step 2, not from 4
     assert resumed["start_step"] == 2
