@@ -67,3 +67,20 @@ def fly_windows(out: Path, train: str, seq: int, heldout: str = "200001-201024")
         == 0
     )
     return out
+
+
+def tiny_run(data: Path, runs_dir: Path, **overrides: object) -> list[str]:
+    """`key=value` settings, as `genomelm train` takes them, of a short run "r" of the `tiny` preset on the
+    512-token windows in `data`, saving every 2 steps, under `runs_dir`."""
+    values = {
+        "data": data,
+        "seq": 512,
+        "model": "tiny",
+        "run": "r",
+        "runs_dir": runs_dir,
+        "wandb": "disabled",
+        "warmup_steps": 1,
+        "steps": 2,
+        "save_every": 2,
+    } | overrides
+    return [f"{key}={value}" for key, value in values.items()]

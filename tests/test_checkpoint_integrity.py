@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from data_fixtures import fly_windows
+from data_fixtures import fly_windows, tiny_run
 
 from genomelm.parallel.checkpoint import Checkpointer, verify_checkpoint
 from genomelm.train.config import TrainConfig
@@ -22,18 +22,7 @@ def fly(tmp_path_factory) -> Path:
 
 def arguments(fly: Path, tmp_path: Path, **overrides) -> list[str]:
     """The run's `key=value` settings, as `genomelm train` takes them."""
-    values = {
-        "data": fly,
-        "seq": 512,
-        "model": "tiny",
-        "run": "r",
-        "runs_dir": tmp_path / "runs",
-        "wandb": "disabled",
-        "warmup_steps": 1,
-        "steps": 4,
-        "save_every": 2,
-    } | overrides
-    return [f"{key}={value}" for key, value in values.items()]
+    return tiny_run(fly, tmp_path / "runs", **({"steps": 4} | overrides))
 
 
 def settings(fly: Path, tmp_path: Path, **overrides) -> TrainConfig:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from data_fixtures import fly_windows
+from data_fixtures import fly_windows, tiny_run
 
 from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.train.config import TrainConfig
@@ -30,18 +30,7 @@ def fly(tmp_path_factory) -> Path:
 
 
 def settings(fly: Path, tmp_path: Path, **overrides) -> list[str]:
-    values = {
-        "data": fly,
-        "seq": 512,
-        "model": "tiny",
-        "run": "r",
-        "runs_dir": tmp_path / "runs",
-        "wandb": "disabled",
-        "warmup_steps": 1,
-        "steps": 2,
-        "save_every": 2,
-    } | overrides
-    return [f"{key}={value}" for key, value in values.items()]
+    return tiny_run(fly, tmp_path / "runs", **overrides)
 
 
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path: Path) -> None:
