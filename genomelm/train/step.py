@@ -161,16 +161,16 @@ class TrainStep:
             grad_norm = parallel.clip_grad_norm_(model, max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if assume_finite:
-            self.optimizer.step()
-            update_expert_bias(model.layers, load, self.optim.expert_bias_speed)
-            return StepOutcome(math.nan, math.nan, math.nan, True, load)
-        loss = sum(float(whole) for whole, _ in losses) / accum
-        plain = sum(float(unweighted) for _, unweighted in losses) / accum
-        if parallel is not None:
-            loss, plain = parallel.mean_over_data(loss), parallel.mean_over_data(plain)
-        norm = float(grad_norm)
-        finite = math.isfinite(loss) and math.isfinite(norm)
+        if assume_finite:  # fake tensors: no values to read
+            loss = plain = norm = math.nan
+            finite = True
+        else:
+            loss = sum(float(whole) for whole, _ in losses) / accum
+            plain = sum(float(unweighted) for _, unweighted in losses) / accum
+            if parallel is not None:
+                loss, plain = parallel.mean_over_data(loss), parallel.mean_over_data(plain)
+            norm = float(grad_norm)
+            finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
             self.optimizer.step()
             update_expert_bias(model.layers, load, self.optim.expert_bias_speed)
