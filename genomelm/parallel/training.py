@@ -20,7 +20,6 @@ with a divide factor of 1; without it, one packed all-reduce per group (`reduce_
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .context import apply_context_parallel
-from .expert import apply_expert_parallel, expert_parallel_parameters, is_expert_parallel, received_tokens
+from .exchange import all_gather_slots
+from .expert import apply_expert_parallel, expert_parallel_parameters, received_tokens
+from .fsdp import shard_model
 from .layout import ZIGZAG, ContextLayout
 from .mesh import Mesh, ParallelDims
 
@@ -93,12 +94,15 @@ def sum_packed(tensors: list[Tensor], group: dist.ProcessGroup) -> None:
 class ParallelRun:
     """This rank's place in a dp x cp (x ep) run and what a training step moves across the mesh.
 
-    `context` is the context-parallel part (None at cp=1); `fsdp` says whether `prepare` sharded the model.
+    `context` is the context-parallel part (None at cp=1); `fsdp` says whether `prepare` sharded the model;
+    `device`: where this rank's collectives run (its GPU under NCCL, which takes CUDA tensors only; the CPU
+    under gloo), whatever device a parameter's shard lives on (FSDP2's CPU offload keeps them on the host).
     """
 
     mesh: Mesh
     context: ContextRun | None
     fsdp: bool
+    device: torch.device = torch.device("cpu")
 
     @classmethod
     def from_environment(
@@ -111,7 +115,10 @@ class ParallelRun:
         context = None
         if dims.cp > 1:
             context = ContextRun(dims.cp, mesh.coordinates["cp"], kind, mesh.cp_group)
-        return cls(mesh, context, fsdp)
+        device = torch.device(device_type)
+        if device_type == "cuda":
+            device = torch.device(device_type, torch.cuda.current_device())
+        return cls(mesh, context, fsdp, device)
 
     @property
     def dims(self) -> ParallelDims:
@@ -160,7 +167,7 @@ class ParallelRun:
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> Tensor:
         """Clip the gradients to a global L2 norm of `max_norm`; returns the norm before clipping (a 0-dim
-        fp64 tensor on the gradients' device: reading it is the caller's one host sync).
+        fp64 tensor on `device`: reading it is the caller's one host sync).
 
         Written here because torch's `clip_grad_norm_` cannot mix DTensors of two meshes (the experts live on
         their own): each rank sums the squares of what it alone holds of each gradient, summed over ranks.
@@ -177,8 +184,11 @@ class ParallelRun:
                 squares = torch.zeros(2, dtype=torch.float64, device=local.device)
             grads.append(local)
             squares[1 if param in experts else 0] += local.double().pow(2).sum()
-        if squares is None:
-            squares = torch.zeros(2, dtype=torch.float64)
+        if squares is None:  # no gradient here (a rank whose parameters all went unused): zeros all the same
+            squares = torch.zeros(2, dtype=torch.float64, device=self.device)
+        squares = squares.to(
+            self.device
+        )  # host-offloaded gradients: their sums go to the collective's device
         if self.fsdp:  # every element lives on exactly one rank
             dist.all_reduce(squares)
             total = squares.sum().sqrt()
@@ -188,16 +198,16 @@ class ParallelRun:
             total = (squares[0] + expert_sq[0]).sqrt()
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # a factor of 1 leaves a gradient exactly as it is
         for local in grads:
-            local.mul_(scale)
+            local.mul_(scale.to(local.device))
         return total
 
-    def mean_over_data(self, value: float) -> float:
-        """The mean of a per-rank number over the dp groups (equal within a cp group)."""
-        if self.dims.dp == 1:
-            return value
-        total = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(total, group=self.mesh.dp_group)
-        return float(total) / self.dims.dp
+    def mean_over_data(self, values: Tensor) -> Tensor:
+        """The mean over the dp groups of per-rank values (equal within a cp group): a new tensor on their
+        device, no host sync."""
+        total = values.detach().clone()
+        if self.dims.dp > 1:
+            dist.all_reduce(total, group=self.mesh.dp_group)
+        return total / self.dims.dp
 
     def gather_over_data(self, items: list) -> list:
         """Each dp rank's list, concatenated in dp-rank order (for the metrics' window lists)."""
@@ -213,10 +223,10 @@ class ParallelRun:
         watch."""
         if self.dims.ep == 1:
             return None
-        mine = torch.tensor([float(sum(received_tokens(model).values()))], dtype=torch.float64)
-        parts = [torch.zeros_like(mine) for _ in range(self.dims.world)]
-        dist.all_gather(parts, mine)
-        return [int(part) for part in parts]
+        rows = float(sum(received_tokens(model).values()))
+        mine = torch.tensor([rows], dtype=torch.float64, device=self.device)
+        everyone = all_gather_slots(mine, dist.group.WORLD)
+        return [int(part) for part in everyone.tolist()]
 
     def sum_counts(self, counts: dict[int, Tensor]) -> dict[int, Tensor]:
         """Per-layer expert token counts (each rank's own tokens) summed over every rank."""
@@ -226,40 +236,6 @@ class ParallelRun:
         flat = torch.cat([counts[layer].reshape(-1) for layer in layers]).to(torch.float64)
         dist.all_reduce(flat)
         return dict(zip(layers, flat.split([counts[layer].numel() for layer in layers]), strict=True))
-
-
-def shard_model(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype | None, offload: bool = False) -> None:
-    """FSDP2: the routed experts of an expert-parallel run over their EDP group first, then every decoder
-    layer and the root over all ranks; gradients are summed (divide factor 1: the loss is already normalised
-    by the step's global token weight and window count)."""
-    from torch.distributed.fsdp import (  # slow import (~0.6 s), for FSDP runs only
-        CPUOffloadPolicy,
-        FSDPModule,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-
-    if offload and mesh.world_mesh.device_type != "cuda":
-        raise ValueError(
-            "optimizer_offload=true runs on GPUs only (FSDP2's CPU offload moves state off a GPU)"
-        )
-    # the loss the root returns is a view, never modified in place (`window_loss` multiplies out of place)
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    reduce_dtype = torch.float32 if param_dtype else None
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    settings = {"mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
-    for layer in model.layers:
-        for module in layer.modules():
-            if is_expert_parallel(module):
-                fully_shard(module, mesh=mesh.edp_mesh, **settings)
-        fully_shard(layer, mesh=mesh.world_mesh, **settings)
-    fully_shard(model, mesh=mesh.world_mesh, **settings)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            if mesh.world_mesh.device_type != "cuda":
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum; 1 needs none
 
 
 class ContextParallelScorer(nn.Module):

@@ -161,15 +161,16 @@ class TrainStep:
             grad_norm = parallel.clip_grad_norm_(model, max_norm)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        # the step's numbers on the device, averaged over the dp ranks, then read in the step's one host sync
+        means = torch.stack([torch.stack(column).double().sum() for column in zip(*losses)]) / accum
+        if parallel is not None:
+            means = parallel.mean_over_data(means)
+        values = torch.cat([means, grad_norm.detach().double().reshape(1).to(means.device)])
         if assume_finite:  # fake tensors: no values to read
             loss = plain = norm = math.nan
             finite = True
         else:
-            loss = sum(float(whole) for whole, _ in losses) / accum
-            plain = sum(float(unweighted) for _, unweighted in losses) / accum
-            if parallel is not None:
-                loss, plain = parallel.mean_over_data(loss), parallel.mean_over_data(plain)
-            norm = float(grad_norm)
+            loss, plain, norm = values.tolist()
             finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
             self.optimizer.step()
