@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from genomelm.model.chunking import ChunkRunner, run_directly
 from genomelm.model.config import ModelConfig, RunOptions
-from genomelm.model.precision import at_least_fp32, fp32_region
+from genomelm.model.precision import at_least_fp32, compute_dtype, fp32_region
 
 # torch.topk on the CPU partially sorts a row (heap selection: a later value enters only if strictly larger,
 # so trailing invisible pools never change the result) when k * 64 <= its length, else it uses nth_element,
@@ -117,15 +117,18 @@ class Indexer(nn.Module):
         self.chunk_runner: ChunkRunner = run_directly  # runs each query block of the KL term
 
     def pool_keys(self, x: Tensor) -> Tensor:
-        """Keys of the complete pools: x [B, S, D] -> [B, S // kpool, head_dim] (in x's dtype); the pool
-        softmax in fp32 (fp64 for fp64 inputs)."""
+        """Keys of the complete pools: x [B, S, D] -> [B, S // kpool, head_dim] in the compute dtype (bf16
+        under bf16 autocast); the pool softmax in fp32 (fp64 for fp64 inputs). Cast explicitly because
+        autocast's op lists differ by device (CUDA's runs `layer_norm` and `sum` in fp32, the CPU's in bf16),
+        and the keys must be the same on both: they are what a context-parallel gather moves."""
         batch, seq_len, _ = x.shape
         n_pools = seq_len // self.kpool
-        keys = self.k_norm(self.wk(x))[:, : n_pools * self.kpool].view(batch, n_pools, self.kpool, -1)
+        keys = self.k_norm(self.wk(x)).to(compute_dtype(x))
+        keys = keys[:, : n_pools * self.kpool].view(batch, n_pools, self.kpool, -1)
         gate = F.linear(x, self.index_kpool_compress_gate)[:, : n_pools * self.kpool]
         wide = at_least_fp32(gate.dtype)
         logits = gate.view(batch, n_pools, self.kpool, -1).to(wide) + self.index_kpool_compress_ape.to(wide)
-        return (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2)
+        return (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2).to(keys.dtype)
 
     def _block_scores(self, x: Tensor, q_resid: Tensor, pool_keys: Tensor, start: int) -> Tensor:
         """Index scores of the queries at global positions start..start+b-1 against the given pools: [B, b, P]

@@ -46,6 +46,12 @@ def reduce_scatter_slots(gathered: Tensor, group: dist.ProcessGroup) -> Tensor:
     return out
 
 
+def _pick(tensor: Tensor, rows: list[int]) -> Tensor:
+    """tensor[rows] along dim 0 for host-side row numbers: views and one stack, so no index tensor is copied
+    to the device (a host sync on a GPU)."""
+    return torch.stack([tensor[row] for row in rows])
+
+
 def sum_over_group(value: Tensor, group: dist.ProcessGroup) -> Tensor:
     """value summed over the group's ranks (a new tensor, no graph): the same shape, on every rank."""
     total = value.detach().clone()
@@ -63,10 +69,9 @@ class _ConvHaloExchange(torch.autograd.Function):
         ctx: FunctionCtx, tails: Tensor, initial_tail: Tensor, layout: ContextLayout, group: dist.ProcessGroup
     ) -> tuple[Tensor, Tensor]:
         ctx.layout, ctx.group = layout, group
-        in_order = all_gather_slots(tails, group).index_select(0, layout.slot_of_segment().to(tails.device))
+        in_order = _pick(all_gather_slots(tails, group), layout.slot_of_segment())
         preceding = torch.cat([initial_tail.unsqueeze(0), in_order])  # [G+1]: rows before segment j at j
-        local = torch.tensor(layout.segments, device=tails.device)
-        return preceding.index_select(0, local), preceding[-1].clone()
+        return _pick(preceding, layout.segments), preceding[-1].clone()
 
     @staticmethod
     @once_differentiable
@@ -75,9 +80,10 @@ class _ConvHaloExchange(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, None, None]:
         layout: ContextLayout = ctx.layout
         grad_preceding = grad_halos.new_zeros(layout.num_segments + 1, *grad_halos.shape[1:])
-        grad_preceding.index_add_(0, torch.tensor(layout.segments, device=grad_halos.device), grad_halos)
+        for i, segment in enumerate(layout.segments):
+            grad_preceding[segment] += grad_halos[i]
         grad_preceding[-1] += grad_last
-        slot_order = grad_preceding[1:].index_select(0, layout.segment_of_slot().to(grad_halos.device))
+        slot_order = _pick(grad_preceding[1:], layout.segment_of_slot())
         return reduce_scatter_slots(slot_order, ctx.group), grad_preceding[0], None, None
 
 
@@ -92,16 +98,13 @@ class _StateHandOver(torch.autograd.Function):
         ctx: FunctionCtx, summaries: Tensor, initial: Tensor, layout: ContextLayout, group: dist.ProcessGroup
     ) -> tuple[Tensor, Tensor]:
         ctx.layout, ctx.group = layout, group
-        maps = all_gather_slots(summaries, group).index_select(
-            0, layout.slot_of_segment().to(summaries.device)
-        )
+        maps = _pick(all_gather_slots(summaries, group), layout.slot_of_segment())
         states = [initial]
         for segment_map in maps:
             states.append(apply_state_map(segment_map, states[-1]))
         states_all = torch.stack(states)  # [G+1, B, H, Dk, Dv]
         ctx.save_for_backward(maps, states_all)
-        local = torch.tensor(layout.segments, device=maps.device)
-        return states_all.index_select(0, local), states[-1]
+        return _pick(states_all, layout.segments), states[-1]
 
     @staticmethod
     @once_differentiable
@@ -112,7 +115,8 @@ class _StateHandOver(torch.autograd.Function):
         maps, states = ctx.saved_tensors
         dk = maps.shape[-2]
         direct = grad_incoming.new_zeros(states.shape)  # gradient reaching S_j from outside the fold
-        direct.index_add_(0, torch.tensor(layout.segments, device=direct.device), grad_incoming)
+        for i, segment in enumerate(layout.segments):
+            direct[segment] += grad_incoming[i]
         direct[-1] += grad_final
         grad_maps = torch.empty_like(maps)
         lam = direct[-1]  # d loss / d S_{j+1}, walking back
@@ -120,7 +124,7 @@ class _StateHandOver(torch.autograd.Function):
             grad_maps[j, ..., :dk] = lam @ states[j].mT
             grad_maps[j, ..., dk:] = lam
             lam = maps[j, ..., :dk].mT @ lam + direct[j]
-        slot_order = grad_maps.index_select(0, layout.segment_of_slot().to(maps.device))
+        slot_order = _pick(grad_maps, layout.segment_of_slot())
         return reduce_scatter_slots(slot_order, ctx.group), lam, None, None
 
 
@@ -146,9 +150,9 @@ def hand_over_states(
 
 class _WindowGather(torch.autograd.Function):
     """Forward: each rank's parts [B, n_i, W_i] packed as bytes into one all-gather (each part keeps its
-    dtype: a bf16 latent and fp32 pooled keys move 2 and 4 bytes per value), each part then restored to global
-    order [B, cp*n_i, W_i] by its layout. Backward: each whole-window gradient put back in rank order, packed
-    in fp32 or wider, one reduce-scatter: this rank's rows' gradients summed over the group."""
+    dtype: under bf16 autocast the latent and the pooled keys move 2 bytes per value), each part then restored
+    to global order [B, cp*n_i, W_i] by its layout. Backward: each whole-window gradient put back in rank
+    order, packed in fp32 or wider, one reduce-scatter: this rank's rows' gradients summed over the group."""
 
     @staticmethod
     def forward(  # type: ignore[override]

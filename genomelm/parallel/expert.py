@@ -131,14 +131,15 @@ def all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: dist.
     return _AllToAllRows.apply(rows, send, recv, group)
 
 
-def _check_capacity(settings: ExpertShard, received: Tensor, total: int) -> None:
-    """received [ep] long: rows each rank would receive; total: all pairs of the exchange. Raises the same
-    `ExpertCapacityError` on every rank (all of them hold the same count matrix)."""
+def _check_capacity(settings: ExpertShard, received: list[int]) -> None:
+    """received: rows each rank would receive in this exchange. Raises the same `ExpertCapacityError` on
+    every rank (all of them hold the same count matrix)."""
+    total = sum(received)
     if settings.capacity_factor <= 0 or total == 0:
         return
     mean = total / settings.ep
-    busiest = int(received.argmax())
-    rows = int(received[busiest])
+    rows = max(received)
+    busiest = received.index(rows)
     if rows > settings.capacity_factor * mean:
         raise ExpertCapacityError(
             f"expert parallel capacity exceeded in {settings.name}: rank {busiest} of {settings.ep} would "
@@ -167,15 +168,20 @@ def expert_parallel_forward(
     counts = torch.bincount(flat_ids, minlength=settings.num_experts)
     # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
     matrix = all_gather_slots(counts.unsqueeze(0), settings.group).view(ep, ep, per_rank)
-    rows_between = matrix.sum(-1)  # [src, dst]
-    _check_capacity(settings, rows_between.sum(0), int(rows_between.sum()))
-    send = rows_between[settings.rank].tolist()
-    recv = rows_between[:, settings.rank].tolist()
+    # the exchange's one host sync: every send and receive size, and the capacity decision, come from it
+    rows_between = matrix.sum(-1).tolist()  # [src][dst]
+    _check_capacity(settings, [sum(column) for column in zip(*rows_between)])
+    send = rows_between[settings.rank]
+    recv = [row[settings.rank] for row in rows_between]
 
     x_sorted = x[token_of_pair].to(compute_dtype(x))  # by global expert = by owner, then expert
     received = all_to_all_rows(x_sorted, send, recv, settings.group)  # by source rank, then local expert
     here = matrix[:, settings.rank]  # [src, local expert]
-    local_ids = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(here.flatten())
+    local_ids = (
+        torch.arange(per_rank, device=x.device)
+        .repeat(ep)
+        .repeat_interleave(here.flatten(), output_size=sum(recv))
+    )
     by_expert = torch.argsort(local_ids, stable=True)
     if received.shape[0]:
         y = module.expert_rows(received[by_expert], here.sum(0))

@@ -116,14 +116,14 @@ class ContextLayout:
         """Global indices of this rank's segments, in local order."""
         return segments_of(self.rank, self.cp, self.kind)
 
-    def segment_of_slot(self) -> Tensor:
-        """Global segment index of each slot of a rank-order gather (rank 0's segments first): [num_segments]
-        long."""
-        return torch.tensor([s for r in range(self.cp) for s in segments_of(r, self.cp, self.kind)])
+    def segment_of_slot(self) -> list[int]:
+        """Global segment index of each slot of a rank-order gather (rank 0's segments first)."""
+        return [s for r in range(self.cp) for s in segments_of(r, self.cp, self.kind)]
 
-    def slot_of_segment(self) -> Tensor:
-        """Inverse of `segment_of_slot`: where segment j lies in a rank-order gather: [num_segments] long."""
-        return torch.argsort(self.segment_of_slot())
+    def slot_of_segment(self) -> list[int]:
+        """Inverse of `segment_of_slot`: where segment j lies in a rank-order gather."""
+        slots = self.segment_of_slot()
+        return sorted(range(len(slots)), key=slots.__getitem__)
 
     def positions(self, rank: int | None = None) -> Tensor:
         """Global positions of a rank's local tokens (default: this rank's): [local_len] long."""
@@ -154,17 +154,21 @@ class ContextLayout:
 
     def restore(self, gathered: Tensor, dim: int = 1) -> Tensor:
         """Global order from every rank's part concatenated in rank order at `dim` (e.g. an all-gather):
-        [..., S, ...] -> [..., S, ...]."""
+        [..., S, ...] -> [..., S, ...]. Segment slices and one concatenation: no index tensor (on a GPU, no
+        host copy)."""
         self._check_len(gathered, dim, self.seq_len, "all ranks' parts")
-        rank_order = torch.cat([self.positions(r) for r in range(self.cp)])
-        return gathered.index_select(dim, torch.argsort(rank_order).to(gathered.device))
+        return self._reorder(gathered, dim, self.slot_of_segment())
 
     def rank_order(self, tensor: Tensor, dim: int = 1) -> Tensor:
         """Inverse of `restore`: a whole-window tensor in global order -> every rank's part concatenated in
         rank order at `dim`: [..., S, ...] -> [..., S, ...]."""
         self._check_len(tensor, dim, self.seq_len, "a whole window")
-        rank_order = torch.cat([self.positions(r) for r in range(self.cp)])
-        return tensor.index_select(dim, rank_order.to(tensor.device))
+        return self._reorder(tensor, dim, self.segment_of_slot())
+
+    def _reorder(self, tensor: Tensor, dim: int, pieces: list[int]) -> Tensor:
+        """The segment-length pieces of `tensor` at `dim`, in the order given."""
+        n = self.segment_len
+        return torch.cat([tensor.narrow(dim, i * n, n) for i in pieces], dim=dim)
 
     def shard_window(self, input_ids: Tensor, labels: Tensor | None = None) -> LocalWindow:
         """This rank's tokens, labels and global positions from a whole window input_ids [B, S].
