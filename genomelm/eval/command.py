@@ -299,7 +299,11 @@ def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> 
         return score(config, *args)
 
     check_context_parallel(config)
-    return launch(_score_on_rank, config.parallel.cp, score, config, *args, device=run_device().type)[0]
+    ranks = config.parallel.cp
+    timeout = config.parallel.collective_timeout_s
+    return launch(
+        _score_on_rank, ranks, score, config, *args, device=run_device().type, collective_timeout_s=timeout
+    )[0]
 
 
 def _score_on_rank(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:

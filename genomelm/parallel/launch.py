@@ -1,18 +1,22 @@
 """Run a function on N processes of this machine, one rank each, torchrun style.
 
-`launch(fn, world_size, *args, device="cpu", timeout_s=...)` starts `world_size` processes, each with
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment and the default
-process group initialised (gloo on the CPU, each rank with its share of the cores; NCCL with one GPU per rank
-on CUDA), calls `fn(*args)` there and returns the ranks' return values in rank order (`fn`, its arguments and
-its results must pickle). Rank 0 is the rank that writes outputs (`is_output_rank`). The processes fork from
-a multiprocessing forkserver that has imported torch once (it never runs torch, so no threads or CUDA state
-are inherited); like spawn, they get nothing from the caller but what is pickled, its sys.path, and (set
-first thing in each rank) its environment variables and working directory.
+`launch(fn, world_size, *args, device="cpu", timeout_s=..., collective_timeout_s=...)` starts `world_size`
+processes, each with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
+environment and the default process group initialised (gloo on the CPU, each rank with its share of the cores;
+NCCL with one GPU per rank on CUDA), calls `fn(*args)` there and returns the ranks' return values in rank
+order (`fn`, its arguments and its results must pickle). Rank 0 is the rank that writes outputs
+(`is_output_rank`). The processes fork from a multiprocessing forkserver that has imported torch once (it
+never runs torch, so no threads or CUDA state are inherited); like spawn, they get nothing from the caller but
+what is pickled, its sys.path, and (set first thing in each rank) its environment variables and working
+directory.
 
 Failures end the whole launch instead of hanging it:
 - a rank raises: the other ranks are stopped and the parent re-raises that exception (same type and message,
   with a note naming the rank and the rank's traceback as its cause);
-- a rank dies without reporting (a signal, os._exit): `LaunchError` with its exit code;
+- a rank dies without reporting (a signal, os._exit): `LaunchError` naming it and its exit code or signal,
+  also when the others' collectives fail first because of it (gloo raises "Connection closed by peer" at once
+  on a peer that dies, or times out after `collective_timeout_s` where it had no connection to it yet);
+- a collective that waits `collective_timeout_s` for a stuck peer: that rank raises (torch's timeout error);
 - ranks still running after `timeout_s`: each dumps the Python stacks of all its threads (faulthandler on
   SIGUSR1), all are stopped, and `LaunchTimeout` carries the stacks in its message.
 
@@ -32,7 +36,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,7 +51,8 @@ from tqdm import tqdm
 
 STOP_GRACE_S = 5.0  # how long a rank gets to exit after SIGTERM before SIGKILL
 STACK_DUMP_WAIT_S = 5.0  # how long the ranks get to write their stacks after SIGUSR1
-COLLECTIVE_TIMEOUT_MARGIN_S = 60.0  # the process group's own timeout is the launch timeout plus this
+COLLECTIVE_TIMEOUT_MARGIN_S = 60.0  # no collective_timeout_s: the group's timeout is the launch's + this
+DEATH_GRACE_S = 2.0  # how long a rank's error waits for another rank's death to show (it may follow from it)
 
 
 class LaunchError(RuntimeError):
@@ -85,13 +90,18 @@ def launch(
     *args: Any,
     device: str = "cpu",
     timeout_s: float | None = None,
+    collective_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` local ranks ("cpu": gloo; "cuda": NCCL, rank r on GPU r) and return the
-    results in rank order. `timeout_s`: the whole launch's limit (start-up included); None waits forever."""
+    results in rank order. `timeout_s`: the whole launch's limit (start-up included); None waits forever.
+    `collective_timeout_s`: the process group's timeout; None: `timeout_s` plus COLLECTIVE_TIMEOUT_MARGIN_S
+    (a hang is then reported by the launch timeout, with the stacks), or torch's default without one."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if collective_timeout_s is None and timeout_s is not None:
+        collective_timeout_s = timeout_s + COLLECTIVE_TIMEOUT_MARGIN_S
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise LaunchError(
             f"{world_size} ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}"
@@ -115,7 +125,7 @@ def launch(
                         world_size,
                         port,
                         device,
-                        timeout_s,
+                        collective_timeout_s,
                         str(stack_path),
                         writer,
                         caller,
@@ -140,28 +150,66 @@ def _collect(ranks: Sequence[_Rank], fn: Callable[..., Any], timeout_s: float | 
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise LaunchTimeout(_stuck_report(list(pending.values()), len(ranks), fn, timeout_s))
-        ready = wait(
-            [r.reader for r in pending.values()] + [r.process.sentinel for r in pending.values()], remaining
-        )
+        ready = wait(_handles(pending.values()), remaining)
         for r in list(pending.values()):
-            exited = r.process.sentinel in ready
-            if r.reader not in ready and not exited:
+            report = _take_report(r, ready)
+            if report is None:
                 continue
-            report = _receive(r.reader, wait_s=1.0 if exited else 0.0)
-            if report is None and not exited:
-                continue
-            if report is None or report[0] == "died":
-                r.process.join(STOP_GRACE_S)
-                exit_status = _describe_exit(r.process.exitcode)
-                raise LaunchError(
-                    f"{_name(fn)}: rank {r.rank} of {len(ranks)} exited with {exit_status} before reporting "
-                    "(its output, if any, is above)"
-                )
+            del pending[r.rank]
+            if report[0] == "died":
+                raise _death(r, len(ranks), fn)
             if report[0] == "error":
+                # a rank's collective fails when a peer dies (gloo: "Connection closed by peer"), and its
+                # report can come in before the death shows: the dead rank is the one to name
+                dead = _dead_rank(list(pending.values()), DEATH_GRACE_S)
+                if dead is not None:
+                    error = _death(dead, len(ranks), fn)
+                    error.add_note(f"rank {r.rank} then raised {report[2].strip().splitlines()[-1]}")
+                    raise error
                 raise _rank_exception(report[1], report[2], r.rank, len(ranks), fn)
             results[r.rank] = report[1]
-            del pending[r.rank]
     return [results[rank] for rank in range(len(ranks))]
+
+
+def _handles(ranks: Iterable[_Rank]) -> list[Any]:
+    """What `wait` watches for each rank: its report pipe and its process's exit."""
+    return [handle for r in ranks for handle in (r.reader, r.process.sentinel)]
+
+
+def _take_report(r: _Rank, ready: Sequence[Any]) -> tuple[Any, ...] | None:
+    """Rank r's report once `wait` returned `ready`: the report (see `_receive`), ("died",) when the rank
+    exited without one, None while it is still running."""
+    exited = r.process.sentinel in ready
+    if r.reader not in ready and not exited:
+        return None
+    report = _receive(r.reader, wait_s=1.0 if exited else 0.0)
+    return ("died",) if report is None and exited else report
+
+
+def _dead_rank(ranks: Sequence[_Rank], grace_s: float) -> _Rank | None:
+    """The first of `ranks` seen to exit without reporting within `grace_s`; None when each one reports or is
+    still running (their reports are dropped: the caller raises)."""
+    give_up = time.monotonic() + grace_s
+    waiting = list(ranks)
+    while waiting and (remaining := give_up - time.monotonic()) > 0:
+        ready = wait(_handles(waiting), remaining)
+        for r in list(waiting):
+            report = _take_report(r, ready)
+            if report is None:
+                continue
+            if report[0] == "died":
+                return r
+            waiting.remove(r)
+    return None
+
+
+def _death(r: _Rank, world_size: int, fn: Callable[..., Any]) -> LaunchError:
+    """The failure of a rank that exited without reporting, with its exit code or signal."""
+    r.process.join(STOP_GRACE_S)  # its pipe can close just before the process is reaped
+    return LaunchError(
+        f"{_name(fn)}: rank {r.rank} of {world_size} exited with {_describe_exit(r.process.exitcode)} before "
+        "reporting (its output, if any, is above)"
+    )
 
 
 @contextmanager
@@ -267,7 +315,7 @@ def _run_rank(
     world_size: int,
     port: int,
     device: str,
-    timeout_s: float | None,
+    collective_timeout_s: float | None,
     stack_path: str,
     writer: Connection,
     caller: tuple[dict[str, str], str],
@@ -293,7 +341,7 @@ def _run_rank(
     stack_file = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes to it until the process ends
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
-        timeout = None if timeout_s is None else timedelta(seconds=timeout_s + COLLECTIVE_TIMEOUT_MARGIN_S)
+        timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
         if device == "cuda":
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", rank))

@@ -168,7 +168,14 @@ def train_context_parallel(config: TrainConfig) -> dict:
             f"{torch.cuda.device_count()}"
         )
     threads = max(1, (os.cpu_count() or 1) // world)
-    return launch(_train_on_rank, world, config, threads, device=device)[0]
+    return launch(
+        _train_on_rank,
+        world,
+        config,
+        threads,
+        device=device,
+        collective_timeout_s=config.parallel.collective_timeout_s,
+    )[0]
 
 
 if __name__ == "__main__":

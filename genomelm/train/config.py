@@ -13,11 +13,12 @@ program that owns them, one small dataclass each, which checks its own values:
 | `memory` | what a step keeps, and its precision | recompute, offload, kept selection, chunk recompute, |
 | | | precision |
 | `model_options` | the model (`genomelm.model.RunOptions`) | chunk sizes, block backends, indexer training |
-| `parallel` | the mesh and its launcher | dp, cp, ep, layout, FSDP, capacity, launcher, Ray |
+| `parallel` | the mesh and its launcher | dp, cp, ep, layout, FSDP, capacity, launcher, Ray, |
+| | | collective timeout |
 | `checkpoint` | the checkpointer | save_every, keep_checkpoints, resume |
 | `log` | metrics | log_every, wandb, track_memory |
 | `eval`, `probe` | the evaluator and the copy probe | buckets, held-out sets, probe distances |
-| `plan` | the planner | GPUs, GPU kind, search, force, and its assumptions |
+| `plan` | the planner | GPUs, GPU kind, search, force, traced device, assumptions |
 
 A YAML file gives the groups as sections (`optim: {lr: 1e-5}`); flat keys work too. Overrides are the
 setting's own name (`lr=1e-5`: every name is unique across groups) or dotted (`optim.lr=1e-5`). Every run
@@ -45,6 +46,7 @@ CP_LAYOUTS = ("zigzag", "contiguous")
 LAUNCHERS = ("local", "ray")
 WANDB_MODES = ("offline", "online", "disabled")
 GPU_KINDS = ("b200", "h200")
+PLAN_DEVICES = ("auto", "cpu", "cuda")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -143,6 +145,7 @@ class ParallelConfig:
     launcher: str = "local"  # "local" (processes on this machine) or "ray" (Ray Train workers)
     ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://host:10001"); none: a local Ray
     max_failures: int = 0  # worker failures Ray restarts the group after (from the last checkpoint)
+    collective_timeout_s: float = 600.0  # a collective waiting this long fails its rank (stuck/dead peer)
 
     @property
     def world(self) -> int:
@@ -166,6 +169,10 @@ class ParallelConfig:
         _require(
             self.max_failures == 0 or self.launcher == "ray",
             f"max_failures={self.max_failures}: restarts are Ray's (launcher=ray)",
+        )
+        _require(
+            self.collective_timeout_s > 0,
+            f"collective_timeout_s={self.collective_timeout_s}: give the seconds a collective may wait (> 0)",
         )
 
 
@@ -247,9 +254,13 @@ class PlanConfig:
     )
     imbalance: float = 0.0  # busiest EP rank's tokens over the mean; 0: from the run's metrics, else 4
     trace_tokens: int = 2048  # most tokens per rank traced; more are extrapolated
+    # "cuda" (and auto): also simulate the run's own step on fake CUDA tensors (collectives checked as NCCL
+    # would, host syncs counted); "cpu": the memory trace (fake CPU tensors) only
+    device: str = "auto"
 
     def validate(self) -> None:
         _check_choice("gpu", self.gpu, GPU_KINDS)
+        _check_choice("device", self.device, PLAN_DEVICES)
         _require(
             self.gpus >= 0, f"gpus={self.gpus}: give the number of GPUs to plan for (0: the run's dp * cp)"
         )

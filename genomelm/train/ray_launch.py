@@ -1,10 +1,10 @@
 """Run `train(config)` as Ray Train workers, one per rank: `genomelm train launcher=ray dp=D cp=C [ep=E]`.
 
-Ray Train's `TorchTrainer` starts dp * cp workers (one GPU each on a cluster with GPUs, NCCL; else CPU
-workers sharing the cores, gloo), sets up the default process group, and each worker runs the same
-`train(config)` as a rank of the local launcher (`genomelm.parallel.launch`): each dp rank reads its own
-windows of every step, the cp ranks of one dp rank each keep their shard of its window, rank 0 writes metrics,
-and each checkpoint under `runs/<run>/checkpoints/` is renamed into place once complete
+Ray Train's `TorchTrainer` starts dp * cp workers (one GPU each on a cluster with GPUs, NCCL; else CPU workers
+sharing the cores, gloo), sets up the default process group (its timeout `collective_timeout_s`), and each
+worker runs the same `train(config)` as a rank of the local launcher (`genomelm.parallel.launch`): each dp
+rank reads its own windows of every step, the cp ranks of one dp rank each keep their shard of its window,
+rank 0 writes metrics, and each checkpoint under `runs/<run>/checkpoints/` is renamed into place once complete
 (`genomelm.parallel.checkpoint`).
 
 When a worker dies, Ray stops the group and, up to `max_failures` times, starts it again; the restarted ranks
@@ -24,6 +24,7 @@ Ray is imported inside the functions: it is slow to import, and `start_ray` sets
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -94,7 +95,10 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
         trainer = TorchTrainer(
             _worker,
             train_loop_config={"config": config, "cwd": os.getcwd(), "environment": _forwarded_environment()},
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            torch_config=TorchConfig(
+                backend="nccl" if use_gpu else "gloo",
+                timeout_s=math.ceil(config.parallel.collective_timeout_s),  # Ray takes whole seconds
+            ),
             scaling_config=ScalingConfig(
                 num_workers=workers,
                 use_gpu=use_gpu,
