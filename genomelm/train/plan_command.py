@@ -13,9 +13,10 @@ import sys
 from genomelm.data import DataError
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan import make_plan
-from genomelm.train.plan_memory import TraceCache
+from genomelm.train.plan_memory import TraceCache, resolve_model_config
 from genomelm.train.plan_report import describe, describe_search, refusal, write_plan
 from genomelm.train.plan_search import search
+from genomelm.train.simulate import describe_simulation, simulate_layout, simulates_cuda
 
 
 def main(argv: list[str]) -> int:
@@ -41,6 +42,11 @@ def main(argv: list[str]) -> int:
         return 2
     gpus = f"{own.gpus} x {config.plan.gpu.upper()}"
     print(describe(own))
+    if simulates_cuda(config):
+        laid_out = config.replace(dp=own.dp, cp=own.cp, ep=own.ep)
+        model_config = resolve_model_config(laid_out)
+        simulation, traced = simulate_layout(laid_out, model_config, config.plan.gpu)
+        print("\n" + describe_simulation(simulation, laid_out, traced, model_config))
     if config.plan.search:
         print(
             f"\nevery layout of {gpus} at {config.seq_len:,} tokens, ranked (fitting first, then projected "
