@@ -13,6 +13,8 @@ experts' owners:
 1. this rank's pairs are sorted by global expert (so also by owning rank), counts [E] per expert;
 2. one all-gather of the counts: every rank knows the whole [ep, E] count matrix, hence every send and receive
    size and the capacity decision, which is therefore the same on every rank (all raise together, none hangs);
+   its row sums are copied to the host once (the all-to-all takes its split sizes there): the exchange's one
+   host sync, inherent to an uneven all-to-all;
 3. an uneven all-to-all of the rows (in the compute dtype: bf16 under autocast) to the owners; the rows arrive
    grouped by source rank, then expert, and are reordered expert-major for one grouped GEMM over the local
    experts (`Experts.expert_rows`, the local path's own GEMM), then put back in arrival order;
