@@ -1,20 +1,89 @@
-"""benchmarks/gpu_check.py keeps running: its --cpu-smoke mode passes on the CPU at small shapes."""
+"""benchmarks/gpu_check.py keeps running: its --cpu-smoke mode (the GPU run's code at tiny sizes, on the CPU)
+passes, writes its table as JSON, skips what its budget does not fit, and its analytic FLOP count equals
+FlopCounterMode's where the model runs plain torch ops (less the triangular solves FlopCounterMode cannot
+see, within the script's FLOP_TOLERANCE)."""
 
 from __future__ import annotations
 
-import runpy
+import importlib
+import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
+from genomelm.train.memory import LayerRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def gpu_check(monkeypatch) -> ModuleType:
+    """The script as a module importable by name (its dp x ep ranks unpickle their function from it)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("gpu_check")
+
+
+def test_analytic_flops_equal_flop_counter_on_plain_torch(gpu_check: ModuleType) -> None:
+    """`tiny` without recompute at 1536 tokens: a dense MLP layer, and indexer blocks that score only the
+    pools they see (1536 tokens is 384 pools, beyond TOPK_SORT_RATIO x the 4 pools taken)."""
+    config = ModelConfig.preset("tiny")
+    options = RunOptions(kda_backend="torch")
+    torch.manual_seed(0)
+    model = GlmForCausalLM.from_config(config, options)
+    ids = gpu_check.dna(1536, torch.device("cpu"))
+    with FlopCounterMode(display=False, custom_mapping=gpu_check.FLOP_FORMULAS) as counter:
+        gpu_check.forward_backward(model, ids, LayerRunner(recompute=False, offload=False), bf16=False)
+    parts = gpu_check.step_flops(config, options, 1536, recompute=False)
+    visible = sum(parts.values()) - gpu_check.unseen_flops(parts, "torch")
+    assert parts["dense mlp"] > 0 and parts["kda triangular solves"] > 0
+    assert counter.get_total_flops() == pytest.approx(visible, rel=gpu_check.FLOP_TOLERANCE)
+
+
 @pytest.mark.slow
-def test_gpu_check_cpu_smoke(capsys) -> None:
-    script = runpy.run_path(str(ROOT / "benchmarks" / "gpu_check.py"), run_name="gpu_check")
-    assert script["main"](["--cpu-smoke", "--lengths", "256"]) == 0
-    table = capsys.readouterr().out
-    assert "| fla chunk_kda vs torch KDA | not run (no CUDA) | not run |" in table
-    assert "offload vs no offload (bf16)" in table and "MISMATCH" not in table
-    assert "| slice route table: no dense S x S layer | dense layers: none | ok |" in table
+def test_gpu_check_cpu_smoke(gpu_check: ModuleType, tmp_path: Path, capsys) -> None:
+    path = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--cpu-smoke", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert report["complete"] and report["versions"]["fla"] == "not installed"
+    header = out.splitlines()[0]
+    assert header.startswith("genomelm gpu_check on the CPU (smoke sizes), torch ")
+    assert ", triton not installed, fla not installed" in header
+    rows = {row["check"]: row for row in report["rows"]}
+    assert list(rows) == [
+        "fla chunk_kda vs torch KDA (64 heads x 128)",
+        "bf16 vs fp32 step (small, torch KDA)",
+        "offload vs no offload (small, bf16)",
+        "slice at 512 tokens (fwd+bwd, recompute, bf16, KDA torch)",
+        "slice routes",
+        "dp 2 x ep 2 step (tiny, fp32, FSDP2, gloo)",
+    ]
+    for name, row in rows.items():  # every row is in the printed table
+        assert f"| {name} | " in out and f" | {row['result']} |" in out
+    fla, *others = rows.values()
+    assert fla["result"] == "skipped: no CUDA (fla's kernels run on GPUs only)"
+    assert all(row["status"] == "ok" for row in others), [row["result"] for row in others]
+    measured = rows["slice at 512 tokens (fwd+bwd, recompute, bf16, KDA torch)"]
+    flops = measured["details"]
+    assert flops["flops_unseen"] == flops["flops_by_part"]["kda triangular solves"] > 0
+    visible = flops["flops_analytic"] - flops["flops_unseen"]
+    assert flops["flops_flop_counter"] == pytest.approx(visible, rel=gpu_check.FLOP_TOLERANCE)
+    assert measured["tokens_per_s"] > 0 and measured["seconds"] > 0
+
+    # 1 s of budget: the first check runs (nothing to estimate from yet) and overruns it (a few seconds here),
+    # so every later one is skipped with its estimate (the routes because no slice ran), --long's included
+    path = tmp_path / "budget.json"
+    assert gpu_check.main(["--cpu-smoke", "--long", "--budget-s", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["status"] for row in rows] == ["skipped", "ok"] + ["skipped"] * 6
+    assert rows[-2]["check"] == "slice at 1,024 tokens (fwd+bwd, recompute, bf16, KDA torch)"
+    assert rows[4]["result"] == "skipped: no slice ran (the routes resolve at its first forward)"
+    for row in rows[2:4] + rows[5:]:
+        assert row["result"].startswith("skipped: budget: ~"), row["result"]
+        assert row["details"]["estimate_s"] > row["details"]["left_s"]
+    out = capsys.readouterr().out
+    assert "| slice at 2,048 tokens (fwd+bwd, recompute, bf16, KDA torch) | 2,048 | - |" in out
