@@ -1,5 +1,6 @@
 """`genomelm plan`: a step traced on fake tensors holds what the same step holds on real tensors, and the
-plan scaled from one layer of each kind predicts the measured peak of the whole model at 1, 2 and 4 ranks."""
+plan scaled from one layer of each kind predicts the measured peak of the whole model at 1, 2 and 4 ranks,
+and of an MoE-heavy model on one rank and on 2 expert-parallel ranks, its MoE in several chunks."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ from genomelm.model import ModelConfig
 from genomelm.train import plan as planner
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan import PlanError, check_fits, make_plan
-from genomelm.train.plan_memory import TraceCache, extrapolate_line, extrapolate_quadratic, model_numel
+from genomelm.train.plan_memory import (
+    TraceCache,
+    extrapolate_line,
+    extrapolate_quadratic,
+    model_numel,
+    resolve_model_config,
+)
 from genomelm.train.plan_report import refusal
 from genomelm.train.plan_search import plan_layout, rank
 from genomelm.train.plan_trace import StepTrace, _grouped_mm_flops, reduced_layers, sub_config, trace_step
@@ -90,9 +97,28 @@ def test_fake_step_equals_real_step_on_one_rank():
     assert fake.flops == real.flops and sum(fake.flops.values()) > 0
 
 
-def _real_step(config: TrainConfig, preset: str, tokens: int):
+def _real_step(config: TrainConfig, tokens: int):
     torch.set_num_threads(1)
-    return trace_step(config, ModelConfig.preset(preset), tokens, fake=False)
+    return trace_step(config, resolve_model_config(config), tokens, fake=False)
+
+
+def _measured_peak(config: TrainConfig, tokens: int) -> tuple[int, list[StepTrace]]:
+    """The whole model's real step on every rank of `config`'s dp x cp mesh, and its peak over the ranks in
+    the steady state: from the second step on, AdamW's state (2 x fp32 per parameter the rank holds; its
+    step's temporaries are the optimizer phase's) is live through the forward and backward too (what a real
+    second step's tracker reads, to 0.01% on `tiny`)."""
+    from genomelm.parallel.launch import launch
+
+    world = config.parallel.dp * config.parallel.cp
+    measured = (
+        launch(_real_step, world, config, tokens, timeout_s=600)
+        if world > 1
+        else [_real_step(config, tokens)]
+    )
+    peak = max(
+        max(m.step_peak_total + 8 * sum(m.param_numel.values()), m.optimizer_peak_total) for m in measured
+    )
+    return peak, measured
 
 
 @pytest.mark.slow
@@ -102,24 +128,53 @@ def _real_step(config: TrainConfig, preset: str, tokens: int):
 def test_planned_peak_equals_measured_peak(preset, seq, cp):
     """The plan (one layer of each kind traced on fake tensors, scaled to all layers) against the whole
     model's real step, measured with the same tracker on every rank."""
-    from genomelm.parallel.launch import launch
-
     config = TrainConfig.from_args([f"model={preset}", f"seq={seq}", f"cp={cp}", "fsdp=false", *SMALL_CHUNKS])
     plan = make_plan(config)
     assert plan.fits and not plan.fsdp and plan.cp == cp
-    if cp == 1:
-        measured = [_real_step(config, preset, seq)]
-    else:
-        measured = launch(_real_step, cp, config, preset, seq // cp, timeout_s=600)
-    # steady state: from the second step on, AdamW's state is live through the forward and backward too
-    peak = max(
-        max(m.step_peak_total + m.optimizer_peak.get("Optstate", 0), m.optimizer_peak_total) for m in measured
-    )
+    peak, measured = _measured_peak(config, seq // cp)
     assert abs(plan.peak_gib_per_rank * GIB - peak) <= 0.10 * peak, (plan.peak_gib_per_rank * GIB, peak)
     if cp > 1:
         traced = sum(sum(c.values()) for c in measured[-1].comm.values())
         assert traced > 0 and plan.comm_bytes_per_step["cp all_gather"] > 0
         assert plan.comm_bytes_per_step["gradient all_reduce (fp32)"] > 0
+
+
+def _moe_heavy_model(folder: Path) -> str:
+    """`tiny` cut to a dense and an MoE layer, both DSA, with 64 routed experts of width 64, top-4: the MoE's
+    recompute holds most of the step's bytes (the bf16 copies of the experts' weights, 768 KiB per chunk, and
+    the rows)."""
+    changes = {
+        "num_hidden_layers": 2,
+        "layer_types": ["indexed_attention"] * 2,
+        "mlp_layer_types": ["dense", "sparse"],
+        "indexer_types": ["full", "full"],
+        "n_routed_experts": 64,
+        "moe_intermediate_size": 64,
+        "num_experts_per_tok": 4,
+    }
+    (folder / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").text_config_dict() | changes))
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp", "ep"), [(1, 1), (2, 2)])
+def test_planned_peak_counts_every_moe_chunk_a_layer_recompute_holds(tmp_path, dp, ep):
+    """recompute without recompute_chunks: a layer's recompute saves all 16 MoE chunks' tensors at once, held
+    until the MoE's backward. Traced at 32 and 64 tokens (one chunk), planned at 1024 tokens per rank, on one
+    rank and on 2 expert-parallel ranks (planned with the measured share of the busiest rank), the plan of
+    each layout against its real step."""
+    settings = [f"model={_moe_heavy_model(tmp_path)}", "seq=1024", f"dp={dp}", f"ep={ep}", "fsdp=false"]
+    config = TrainConfig.from_args([*settings, *SMALL_CHUNKS]).replace(trace_tokens=64)
+    assert config.memory.recompute and not config.memory.recompute_chunks
+    peak, measured = _measured_peak(config, 1024)
+    imbalance = 1.0
+    if ep > 1:  # the busiest rank's rows over the mean
+        rows = [m.expert_rows["layers.1"] for m in measured]
+        assert sum(rows) == dp * 1024 * 4  # every (token, expert) row, computed once
+        imbalance = max(rows) * ep / sum(rows)
+    plan = make_plan(config.replace(imbalance=imbalance))
+    assert plan.ep == ep and "at 32 and 64 tokens per rank" in plan.notes[-1]
+    assert abs(plan.peak_gib_per_rank * GIB - peak) <= 0.10 * peak, (plan.peak_gib_per_rank * GIB, peak)
 
 
 @pytest.mark.slow
@@ -200,12 +255,26 @@ class _StubTraces(TraceCache):
         return dataclasses.replace(self.trace, tokens_per_rank=tokens, cp=run.parallel.cp)
 
 
-def _stub_plan(dp: int = 2, cp: int = 2, ep: int = 2, **settings):
-    """The plan of dp x cp x ep (given apart from the run's settings, as the layout search does)."""
+def _stub_plan(
+    dp: int = 2,
+    cp: int = 2,
+    ep: int = 2,
+    recomputed: dict[str, int] | None = None,
+    row_bytes: int = 0,
+    **settings,
+):
+    """The plan of dp x cp x ep (given apart from the run's settings, as the layout search does);
+    `recomputed`, `row_bytes`: the stub trace's bytes held by each feed-forward module's recompute and saved
+    by the experts per row."""
     config = TrainConfig.from_args(["model=tiny", "seq=1024"]).replace(**settings)
     model_config = ModelConfig.preset("tiny")
     numel = model_numel(model_config)
-    plan = plan_layout(config, dp, cp, ep, Assumptions(), _StubTraces(model_config), model_config, numel)
+    traces = _StubTraces(model_config)
+    if recomputed:
+        traces.trace.recomputed = recomputed
+        traces.trace.transients |= dict.fromkeys(recomputed, 0)
+    traces.trace.expert_row_bytes = row_bytes
+    plan = plan_layout(config, dp, cp, ep, Assumptions(), traces, model_config, numel)
     return plan, model_config, numel
 
 
@@ -235,6 +304,28 @@ def test_fsdp_and_expert_sharding_arithmetic():
     rows = tokens * model_config.num_experts_per_tok
     assert a2a == pytest.approx(rows * model_config.hidden_size * 2 / 2 * 2 * 3 * len(sparse) * 4.0)
     assert plan.assumptions["sharding"].startswith("bytes per rank") and plan.assumptions["imbalance"] == 4.0
+
+
+def test_moe_transient_adds_every_chunk_a_layer_recompute_holds():
+    """recompute without recompute_chunks (`MOE_RULE`): the MoE's transient adds what its recompute holds, as
+    traced but with the traced bf16 expert-weight copies (one per chunk, every expert) replaced by the
+    layout's (E/ep per chunk, none with FSDP) and the busiest rank's (imbalance - 1) x tokens x top-k rows
+    more; its backward then adds one chunk's gradients. recompute_chunks holds one chunk: the rule alone."""
+    config = ModelConfig.preset("tiny")
+    tokens, chunks, rest, row_bytes = 512, 512 // 128, 3000, 256  # dp 2 x cp 2, ep 2; chunks of 128 tokens
+    copy = config.n_routed_experts * 3 * config.hidden_size * config.moe_intermediate_size * 2
+    recomputed = {"layers.1.mlp": chunks * copy + rest}
+    busiest = (4.0 - 1) * tokens * config.num_experts_per_tok * row_bytes  # imbalance 4
+    per_row = (2 * config.hidden_size + 3 * config.moe_intermediate_size) * 2
+    gradients = 4.0 * 128 * config.num_experts_per_tok * per_row
+    for fsdp, copies in ((True, 0), (False, chunks * copy / 2)):
+        plan, _, _ = _stub_plan(recomputed=recomputed, row_bytes=row_bytes, moe_chunk_tokens=128, fsdp=fsdp)
+        held = rest + copies + busiest
+        assert plan.transients_gib["layers.1.mlp"] * GIB == pytest.approx(held + gradients)
+    one_chunk, _, _ = _stub_plan(
+        recomputed=recomputed, row_bytes=row_bytes, moe_chunk_tokens=128, recompute_chunks=True
+    )
+    assert one_chunk.transients_gib["layers.1.mlp"] * GIB == pytest.approx(2 * gradients)
 
 
 def test_optimizer_offload_and_layer_input_offload_move_bytes_to_the_host():

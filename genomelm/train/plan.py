@@ -8,7 +8,8 @@ kind at the real widths, then scales by the layer counts (`plan_memory`):
 - when the rank's tokens exceed `trace_tokens`, the step is traced at trace_tokens/2 and trace_tokens and the
   bytes are extrapolated linearly in tokens (what a layer keeps is linear in the rank's tokens), the
   transients of the chunked modules (feed-forward: moe_chunk_tokens, loss head: loss_chunk_tokens) only up to
-  their chunk, the FLOPs as a*t + b*t^2 (the indexer scores every earlier pool);
+  their chunk, but for what a layer's recompute holds of every feed-forward chunk at once without
+  `recompute_chunks` (`MOE_RULE`), the FLOPs as a*t + b*t^2 (the indexer scores every earlier pool);
 - parameters, gradients, AdamW state, FSDP2's gathered layers, expert parallelism, optimizer offload and
   offload=false are computed from the model's parameter count and the traced layer inputs (`SHARDING_RULE`,
   `MOE_RULE`, `OFFLOAD_RULE`, written into plan.json): one pair of traces per cp serves every layout.

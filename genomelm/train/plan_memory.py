@@ -3,6 +3,7 @@ and scaled to every layer, plus the parameters, gradients and AdamW state by the
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -28,11 +29,18 @@ SHARDING_RULE = (
 )
 MOE_RULE = (
     "expert parallelism: the busiest rank receives `imbalance` x the mean routed rows (its expert FLOPs and "
-    "its all-to-all bytes scale by it); with FSDP or EP the MoE transient is the busiest rank's rows of one "
-    "moe_chunk_tokens chunk: rows x (2 hidden + 3 moe_intermediate) x 2 B (the dispatched rows, gate/up, "
-    "SwiGLU and output in bf16) x 2 (their gradients), the expert weights' bf16 copies and gradients being "
-    "the FSDP buffers; all-to-all bytes: tokens x top-k x hidden x 2 B each way (dispatch, combine) per MoE "
-    "layer, in the forward, the recompute and the backward"
+    "its all-to-all bytes scale by it); with recompute and without recompute_chunks a layer's recompute "
+    "saves the tensors of every moe_chunk_tokens chunk of its feed-forward at once and holds them until the "
+    "module's backward, so that transient grows with the rank's tokens: as traced (linear in tokens), but "
+    "for the bf16 copies of the rank's expert weights each chunk's grouped GEMMs save (E/ep x 3 x hidden x "
+    "moe_intermediate x 2 B per chunk; none with FSDP, which gathers them in bf16) and, with EP, the busiest "
+    "rank's (imbalance - 1) x tokens x top-k rows more, at the bytes the experts save per row (measured on "
+    "fake tensors); recompute_chunks holds one chunk at a time; with FSDP or EP the MoE backward's own "
+    "transient is the busiest rank's rows of one moe_chunk_tokens chunk: rows x (2 hidden + 3 "
+    "moe_intermediate) x 2 B (the dispatched rows, gate/up, SwiGLU and output in bf16) x 2 (with their "
+    "gradients; x 1, the gradients, where the held tensors are counted apart), the expert weights' bf16 "
+    "copies and gradients being the FSDP buffers; all-to-all bytes: tokens x top-k x hidden x 2 B each way "
+    "(dispatch, combine) per MoE layer, in the forward, the recompute and the backward"
 )
 OFFLOAD_RULE = (
     "traced with offload=true (with recompute, offload moves only each layer's saved input to the host); "
@@ -241,9 +249,10 @@ class RankMemory:
 def module_transients(
     config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions
 ) -> dict[str, float]:
-    """Each traced module's transient at the rank's tokens: the chunked modules (feed-forward:
-    moe_chunk_tokens, loss head: loss_chunk_tokens) only up to their chunk; the MoE layers by `MOE_RULE` with
-    FSDP or EP."""
+    """Each traced module's transient at the rank's tokens: the backward of the chunked modules (feed-forward:
+    moe_chunk_tokens, loss head: loss_chunk_tokens) only up to their chunk, the MoE layers' by `MOE_RULE`
+    with FSDP or EP; plus, where a layer's recompute holds every chunk at once, the feed-forward tensors its
+    recompute holds until its backward (`recompute_held`)."""
     lo, hi, tokens = steps.lo, steps.hi, steps.tokens
     options = config.model_options
     chunk = {"mlp": options.moe_chunk_tokens, "lm_head": options.loss_chunk_tokens}
@@ -251,17 +260,69 @@ def module_transients(
         k: max(0.0, steps.line(lo.transients.get(k, 0), v, min(tokens, chunk.get(k.split(".")[-1], tokens))))
         for k, v in hi.transients.items()
     }
+    held = recompute_held(config, model_config, layout, steps, a)
     if layout.ep > 1 or layout.sharded:  # the busiest rank's rows of one chunk
         rows = (
             (a.imbalance if layout.ep > 1 else 1.0)
             * min(tokens, options.moe_chunk_tokens)
             * model_config.num_experts_per_tok
         )
-        per_row = (2 * model_config.hidden_size + 3 * model_config.moe_intermediate_size) * 2 * 2
+        # the chunk's tensors and their gradients, or the gradients alone where `held` counts the tensors
+        per_row = (
+            (2 * model_config.hidden_size + 3 * model_config.moe_intermediate_size) * 2 * (1 if held else 2)
+        )
         for k in transients:
             if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == "sparse":
                 transients[k] = rows * per_row
-    return transients
+    return {k: v + held.get(k, 0.0) for k, v in transients.items()}
+
+
+def holds_every_chunk(config: TrainConfig) -> bool:
+    """Whether a layer's recompute (in its backward) saves every feed-forward chunk's tensors at once, held
+    until the module's backward: recompute without recompute_chunks (which recomputes one chunk at a time)."""
+    return config.memory.recompute and not config.memory.recompute_chunks
+
+
+def expert_copy_bytes(model_config: ModelConfig, ep: int, sharded: bool) -> float:
+    """Bytes of the bf16 copies of one rank's routed expert weights (gate_up [E/ep, 2I, D], down [E/ep, D, I])
+    that each MoE chunk's grouped GEMMs save for the backward; none under FSDP2, whose gathered weights are
+    bf16 already."""
+    if sharded:
+        return 0.0
+    c = model_config
+    return c.n_routed_experts / ep * 3 * c.hidden_size * c.moe_intermediate_size * 2
+
+
+def recompute_held(
+    config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions
+) -> dict[str, float]:
+    """Bytes each feed-forward module's recompute holds until its backward at the rank's tokens, where that
+    is every chunk's saved tensors (`holds_every_chunk`; else none), so they grow with the rank's tokens
+    rather than up to one chunk (`MOE_RULE`): as traced, on the line through the two traces, but for the
+    MoE's bf16 expert-weight copies, one per chunk, counted per chunk of the layout (`expert_copy_bytes`),
+    and with EP the rows the busiest rank receives beyond the mean (the traced rank computes the mean's,
+    tokens x top-k), (imbalance - 1) x those rows x what the experts save per row."""
+    if not holds_every_chunk(config):
+        return {}
+    lo, hi, tokens = steps.lo, steps.hi, steps.tokens
+    chunk = config.model_options.moe_chunk_tokens
+
+    def copies(t: int, ep: int, sharded: bool) -> float:
+        return math.ceil(t / chunk) * expert_copy_bytes(model_config, ep, sharded)
+
+    held = {}
+    for key, at_t2 in hi.recomputed.items():
+        if model_config.mlp_layer_types[int(key.split(".")[1])] != "sparse":
+            held[key] = max(0.0, steps.line(lo.recomputed[key], at_t2))
+            continue
+        traced = steps.line(  # less the traced copies: every expert's (one rank), no FSDP
+            lo.recomputed[key] - copies(steps.t1, 1, False), at_t2 - copies(steps.t2, 1, False)
+        )
+        busiest = 0.0
+        if layout.ep > 1:
+            busiest = (a.imbalance - 1) * tokens * model_config.num_experts_per_tok * hi.expert_row_bytes
+        held[key] = max(0.0, traced + copies(tokens, layout.ep, layout.sharded) + busiest)
+    return held
 
 
 def saved_activations(
@@ -274,7 +335,10 @@ def saved_activations(
     kept_more = sum(steps.line(lo.kept[steps.rep_of[i]], hi.kept[steps.rep_of[i]]) for i in untraced)
 
     def live(trace: StepTrace) -> float:
-        return _categories(trace, "Activation", "Temp", "Other") - max(trace.transients.values(), default=0)
+        # what the feed-forward recompute holds belongs to that module's transient (`recompute_held`)
+        held = trace.recomputed if holds_every_chunk(config) else {}
+        largest = max((v + held.get(k, 0) for k, v in trace.transients.items()), default=0)
+        return _categories(trace, "Activation", "Temp", "Other") - largest
 
     saved = steps.line(live(lo), live(hi)) + kept_more
     if TraceCache.traced_run(config).memory.offload and not config.memory.offload:

@@ -6,15 +6,19 @@ planner).
 records:
 - device memory by category with `torch.distributed._tools.mem_tracker.MemTracker` (the forward/backward peak
   and, unless `optimizer=False`, the optimizer-step peak, separately), what each decoder layer leaves live
-  between its forward and its backward, and each module's transient peak;
+  between its forward and its backward, each module's transient peak, and what each feed-forward module's
+  recompute (in its layer's backward, with recompute) leaves live until its own backward;
 - FLOPs per decoder layer with `torch.utils.flop_counter`'s formulas (those of `FlopCounterMode`; recompute
   included: what the GPU runs), the routed experts' grouped GEMMs also apart, and the bytes of every
-  collective, both counted as dispatched in the same pass (one forward + backward per trace).
+  collective, both counted as dispatched in the same pass (one forward + backward per trace);
+- apart from the step, what the routed experts save per row they compute (`expert_row_bytes`), for the rows
+  an expert-parallel rank receives beyond the mean.
 The KDA core runs its torch path (`kda_backend="torch"`): fla's Triton kernels cannot run on fake tensors, and
 the torch path holds more (per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper
 bound. With `fake=True` everything runs on `FakeTensorMode` tensors (no data, no compute) and, under context
 parallelism, on torch's fake process group ("fake" backend, `FakeStore`): collectives trace without peers.
-With `fake=False` the same code runs on real tensors (the tests compare the two).
+With `fake=False` the same code runs on real tensors, on the run's own dp x cp x ep mesh (the tests compare
+the plan of a layout with it).
 
 Two substitutions, both exact for the trace: `torch.bincount` of expert ids (whose output length fake tensors
 cannot know) returns its `minlength` (the ids are < n_routed_experts, so that is its length), and the host
@@ -39,6 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from genomelm.model import GlmForCausalLM, ModelConfig
+from genomelm.model.moe import Experts
+from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.training import ParallelRun
 from genomelm.train.config import OptimConfig, TrainConfig
@@ -73,6 +79,14 @@ class StepTrace:
     expert_flops: dict[str, int] = field(
         default_factory=dict
     )  # of `flops`, the routed experts' grouped GEMMs
+    recomputed: dict[str, int] = field(
+        default_factory=dict
+    )  # "layers.<i>.mlp" -> bytes its recompute in the layer's backward left live: without recompute_chunks,
+    # every chunk's saved tensors, held until the module's backward; absent without recompute
+    expert_rows: dict[str, int] = field(
+        default_factory=dict
+    )  # "layers.<i>" -> (token, expert) rows this rank's experts computed (a real expert-parallel step)
+    expert_row_bytes: int = 0  # what the routed experts save per row they compute (`expert_row_bytes`)
 
     @property
     def step_peak_total(self) -> int:
@@ -243,22 +257,28 @@ def trace_step(
     optimizer: bool = True,
 ) -> StepTrace:
     """Run one training step of one rank (`run`'s switches, bf16 autocast, window = cp x tokens_per_rank) over
-    `layers` of the model (None: all) and measure it. The step is the trainer's own (`TrainStep.run` with the
-    `ParallelRun` of a dp=1 x cp mesh without FSDP, whose sharding the planner adds by arithmetic). With
-    `fake`, cp > 1 sets up a fake process group of run.cp ranks and traces its last rank; without, cp > 1 must
-    run inside a real group of run.cp ranks. `optimizer=False` leaves the update phase untracked (its bytes do
-    not depend on the tokens)."""
+    `layers` of the model (None: all) and measure it. The step is the trainer's own (`TrainStep.run` with a
+    `ParallelRun` without FSDP, whose sharding the planner adds by arithmetic). With `fake`, the mesh is dp=1
+    x cp (the planner adds dp and expert parallelism by arithmetic too: an expert exchange needs the other
+    ranks' routing, which fake tensors do not have), and cp > 1 sets up a fake process group of run.cp ranks
+    and traces its last rank. Without, the step is the run's own dp x cp x ep mesh (expert parallel when
+    ep > 1), which must run inside a real group of dp*cp ranks (one process when all are 1): what the plan of
+    that layout is checked against. `optimizer=False` leaves the update phase untracked (its bytes do not
+    depend on the tokens)."""
     layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
     config = sub_config(model_config, layers)
     cp = run.parallel.cp
+    dims = ParallelDims(1, cp, 1)
     with ExitStack() as stack:
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             if cp > 1 and not dist.is_initialized():
                 stack.enter_context(fake_process_group(cp, cp - 1))
+        else:
+            dims = ParallelDims(run.parallel.dp, cp, run.parallel.ep)
         # the mesh is built from real rank numbers, before any fake tensor exists
-        parallel = ParallelRun.from_environment(ParallelDims(1, cp, 1), run.parallel.cp_layout, False, "cpu")
+        parallel = ParallelRun.from_environment(dims, run.parallel.cp_layout, False, "cpu")
         if fake:
             stack.enter_context(FakeTensorMode())
             stack.enter_context(_ExpertCountShape())
@@ -286,7 +306,8 @@ def trace_step(
         if not fake:
             rows[0] = torch.randint(0, min(config.vocab_size, 5), (1, window))
             rows[1] = torch.roll(rows[0], -1, dims=1)
-        return _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
+        trace = _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
+    return dataclasses.replace(trace, expert_row_bytes=expert_row_bytes(config))
 
 
 def _measure(
@@ -309,7 +330,7 @@ def _measure(
         parallel,
         run.optim,
         lambda: torch.autocast(probe.device.type, dtype=torch.bfloat16),
-        run.optim.grad_accum,
+        run.optim.grad_accum * (parallel.dims.dp if parallel is not None else 1),
     )
     step.run(run.optim.lr, [rows], StepPhases(probe.forward_backward, probe.update, assume_finite=True))
     return probe.trace(tokens_per_rank, parallel.dims.cp if parallel is not None else 1)
@@ -397,6 +418,11 @@ class _StepProbe:
             comm=self.counter.bytes,
             expert_flops=self.counter.expert_flops,
             host_bytes=host,
+            recomputed=_recomputed(self.tracker, device, names),
+            expert_rows={
+                _part(name, names).removesuffix(".mlp.experts"): rows
+                for name, rows in received_tokens(self.model, reset=False).items()
+            },
         )
 
 
@@ -432,6 +458,53 @@ def _transients(tracker: MemTracker, device: torch.device, names: dict[nn.Module
                 best = max(best, b - a)
         out[fqn] = best
     return out
+
+
+def _recomputed(tracker: MemTracker, device: torch.device, names: dict[nn.Module, str]) -> dict[str, int]:
+    """Each traced layer's feed-forward module: what its recompute (MemTracker's forward states inside the
+    backward) left live."""
+    out = {}
+    for stats in tracker.memory_tracking.values():
+        fqn = stats.mod_fqn.removeprefix("GlmForCausalLM.")
+        parts = fqn.split(".")
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] != "mlp":
+            continue
+        starts = [s.get(device, {}).get("Total", 0) for s in _states(stats, "Pre-Forward-AC")]
+        ends = [s.get(device, {}).get("Total", 0) for s in _states(stats, "Post-Forward-AC")]
+        if starts:
+            out[_part(fqn, names)] = sum(b - a for a, b in zip(starts, ends))
+    return out
+
+
+def expert_row_bytes(config: ModelConfig, rows: int = 64) -> int:
+    """Bytes the routed experts' grouped GEMMs and SwiGLU (`Experts.expert_rows`, what every rank runs on the
+    rows it receives) save for the backward per (token, expert) row, measured on fake tensors: the difference
+    between `rows` and 2 x `rows` bf16 rows (which leaves out the weights' bf16 copies)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def saved(experts: Experts, n: int) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()  # by storage (fake ones have no data pointer)
+            return tensor
+
+        x = torch.empty(n, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            experts.expert_rows(x, torch.zeros(config.n_routed_experts, dtype=torch.long))
+        return sum(storages.values())
+
+    with FakeTensorMode():
+        experts = Experts(config)
+        return (saved(experts, 2 * rows) - saved(experts, rows)) // rows
+
+
+def _part(fqn: str, names: dict[nn.Module, str]) -> str:
+    """A module name of the traced model ("layers.<j>...") as named in the full model ("layers.<i>...")."""
+    by_index = {layer.layer_idx: name for layer, name in names.items()}
+    _, index, *rest = fqn.split(".")
+    return ".".join([by_index[int(index)], *rest])
 
 
 def _states(stats: Any, name: str) -> list[dict]:
