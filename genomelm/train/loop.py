@@ -35,7 +35,7 @@ from genomelm.train.guards import RunMismatch, check_random_init, check_resume, 
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
 from genomelm.train.models import model_config_of, run_device
-from genomelm.train.precision import autocast_for, resolve_precision
+from genomelm.train.precision import resolve_precision
 from genomelm.train.step import StepOutcome, TrainStep, lr_factor, make_optimizer
 from genomelm.train.stop import StopRequest, clear_stop
 
@@ -154,22 +154,9 @@ def build_run(config: TrainConfig) -> Run:
     identity = run_identity(config, data.manifest)
     resume_from, state = resume_state(config, checkpointer, identity, parallel)
     model = build_model(config, model_config, device, parallel, resume_from, checkpointer)
-    runner = LayerRunner(
-        recompute=config.memory.recompute,
-        offload=config.memory.offload,
-        keep_selection=config.memory.keep_selection,
-        recompute_chunks=config.memory.recompute_chunks,
-    )
+    runner = LayerRunner.for_memory(config.memory)
     optimizer = make_optimizer(model, config.optim, device, sharded=parallel is not None and parallel.fsdp)
-    step = TrainStep(
-        model,
-        optimizer,
-        runner,
-        parallel,
-        config.optim,
-        lambda: autocast_for(config.memory.precision, device),
-        config.optim.grad_accum * dims.dp,
-    )
+    step = TrainStep.for_run(config, model, optimizer, runner, parallel, device)
     run = Run(
         config, device, parallel, data, model, optimizer, runner, step, checkpointer, identity, resume_from
     )

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from genomelm.model.chunking import run_directly
+from genomelm.train.config import MemoryConfig
 
 Packed = tuple[torch.device, Any]
 
@@ -122,6 +123,16 @@ class LayerRunner:
 
     def __post_init__(self) -> None:
         self.copier = HostCopier() if self.offload else None
+
+    @classmethod
+    def for_memory(cls, memory: MemoryConfig, offload: bool | None = None) -> LayerRunner:
+        """The runner of a run's `memory` settings (`offload`: None keeps the setting's)."""
+        return cls(
+            recompute=memory.recompute,
+            offload=memory.offload if offload is None else offload,
+            keep_selection=memory.keep_selection,
+            recompute_chunks=memory.recompute_chunks,
+        )
 
     def __call__(self, layer: nn.Module, hidden: torch.Tensor, selection: Any) -> Any:
         if not torch.is_grad_enabled():

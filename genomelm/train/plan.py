@@ -77,12 +77,7 @@ def describe_run(config: TrainConfig) -> str:
     model = GlmForCausalLM.from_config(model_config, device="meta")
     n = sum(p.numel() for p in model.parameters())
     memory = config.memory
-    runner = LayerRunner(
-        recompute=memory.recompute,
-        offload=memory.offload,
-        keep_selection=memory.keep_selection,
-        recompute_chunks=memory.recompute_chunks,
-    )
+    runner = LayerRunner.for_memory(memory)
     head = (
         f"run {config.run}: model {config.model or 'not set, sized as glm-5.3-flash'} ({n / 1e9:.2f}B "
         f"parameters, {len(model_config.kda_layers)} KDA + {len(model_config.dsa_layers)} DSA layers)\n\n"

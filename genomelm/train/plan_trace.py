@@ -289,12 +289,7 @@ def trace_step(
         if parallel is not None:
             parallel.prepare(model, None, run.parallel.ep_capacity_factor)
         model.train()
-        runner = LayerRunner(
-            recompute=run.memory.recompute,
-            offload=run.memory.offload,
-            keep_selection=run.memory.keep_selection,
-            recompute_chunks=run.memory.recompute_chunks,
-        )
+        runner = LayerRunner.for_memory(run.memory)
         if runner.copier is not None and fake:
             runner.copier = _MetaHostCopier()
         window = tokens_per_rank * cp

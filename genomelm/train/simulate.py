@@ -171,7 +171,7 @@ def _simulate_rank(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from genomelm.train.precision import autocast_for, resolve_precision
+    from genomelm.train.precision import resolve_precision
 
     device = torch.device("cuda", 0)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
@@ -189,22 +189,9 @@ def _simulate_rank(
                 )
                 parallel.prepare(model, param_dtype, config.parallel.ep_capacity_factor)
             model.train()
-            runner = LayerRunner(
-                recompute=config.memory.recompute,
-                offload=False,
-                keep_selection=config.memory.keep_selection,
-                recompute_chunks=config.memory.recompute_chunks,
-            )
+            runner = LayerRunner.for_memory(config.memory, offload=False)
             optimizer = make_optimizer(model, config.optim, device)
-            step = TrainStep(
-                model,
-                optimizer,
-                runner,
-                parallel,
-                config.optim,
-                lambda: autocast_for(config.memory.precision, device),
-                config.optim.grad_accum * dims.dp,
-            )
+            step = TrainStep.for_run(config, model, optimizer, runner, parallel, device)
             windows = _windows(config, device, phase)
             phases = StepPhases(update=lambda: _phase(phase, "update"), assume_finite=True)
             step.run(config.optim.lr, windows, phases)

@@ -9,6 +9,7 @@ trackers around the two phases through `StepPhases`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -20,7 +21,8 @@ from torch import Tensor, nn
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.parallel.training import ContextRun, ParallelRun
 from genomelm.train.balance import ExpertLoad, update_expert_bias
-from genomelm.train.config import OptimConfig
+from genomelm.train.config import OptimConfig, TrainConfig
+from genomelm.train.precision import autocast_for
 
 LayerRunnerFn = Callable[..., object]
 
@@ -119,6 +121,22 @@ class TrainStep:
         self.model, self.optimizer, self.runner, self.parallel = model, optimizer, runner, parallel
         self.optim, self.autocast, self.windows_per_step = optim, autocast, windows_per_step
         self.context = parallel.context if parallel is not None else None
+
+    @classmethod
+    def for_run(
+        cls,
+        config: TrainConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        runner: LayerRunnerFn | None,
+        parallel: ParallelRun | None,
+        device: torch.device,
+    ) -> TrainStep:
+        """The step of a run of `config` on this rank: its precision's autocast on `device`, grad_accum x dp
+        windows per step."""
+        windows = config.optim.grad_accum * config.parallel.dp
+        autocast = functools.partial(autocast_for, config.memory.precision, device)
+        return cls(model, optimizer, runner, parallel, config.optim, autocast, windows)
 
     def run(
         self, lr: float, windows: Iterable[list[Tensor]], phases: StepPhases | None = None
