@@ -346,6 +346,20 @@ def test_optimizer_offload_and_layer_input_offload_move_bytes_to_the_host():
     assert not single.optimizer_offload and not single.fsdp and "ignored" in single.notes[0]
 
 
+def test_optimizer_offload_counts_the_host_adamw_step():
+    """With optimizer offload the AdamW step runs on the host CPU (one tensor at a time): its memory traffic
+    at the host's bandwidth share is part of the step, beside the PCIe copies of gradients and parameters."""
+    from genomelm.train.plan_time import HOST_ADAMW_BYTES_PER_PARAMETER, HOST_MEMORY_GBS_PER_GPU
+
+    on, _, numel = _stub_plan(optimizer_offload=True)
+    off, _, _ = _stub_plan(optimizer_offload=False)
+    local = sum(v for k, v in numel.items() if k != "experts") / 4  # FSDP over dp*cp = 4 ranks
+    pcie = 2 * 4 * local / (on.assumptions["pcie_gbs"] * 1e9)
+    adamw = HOST_ADAMW_BYTES_PER_PARAMETER * local / (HOST_MEMORY_GBS_PER_GPU * 1e9)
+    added = on.assumptions["host_copy_s"] - off.assumptions["host_copy_s"]
+    assert added == pytest.approx(pcie + adamw)
+
+
 def test_refusal_names_the_best_fitting_layout(monkeypatch):
     """What `make train` prints when the run does not fit: check_fits raises exactly `refusal`'s message."""
     plan, _, _ = _stub_plan()

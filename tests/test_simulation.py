@@ -38,6 +38,7 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
     kinds = Counter(c.kind for c in simulation.ranks[0].collectives)
     assert kinds["all_reduce"] and kinds["all_gather"] and kinds["reduce_scatter"]
     assert all(c.dtype for rank in simulation.ranks for c in rank.collectives)
+    assert "kda: fla chunk_kda (cuda) + context parallel" in simulation.ranks[0].routes  # the GPU's route
 
 
 @pytest.mark.slow

@@ -13,7 +13,10 @@ would on the first GPU step.
 What the simulation cannot see, and what stands in for it:
 - values: fake tensors hold none; the routing is balanced (every expert receives its share), a loss or norm
   read returns a placeholder, the step is taken as finite;
-- kernels: fla's and any Triton kernel cannot run on fake tensors; KDA runs its torch path here;
+- kernels: fla's and any Triton kernel cannot run on fake tensors. fla's `chunk_kda` enters as a custom op
+  with a fake implementation (`fla_stand_in`: output and final state of the right shapes and dtypes, fla's
+  saved inputs, gradients of the inputs' shapes), so KDA takes the route it takes on a GPU (`auto` -> fla,
+  the context-parallel summary without queries) whether or not fla is installed here;
 - FSDP2: sharding allocates its buffers on the device as real tensors (and it creates CUDA streams), which
   the stand-ins cannot give, so the simulated mesh runs without FSDP (`fsdp=false`: the replicated
   gradients' all-reduce stands in for its reduce-scatters), and FSDP2's collectives are counted on gloo
@@ -23,7 +26,6 @@ What the simulation cannot see, and what stands in for it:
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +61,7 @@ class RankSimulation:
     collectives: list[Collective]
     syncs: list[HostSync]
     unknown_values: int  # value reads the simulation answered with a placeholder
+    routes: str = ""  # the model's route table as it ran (the kernels each block took)
 
 
 @dataclass
@@ -156,10 +159,70 @@ def simulated_gpu(gpu: str) -> Iterator[None]:
         DefaultDeviceType._default_device_type = saved_checkpoint_device
 
 
+@torch.library.custom_op("genomelm_simulation::chunk_kda", mutates_args=())
+def _chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's `chunk_kda` in the simulation: q, k, g [B, S, H, Dk], v [B, S, H, Dv], beta [B, S, H], state
+    [B, H, Dk, Dv] fp32 -> (out like v, final state fp32). Fake tensors only."""
+    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation)")
+
+
+@_chunk_kda.register_fake
+def _(q, k, v, g, beta, state):
+    return torch.empty_like(v), torch.empty_like(state, dtype=torch.float32)
+
+
+def _chunk_kda_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)  # fla keeps its inputs for the backward (and recomputes the rest)
+
+
+def _chunk_kda_backward(ctx, grad_out, grad_state):
+    return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+_chunk_kda.register_autograd(_chunk_kda_backward, setup_context=_chunk_kda_setup)
+
+
+def _chunk_kda_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    use_qk_l2norm_in_kernel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stand-in with `fla.ops.kda.chunk_kda`'s keyword arguments (as `kda_core` calls it)."""
+    if initial_state is None:
+        batch, _, heads, dk = k.shape
+        initial_state = k.new_zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32)
+    return _chunk_kda(q, k, v, g, beta, initial_state)
+
+
+@contextmanager
+def fla_stand_in() -> Iterator[None]:
+    """`fla_chunk_kda()` returns the stand-in (as if fla were installed) while inside."""
+    from genomelm.model import kda, kda_chunk
+
+    saved = kda.fla_chunk_kda, kda_chunk.fla_chunk_kda
+    kda.fla_chunk_kda = kda_chunk.fla_chunk_kda = lambda: _chunk_kda_call
+    try:
+        yield
+    finally:
+        kda.fla_chunk_kda, kda_chunk.fla_chunk_kda = saved
+
+
 def _simulate_ranks(config: TrainConfig, model_config: ModelConfig, ranks: list[int], gpu: str) -> Simulation:
     dims = ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep)
     simulation = Simulation(dims, config.seq_len)
-    with simulated_gpu(gpu):
+    with simulated_gpu(gpu), fla_stand_in():
         for rank in ranks:
             simulation.ranks.append(_simulate_rank(config, model_config, dims, rank))
     return simulation
@@ -179,7 +242,7 @@ def _simulate_rank(
         parallel = ParallelRun.from_environment(dims, config.parallel.cp_layout, False, device.type)
         phase = ["build"]
         mode = SimulationMode("cuda", lambda: phase[0])
-        options = dataclasses.replace(config.model_options, kda_backend="torch")
+        options = config.model_options
         with FakeTensorMode(), mode:
             model = GlmForCausalLM.from_config(model_config, options, device=device)
             set_chunk_recompute(model, config.memory.recompute_chunks)
@@ -196,7 +259,12 @@ def _simulate_rank(
             phases = StepPhases(update=lambda: _phase(phase, "update"), assume_finite=True)
             step.run(config.optim.lr, windows, phases)
         return RankSimulation(
-            rank, config.optim.grad_accum, mode.collectives, mode.syncs, mode.unknown_values
+            rank,
+            config.optim.grad_accum,
+            mode.collectives,
+            mode.syncs,
+            mode.unknown_values,
+            model.route_table(),
         )
     finally:
         dist.destroy_process_group()
