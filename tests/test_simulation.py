@@ -35,6 +35,7 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
     assert sum(syncs.values()) <= exchanges, syncs
     assert all("expert_parallel_forward" in site for site in syncs), syncs
     assert simulation.syncs_per_update() == {}
+    assert not [s for r in simulation.ranks for s in r.syncs if s.phase == "input"]  # pinned, asynchronous
     kinds = Counter(c.kind for c in simulation.ranks[0].collectives)
     assert kinds["all_reduce"] and kinds["all_gather"] and kinds["reduce_scatter"]
     assert all(c.dtype for rank in simulation.ranks for c in rank.collectives)

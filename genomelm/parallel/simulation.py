@@ -165,6 +165,7 @@ class SimulationMode(TorchDispatchMode):
         self.placeholder = 0
         self.last_read: tuple[str, int] | None = None
         self.shadows = WeakTensorKeyDictionary()
+        self.pinned = WeakTensorKeyDictionary()  # fake host tensors made by pin_memory()
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -175,6 +176,10 @@ class SimulationMode(TorchDispatchMode):
             return self._value_read(func, args[0])
         if func is torch.ops.aten.bincount.default and isinstance(args[0], FakeTensor):
             return self._balanced_counts(args, kwargs)
+        if func is torch.ops.aten._pin_memory.default and isinstance(args[0], FakeTensor):
+            pinned = torch.empty_like(args[0])  # fake tensors have no pinned memory: a host tensor marked so
+            self.pinned[pinned] = True
+            return pinned
         self._note_copy(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
@@ -210,12 +215,15 @@ class SimulationMode(TorchDispatchMode):
 
     def _note_copy(self, func: Any, args: tuple, kwargs: dict) -> None:
         if func is torch.ops.aten._to_copy.default:
-            source, target = args[0].device, kwargs.get("device")
-            blocking = not kwargs.get("non_blocking", False)
+            host, source, target = args[0], args[0].device, kwargs.get("device")
+            asked_async = kwargs.get("non_blocking", False)
         elif func is torch.ops.aten.copy_.default:
-            source, target, blocking = args[1].device, args[0].device, not (len(args) > 2 and args[2])
+            host, source, target = args[1], args[1].device, args[0].device
+            asked_async = len(args) > 2 and args[2]
         else:
             return
+        # a host-to-device copy is asynchronous only from pinned memory (from pageable memory CUDA stages it)
+        blocking = not (asked_async and (not isinstance(host, FakeTensor) or host in self.pinned))
         if target is None or torch.device(target).type == source.type:
             return
         if source.type == "cpu" and torch.device(target).type != "meta":

@@ -36,7 +36,7 @@ from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
 from genomelm.train.models import model_config_of, run_device
 from genomelm.train.precision import resolve_precision
-from genomelm.train.step import StepOutcome, TrainStep, lr_factor, make_optimizer
+from genomelm.train.step import StepOutcome, TrainStep, device_rows, lr_factor, make_optimizer
 from genomelm.train.stop import StopRequest, clear_stop
 
 
@@ -304,7 +304,7 @@ def step_windows(run: Run, step: int, seen: list[Window]):
             continue
         seen.append(window)
         weights = window.loss_weights(run.config.data_options.softmask_weight)
-        yield [t[None].to(run.device) for t in (window.input_ids, window.labels, weights)]
+        yield device_rows([window.input_ids, window.labels, weights], run.device)
 
 
 def check_bad_steps(run: Run, step: int, outcome: StepOutcome) -> None:

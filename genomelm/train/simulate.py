@@ -42,7 +42,7 @@ from genomelm.parallel.simulation import Collective, HostSync, SimulationMode, c
 from genomelm.parallel.training import ParallelRun
 from genomelm.train.config import TrainConfig
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
-from genomelm.train.step import StepPhases, TrainStep, make_optimizer
+from genomelm.train.step import StepPhases, TrainStep, device_rows, make_optimizer
 
 GPU_CAPABILITY = {"b200": (10, 0), "h200": (9, 0), "h100": (9, 0)}
 
@@ -275,7 +275,7 @@ def _windows(config: TrainConfig, device: torch.device, phase: list[str]) -> Ite
     for _ in range(config.optim.grad_accum):
         phase[0] = "input"
         rows = [torch.zeros(config.seq_len, dtype=torch.long)] * 2 + [torch.ones(config.seq_len)]
-        moved = [t[None].to(device) for t in rows]
+        moved = device_rows(rows, device)
         phase[0] = "window"
         yield moved
 
@@ -316,8 +316,8 @@ def describe_simulation(
     lines += [f"    {n:>6g}  {site}" for site, n in sorted(syncs.items(), key=lambda item: -item[1])]
     inputs = Counter(f"{s.kind} at {s.site}" for s in rank.syncs if s.phase == "input")
     lines.append(
-        f"  before each micro-batch: {sum(inputs.values())} host-to-device copies of the window's rows "
-        "(ids, labels, weights)"
+        f"  before each micro-batch (the window's rows to the device, through pinned memory): "
+        f"{sum(inputs.values())}"
     )
     update = simulation.syncs_per_update()
     lines.append(

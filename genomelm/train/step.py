@@ -52,6 +52,14 @@ def window_loss(
     return loss, totals
 
 
+def device_rows(rows: list[Tensor], device: torch.device) -> list[Tensor]:
+    """A window's rows [S] (ids, labels, weights) as model rows [1, S] on `device`: on a GPU through pinned
+    host memory, so the copies are queued without stopping the host."""
+    if device.type != "cuda":
+        return [t[None].to(device) for t in rows]
+    return [t[None].pin_memory().to(device, non_blocking=True) for t in rows]
+
+
 def make_optimizer(
     model: nn.Module, optim: OptimConfig, device: torch.device, sharded: bool = False
 ) -> torch.optim.AdamW:
