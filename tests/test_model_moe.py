@@ -30,7 +30,8 @@ def _run(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tenso
 
 @pytest.mark.parametrize("changes", [{}, {"n_group": 1, "topk_group": 1}, {"n_group": 4, "topk_group": 2}])
 def test_grouped_equals_loop_and_chunked_equals_unchunked(changes: dict) -> None:
-    x = torch.randn(2, 37, tiny_config().hidden_size)
+    # seeded: fp32 sums over other chunkings differ by up to ~1e-5, so inputs the test order leaves may flake
+    x = torch.randn(2, 37, tiny_config().hidden_size, generator=torch.Generator().manual_seed(0))
     reference = _run(_moe("loop", 10_000, **changes), x)
     for backend, chunk in [("grouped", 10_000), ("grouped", 7), ("loop", 5)]:
         got = _run(_moe(backend, chunk, **changes), x)

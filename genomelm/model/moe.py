@@ -85,6 +85,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.swiglu_limit = config.swiglu_limit
         self.backend = backend
+        # the place in the MoE's forward of the chunk being run (set by `MoE`): lets a module that splits the
+        # experts over processes find what it kept of this chunk when a recompute runs it again
+        self.chunk_index = 0
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """Sum of weighted expert outputs per token: x [T, D], expert_ids/weights [T, k] -> (out [T, D],
@@ -193,15 +196,17 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         outputs = []
         counts = torch.zeros(self.experts.num_experts, dtype=torch.long, device=x.device)
-        for chunk in flat.split(self.chunk_tokens):
-            out, chunk_counts = self.chunk_runner(self._chunk_forward, chunk)
+        for index, chunk in enumerate(flat.split(self.chunk_tokens)):
+            out, chunk_counts = self.chunk_runner(self._chunk_forward, chunk, index)
             outputs.append(out)
             counts += chunk_counts
         self.tokens_per_expert = counts.detach()
         return torch.cat(outputs).view(*x.shape[:-1], -1)
 
-    def _chunk_forward(self, chunk: Tensor) -> tuple[Tensor, Tensor]:
-        """Routed experts + shared expert for [T, D] tokens -> ([T, D], tokens per expert [E])."""
+    def _chunk_forward(self, chunk: Tensor, index: int = 0) -> tuple[Tensor, Tensor]:
+        """Routed experts + shared expert for [T, D] tokens -> ([T, D], tokens per expert [E]). `index`: the
+        chunk's place in the forward, told to the experts (`Experts.chunk_index`); a recompute replays it."""
+        self.experts.chunk_index = index
         expert_ids, weights = self.gate(chunk)
         routed, counts = self.experts(chunk, expert_ids, weights)
         return routed + self.shared_experts(chunk), counts

@@ -14,7 +14,9 @@ experts' owners:
 2. one all-gather of the counts: every rank knows the whole [ep, E] count matrix, hence every send and receive
    size and the capacity decision, which is therefore the same on every rank (all raise together, none hangs);
    its row sums are copied to the host once (the all-to-all takes its split sizes there): the exchange's one
-   host sync, inherent to an uneven all-to-all;
+   host sync, inherent to an uneven all-to-all. A recompute in the backward pass routes the chunk exactly as
+   the forward did, so it reuses the forward's matrix and sizes (kept per chunk, found by
+   `Experts.chunk_index`): no all-gather and no host sync;
 3. an uneven all-to-all of the rows (in the compute dtype: bf16 under autocast) to the owners; the rows arrive
    grouped by source rank, then expert, and are reordered expert-major for one grouped GEMM over the local
    experts (`Experts.expert_rows`, the local path's own GEMM), then put back in arrival order;
@@ -76,6 +78,10 @@ class ExpertShard:
     capacity_factor: float = 8.0  # <= 0: no limit (see `apply_expert_parallel`)
     name: str = ""  # the module's name in the model, for messages
     received_tokens: int = field(default=0, compare=False)  # (token, expert) rows computed here
+    # chunk index -> (pairs, count matrix, rows between ranks) of the last forward: what a recompute reuses
+    kept_sizes: dict[int, tuple[int, Tensor, list[list[int]]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def split(
@@ -158,9 +164,9 @@ def expert_parallel_forward(
     weights [T, k] (global ids; fp32 routing) -> (out [T, D] in x's dtype, counts [E] long of this rank's
     pairs).
 
-    Three collectives per call on every rank: one all-gather of the counts, two uneven all-to-alls of rows
-    (one each way); the backward runs the two all-to-alls reversed. Adds the rows computed here to
-    `settings.received_tokens` (not during a recompute in the backward pass).
+    Three collectives per call on every rank: one all-gather of the counts (not in a recompute), two uneven
+    all-to-alls of rows (one each way); the backward runs the two all-to-alls reversed. Adds the rows computed
+    here to `settings.received_tokens` (not during a recompute in the backward pass).
     """
     ep, per_rank = settings.ep, settings.per_rank
     k = expert_ids.shape[1]
@@ -169,10 +175,17 @@ def expert_parallel_forward(
     token_of_pair = order // k
     counts = torch.bincount(flat_ids, minlength=settings.num_experts)
     # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
-    matrix = all_gather_slots(counts.unsqueeze(0), settings.group).view(ep, ep, per_rank)
-    # the exchange's one host sync: every send and receive size, and the capacity decision, come from it
-    rows_between = matrix.sum(-1).tolist()  # [src][dst]
-    _check_capacity(settings, [sum(column) for column in zip(*rows_between)])
+    recompute = torch._C._current_graph_task_id() != -1  # run again inside the backward pass
+    kept = settings.kept_sizes.get(module.chunk_index) if recompute else None
+    if kept is not None and kept[0] == flat_ids.numel():  # the routing replays the forward's exactly
+        _, matrix, rows_between = kept
+    else:
+        matrix = all_gather_slots(counts.unsqueeze(0), settings.group).view(ep, ep, per_rank)
+        # the exchange's one host sync: every send and receive size, and the capacity decision, come from it
+        rows_between = matrix.sum(-1).tolist()  # [src][dst]
+        _check_capacity(settings, [sum(column) for column in zip(*rows_between)])
+        if not recompute:
+            settings.kept_sizes[module.chunk_index] = (flat_ids.numel(), matrix, rows_between)
     send = rows_between[settings.rank]
     recv = [row[settings.rank] for row in rows_between]
 
@@ -197,7 +210,7 @@ def expert_parallel_forward(
         y_received, recv, send, settings.group
     )  # this rank's pairs, sorted as x_sorted
 
-    if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass, so not a recompute
+    if not recompute:
         settings.received_tokens += int(received.shape[0])
     y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(y_sorted.dtype)
     out = torch.zeros_like(x).index_add_(0, token_of_pair, y_sorted.to(x.dtype))

@@ -77,12 +77,12 @@ class Simulation:
         return 0
 
     def moe_calls_per_window(self, config: TrainConfig, model_config: ModelConfig) -> int:
-        """Expert exchanges per micro-batch: MoE layers x chunks of the rank's tokens, twice with recompute
-        (the recompute runs the exchange again)."""
+        """Expert exchanges per micro-batch that need their split sizes on the host: MoE layers x chunks of
+        the rank's tokens (a recompute reuses the forward's)."""
         layers = sum(kind == MOE for kind in model_config.mlp_layer_types)
         tokens = self.tokens_per_window // self.dims.cp
         chunks = -(-tokens // config.model_options.moe_chunk_tokens)
-        return layers * chunks * (2 if config.memory.recompute else 1) if self.dims.ep > 1 else 0
+        return layers * chunks if self.dims.ep > 1 else 0
 
     def syncs_per_window(self) -> dict[str, float]:
         """Host syncs per micro-batch (forward + backward of one window) by "kind at site", the busiest
@@ -311,7 +311,8 @@ def describe_simulation(
     lines += [f"    {kind:<58} {n:>5} x {size / 1e6:>10,.2f} MB" for kind, (n, size) in by_kind.items()]
     lines.append(
         f"  host syncs per micro-batch: {sum(syncs.values()):g} simulated; {projected:g} at the full model "
-        f"({full_calls} expert exchanges x {per_call:g} + the rest; the exchange's split sizes are inherent)"
+        f"({full_calls} expert exchanges x {per_call:g} + the rest: the exchange's split sizes, inherent; a "
+        "recompute reuses the forward's)"
     )
     lines += [f"    {n:>6g}  {site}" for site, n in sorted(syncs.items(), key=lambda item: -item[1])]
     inputs = Counter(f"{s.kind} at {s.site}" for s in rank.syncs if s.phase == "input")
