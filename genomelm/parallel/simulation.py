@@ -20,7 +20,7 @@ values here ("shadows", computed on the CPU beside the fake op): factories, ops 
 collectives over them with every rank assumed alike. The routing counts themselves (`aten.bincount` with
 `minlength`, whose output length fake tensors cannot know) are the balanced counts: each expert receives its
 share of the (token, expert) pairs, as when the router spreads tokens evenly. A value read of a tensor without
-a shadow returns `placeholder` (0), and the sync is still recorded.
+a shadow returns a placeholder (0), and the sync is still recorded.
 """
 
 from __future__ import annotations
@@ -161,8 +161,7 @@ class SimulationMode(TorchDispatchMode):
         self.device_type, self.phase = device_type, phase
         self.collectives: list[Collective] = []
         self.syncs: list[HostSync] = []
-        self.unknown_values = 0  # value reads answered with the placeholder
-        self.placeholder = 0
+        self.unknown_values = 0  # value reads answered with the placeholder (0)
         self.last_read: tuple[str, int] | None = None
         self.shadows = WeakTensorKeyDictionary()
         self.pinned = WeakTensorKeyDictionary()  # fake host tensors made by pin_memory()
@@ -185,7 +184,7 @@ class SimulationMode(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DynamicOutputShapeException:
             return self._data_dependent(func, args, kwargs)
-        if func in _SIZE_FROM_DATA and not (func is _REPEAT_INTERLEAVE and kwargs.get("output_size")):
+        if func is _REPEAT_INTERLEAVE and not kwargs.get("output_size"):  # its length is data
             self._sync("data-dependent shape", func)
         if isinstance(out, FakeTensor) or (isinstance(out, tuple | list) and any(map(_is_fake, out))):
             self._shadow(func, args, kwargs, out)
@@ -210,8 +209,8 @@ class SimulationMode(TorchDispatchMode):
                 return shadow.item()
         self.unknown_values += 1
         if tensor.dtype.is_floating_point:
-            return float(self.placeholder)
-        return bool(self.placeholder) if tensor.dtype == torch.bool else int(self.placeholder)
+            return 0.0
+        return False if tensor.dtype == torch.bool else 0
 
     def _note_copy(self, func: Any, args: tuple, kwargs: dict) -> None:
         if func is torch.ops.aten._to_copy.default:
@@ -301,6 +300,8 @@ class SimulationMode(TorchDispatchMode):
 
     def _drop_written(self, func: Any, args: tuple) -> None:
         """A tensor an op wrote in place whose new value is unknown loses its shadow."""
+        if not func._schema.is_mutable:
+            return
         for argument, value in zip(func._schema.arguments, args):
             if argument.alias_info is not None and argument.alias_info.is_write:
                 for tensor in _tensors(value):
@@ -375,7 +376,6 @@ class SimulationMode(TorchDispatchMode):
 
 
 _REPEAT_INTERLEAVE = torch.ops.aten.repeat_interleave.Tensor
-_SIZE_FROM_DATA = frozenset({_REPEAT_INTERLEAVE})
 
 
 def check_ranks_agree(per_rank: Sequence[Sequence[Collective]]) -> None:

@@ -35,7 +35,7 @@ from genomelm.train.guards import RunMismatch, check_random_init, check_resume, 
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
 from genomelm.train.models import model_config_of, run_device
-from genomelm.train.precision import resolve_precision
+from genomelm.train.precision import fsdp_param_dtype
 from genomelm.train.step import StepOutcome, TrainStep, device_rows, lr_factor, make_optimizer
 from genomelm.train.stop import StopRequest, clear_stop
 
@@ -208,7 +208,7 @@ def build_model(
     ):
         save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
     if parallel is not None:
-        param_dtype = torch.bfloat16 if resolve_precision(config.memory.precision, device) == "bf16" else None
+        param_dtype = fsdp_param_dtype(config.memory.precision, device)
         parallel.prepare(
             model, param_dtype, config.parallel.ep_capacity_factor, config.parallel.optimizer_offload
         )

@@ -29,3 +29,9 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
     if resolve_precision(precision, device) == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+def fsdp_param_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in for a run of `precision` on `device`: bf16 for bf16 runs, None
+    (the parameters' own) otherwise."""
+    return torch.bfloat16 if resolve_precision(precision, device) == "bf16" else None

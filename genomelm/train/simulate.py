@@ -72,10 +72,6 @@ class Simulation:
     tokens_per_window: int
     ranks: list[RankSimulation] = field(default_factory=list)
 
-    def off_device_collectives(self) -> int:
-        """Always 0: a collective NCCL would reject stops the simulation with `CollectiveError`."""
-        return 0
-
     def moe_calls_per_window(self, config: TrainConfig, model_config: ModelConfig) -> int:
         """Expert exchanges per micro-batch that need their split sizes on the host: MoE layers x chunks of
         the rank's tokens (a recompute reuses the forward's)."""
@@ -234,7 +230,7 @@ def _simulate_rank(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from genomelm.train.precision import resolve_precision
+    from genomelm.train.precision import fsdp_param_dtype
 
     device = torch.device("cuda", 0)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
@@ -247,9 +243,7 @@ def _simulate_rank(
             model = GlmForCausalLM.from_config(model_config, options, device=device)
             set_chunk_recompute(model, config.memory.recompute_chunks)
             if parallel is not None:
-                param_dtype = (
-                    torch.bfloat16 if resolve_precision(config.memory.precision, device) == "bf16" else None
-                )
+                param_dtype = fsdp_param_dtype(config.memory.precision, device)
                 parallel.prepare(model, param_dtype, config.parallel.ep_capacity_factor)
             model.train()
             runner = LayerRunner.for_memory(config.memory, offload=False)
