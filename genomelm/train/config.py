@@ -47,6 +47,8 @@ LAUNCHERS = ("local", "ray")
 WANDB_MODES = ("offline", "online", "disabled")
 GPU_KINDS = ("b200", "h200")
 PLAN_DEVICES = ("auto", "cpu", "cuda")
+PLAN_STAGES = ("train", "eval")
+EXPORT_FINAL = ("auto", "true", "false")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -183,8 +185,13 @@ class CheckpointConfig:
     save_every: int = 100  # optimizer steps between checkpoints (and at the last step)
     keep_checkpoints: int = 2  # newest complete checkpoints kept (0: all)
     resume: str = "auto"  # "auto" (newest checkpoint of this run, if any), "never", or a checkpoint folder
+    # the Hugging Face copy of a sharded run's last checkpoint (`genomelm eval` reads the sharded one directly):
+    # "true", "false", or "auto" (written unless the run spans more than one node)
+    export_final: str = "auto"
 
     def validate(self) -> None:
+        self.export_final = str(self.export_final).lower()  # YAML reads `true` as a bool
+        _check_choice("export_final", self.export_final, EXPORT_FINAL)
         _require(self.save_every >= 1, f"save_every={self.save_every}: give a number of steps >= 1")
         _require(
             self.keep_checkpoints >= 0, f"keep_checkpoints={self.keep_checkpoints}: give >= 0 (0 keeps all)"
@@ -257,9 +264,11 @@ class PlanConfig:
     # "cuda" (and auto): also simulate the run's own step on fake CUDA tensors (collectives checked as NCCL
     # would, host syncs counted); "cpu": the memory trace (fake CPU tensors) only
     device: str = "auto"
+    stage: str = "train"  # what is planned: "train" (the training step) or "eval" (the evaluator's forward)
 
     def validate(self) -> None:
         _check_choice("gpu", self.gpu, GPU_KINDS)
+        _check_choice("stage", self.stage, PLAN_STAGES)
         _check_choice("device", self.device, PLAN_DEVICES)
         _require(
             self.gpus >= 0, f"gpus={self.gpus}: give the number of GPUs to plan for (0: the run's dp * cp)"
