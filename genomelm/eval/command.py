@@ -3,8 +3,12 @@
 Scores held-out windows with the model before and after training and writes `results/<run>/buckets.json`,
 `buckets.csv` and `loss_by_position.png`. The windows are those of the run's own prepared folder, or with
 `heldout=dirA,dirB` those of each folder given (same SEQ and vocabulary), reported side by side: the JSON
-then holds one single-folder result per folder under "sets" (see `genomelm.eval.report`). With `cp=N` each
-window is split over N local processes (`run_scoring`, which `genomelm probe` uses too).
+then holds one single-folder result per folder under "sets" (see `genomelm.eval.report`).
+
+With `dp`, `cp` or `ep` above 1 the evaluation runs on the training's mesh (`run_scoring`, which `genomelm
+probe` uses too): dp * cp processes, local or Ray Train workers (`launcher=ray`), the model split over them as
+in training (`genomelm.train.scoring`), the dp replicas scoring different windows. "after" is by default the
+run's newest checkpoint, read directly when it is sharded.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ from genomelm.model.config import ConfigError
 from genomelm.parallel.launch import launch
 from genomelm.train.command import check_context_parallel
 from genomelm.train.config import TrainConfig
-from genomelm.train.models import load_scoring_model, model_pair, run_device
+from genomelm.train.models import model_pair, run_device
+from genomelm.train.plan import PlanError, check_fits
+from genomelm.train.ray_launch import RayLaunchError, score_with_ray
+from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source
 
 
 class EvalError(Exception):
@@ -144,8 +151,10 @@ def evaluate_sets(
     load: Callable[[str], torch.nn.Module],
     before: str,
     after: str,
+    share: WindowShare | None = None,
 ) -> dict:
-    """Score every set's windows with `load(before)` and then `load(after)` (each model loaded once).
+    """Score every set's windows with `load(before)` and then `load(after)` (each model loaded once); `share`:
+    the dp replicas splitting the windows.
 
     One set gives the single-folder result (settings, buckets, overall, context_cut, provenance); several give
     {"settings", "sets": [{"name", **single-folder result}, ...], "provenance"}.
@@ -178,6 +187,7 @@ def evaluate_sets(
                 context_cut,
                 progress=True,
                 precision=config.memory.precision,
+                share=share,
             )
         del model
         print(f"  {time.perf_counter() - began:.1f} s", flush=True)
@@ -267,7 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         before, after = model_pair(config, args.before, args.after)
         result = run_scoring(evaluate_config, config, before, after)
-    except (EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
+    except (
+        EvalError,
+        DataError,
+        ConfigError,
+        FileNotFoundError,
+        ValueError,
+        PlanError,
+        RayLaunchError,
+    ) as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
     return print_written(
@@ -292,32 +310,48 @@ def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -
 
 
 def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:
-    """`score(config, *args)`, in this process or with `cp` > 1 on cp local ranks (`genomelm.parallel.launch`;
-    there `genomelm.train.models.load_scoring_model` makes each model a `ContextParallelScorer`): rank 0's
-    result. `score` is a module-level function (the ranks receive it pickled)."""
-    if config.parallel.cp == 1:
+    """`score(config, *args)` in this process, or with dp * cp > 1 or ep > 1 on the run's mesh: dp * cp local
+    ranks (`genomelm.parallel.launch`) or Ray Train workers (`launcher=ray`): rank 0's result. On GPUs (or
+    planned for them: gpus=N, a Ray cluster) the evaluation is planned first and refused if it cannot fit.
+    `score` is a module-level function (the ranks receive it pickled)."""
+    check_context_parallel(config)  # dp x cp x ep against the model, windows the cp ranks can split
+    if (
+        torch.cuda.is_available()
+        or (config.parallel.launcher == "ray" and config.parallel.ray_address)
+        or config.plan.gpus
+    ):
+        check_fits(config.replace(stage="eval"))
+    if config.parallel.launcher == "ray":
+        return score_with_ray(_score_on_rank, score, config, *args)
+    ranks = config.parallel.world
+    if ranks == 1:
         return score(config, *args)
-
-    check_context_parallel(config)
-    ranks = config.parallel.cp
+    device = run_device().type
+    if device == "cuda" and torch.cuda.device_count() < ranks:
+        raise EvalError(
+            f"dp={config.parallel.dp} x cp={config.parallel.cp} needs {ranks} GPUs on this machine, found "
+            f"{torch.cuda.device_count()}"
+        )
     timeout = config.parallel.collective_timeout_s
-    return launch(
-        _score_on_rank, ranks, score, config, *args, device=run_device().type, collective_timeout_s=timeout
-    )[0]
+    return launch(_score_on_rank, ranks, score, config, *args, device=device, collective_timeout_s=timeout)[0]
 
 
 def _score_on_rank(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:
     """`score(config, *args)` on one rank of `run_scoring`'s group; only rank 0 prints its progress."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.cp))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world))
     quiet = dist.get_rank() != 0
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         return score(config, *args)
 
 
 def evaluate_config(config: TrainConfig, before: str, after: str) -> dict:
-    """`genomelm eval`'s result: the run's held-out sets scored with the models `before` and `after`."""
+    """`genomelm eval`'s result: the run's held-out sets scored with the models `before` and `after`, on this
+    rank's place in the run's mesh (or in this one process)."""
     folders = heldout_folders(config)
     check_compatible(folders)  # same SEQ and vocabulary, or an error naming both folders
     names = set_names(folders)
     sets = [load_heldout(folder, config.eval.eval_windows, name) for name, folder in zip(names, folders)]
-    return evaluate_sets(config, sets, functools.partial(load_scoring_model, config=config), before, after)
+    run = ScoringRun.from_environment(config)
+    load = functools.partial(load_scoring_model, config=config, run=run)
+    before, after = scoring_source(before, run), scoring_source(after, run)
+    return evaluate_sets(config, sets, load, before, after, run.share)

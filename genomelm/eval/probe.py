@@ -8,8 +8,8 @@ at [T - d, T - d + L)): the same real bases at the same place, with and without 
 gap, baseline loss - planted loss in nats per base, over the target's bases after its first (nothing before
 the first says that a copy begins), shows how far back the model retrieves. Distances with d < L (the copies
 would overlap) or d > T (no room before the target) are skipped and reported. Writes
-`results/<run>/copy_probe.json`, `copy_probe.csv` and `copy_probe.png`, before and after training. With `cp=N`
-each window is split over N local processes, as `genomelm eval` does.
+`results/<run>/copy_probe.json`, `copy_probe.csv` and `copy_probe.png`, before and after training. With dp, cp
+or ep above 1 it runs on the run's mesh as `genomelm eval` does (the dp replicas split the forward passes).
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ from genomelm.eval.report import format_number, jsonable, write_atomic, write_re
 from genomelm.eval.score import token_losses
 from genomelm.model.config import ConfigError
 from genomelm.train.config import TrainConfig
-from genomelm.train.models import load_scoring_model, model_pair
+from genomelm.train.models import model_pair
+from genomelm.train.plan import PlanError
+from genomelm.train.ray_launch import RayLaunchError
+from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source
 
 if TYPE_CHECKING:
     from genomelm.eval.command import HeldoutSet
@@ -143,29 +146,50 @@ def score_probe(
     distances: Sequence[int],
     precision: str = "auto",
     progress: bool = False,
+    share: WindowShare | None = None,
 ) -> ProbeScores:
     """Score the probe of every window at every distance with ``model``: one forward pass of the original
-    window, and one per distance that fits."""
+    window, and one per distance that fits. With `share` the dp replicas split the passes (all of one window's
+    length, so every replica runs the same passes), the sums gathered on every rank."""
     shape = (len(windows), len(distances))
     scores = ProbeScores(np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=np.int64))
+    column = {d: j for j, d in enumerate(distances)}
+
+    def scored(window: Window, site: ProbeSite) -> np.ndarray:
+        """Which of the site's scored positions predict a real base (the same in the planted window)."""
+        return (window.labels[site.scored] != IGNORE_INDEX).numpy()
+
+    def baseline(w: int, sites: list[ProbeSite]) -> list[tuple[str, int, int, float]]:
+        losses = token_losses(model, windows[w], precision)
+        return [
+            ("baseline", w, column[site.distance], float(losses[site.scored][scored(windows[w], site)].sum()))
+            for site in sites
+        ]
+
+    def planted(w: int, site: ProbeSite) -> list[tuple[str, int, int, float]]:
+        losses = token_losses(model, plant(windows[w], site), precision)
+        return [
+            ("planted", w, column[site.distance], float(losses[site.scored][scored(windows[w], site)].sum()))
+        ]
+
+    jobs: list[Callable[[], list[tuple[str, int, int, float]]]] = []
+    for w in range(len(windows)):
+        window = windows[w]
+        sites, _ = probe_sites(unpadded_length(window.input_ids, window.vocab), length, distances)
+        if sites:
+            jobs.append(functools.partial(baseline, w, sites))
+        for site in sites:
+            jobs.append(functools.partial(planted, w, site))
+            scores.tokens[w, column[site.distance]] = scored(window, site).sum()
+
+    def report(done: int, total: int) -> None:
+        print(f"  forward pass {done}/{total}", flush=True)
+
     model.eval()
     with torch.no_grad():
-        for w in range(len(windows)):
-            window = windows[w]
-            sites, _ = probe_sites(unpadded_length(window.input_ids, window.vocab), length, distances)
-            if not sites:
-                continue
-            baseline = token_losses(model, window, precision)
-            for site in sites:
-                planted_window = plant(window, site)
-                valid = (planted_window.labels[site.scored] != IGNORE_INDEX).numpy()
-                planted = token_losses(model, planted_window, precision)
-                j = list(distances).index(site.distance)
-                scores.planted[w, j] = planted[site.scored][valid].sum()
-                scores.baseline[w, j] = baseline[site.scored][valid].sum()
-                scores.tokens[w, j] = valid.sum()
-            if progress:
-                print(f"  window {w + 1}/{len(windows)}: {len(sites)} distance(s)", flush=True)
+        results = (share or WindowShare()).run(jobs, report if progress else None)
+    for name, w, j, total in (item for result in results for item in result):
+        getattr(scores, name)[w, j] = total
     return scores
 
 
@@ -188,9 +212,10 @@ def run_probe(
     load: Callable[[str], torch.nn.Module],
     before: str,
     after: str,
+    share: WindowShare | None = None,
 ) -> dict:
-    """The copy probe of the held-out windows with the models ``load(before)`` and ``load(after)``: what the
-    writers take."""
+    """The copy probe of the held-out windows with the models ``load(before)`` and ``load(after)``; `share`:
+    the dp replicas splitting the passes. What the writers take."""
     windows = heldout.windows
     if not len(windows):
         raise ProbeError("no held-out windows to probe")
@@ -218,7 +243,13 @@ def run_probe(
         )
         model = load(path)
         scores = score_probe(
-            model, windows, config.probe.probe_length, distances, config.memory.precision, progress=True
+            model,
+            windows,
+            config.probe.probe_length,
+            distances,
+            config.memory.precision,
+            progress=True,
+            share=share,
         )
         del model
         summaries[name] = summarise(scores)
@@ -347,7 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         before, after = model_pair(config, args.before, args.after)
         result = run_scoring(probe_config, config, before, after)
-    except (ProbeError, EvalError, DataError, ConfigError, FileNotFoundError, ValueError) as exc:
+    except (
+        ProbeError,
+        EvalError,
+        DataError,
+        ConfigError,
+        FileNotFoundError,
+        ValueError,
+        PlanError,
+        RayLaunchError,
+    ) as exc:
         print(f"genomelm probe: {exc}", file=sys.stderr)
         return 1
     table = format_probe_table(result)
@@ -357,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
 def probe_config(config: TrainConfig, before: str, after: str) -> dict:
     """`genomelm probe`'s result: the run's held-out windows probed with the models `before` and `after`."""
     heldout = load_heldout(config.data_dir, config.probe.probe_windows)
-    return run_probe(config, heldout, functools.partial(load_scoring_model, config=config), before, after)
+    run = ScoringRun.from_environment(config)
+    load = functools.partial(load_scoring_model, config=config, run=run)
+    before, after = scoring_source(before, run), scoring_source(after, run)
+    return run_probe(config, heldout, load, before, after, run.share)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ where labels == -100) and parameters; a window is a `genomelm.data.windows.Windo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.data.windows import Window
 from genomelm.train.precision import autocast_for
+from genomelm.train.scoring import WindowShare
 
 
 @dataclass
@@ -60,37 +62,49 @@ def score_windows(
     context_cut: bool,
     progress: bool = False,
     precision: str = "auto",
+    share: WindowShare | None = None,
 ) -> Scores:
     """Score every window of `windows` (all of one length S) with `model`, in `precision` ("auto": bf16 on
-    CUDA as in training, fp32 on the CPU).
+    CUDA as in training, fp32 on the CPU); with `share`, the dp replicas split the windows (each scored once,
+    the scores gathered on every rank).
 
     With `context_cut`, the last bucket's positions [c, S) are scored again from input_ids[c - bucket:S]
     only (the preceding bucket as context), c = `last_bucket_start(S, bucket)`; needs at least 2 buckets.
     """
     if not len(windows):
         raise ValueError("no windows to score")
+    share = share if share is not None else WindowShare()
     seq = len(windows[0].input_ids)
     cut_start = last_bucket_start(seq, bucket)
     if context_cut and cut_start < bucket:
         raise ValueError(
             f"the context cut needs at least 2 buckets per window; SEQ {seq} holds one of {bucket}"
         )
-    loss = np.zeros((len(windows), seq), dtype=np.float32)
     valid = np.zeros((len(windows), seq), dtype=bool)
     softmask = np.zeros((len(windows), seq), dtype=bool)
-    cut_loss = np.zeros((len(windows), seq - cut_start), dtype=np.float32) if context_cut else None
+    for i in range(len(windows)):
+        labels = windows[i].labels
+        if len(labels) != seq:
+            raise ValueError(f"window {i} has {len(labels)} tokens, window 0 has {seq}")
+        valid[i] = (labels != IGNORE_INDEX).numpy()
+        softmask[i] = windows[i].predicted_softmask.numpy()
+
+    def job(i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        window = windows[i]
+        loss = np.where(valid[i], token_losses(model, window, precision), 0.0).astype(np.float32)
+        if not context_cut:
+            return loss, None
+        part = token_losses(model, window.cropped(cut_start - bucket), precision)[bucket:]
+        return loss, np.where(valid[i, cut_start:], part, 0.0).astype(np.float32)
+
+    def report(done: int, total: int) -> None:
+        print(f"  window {done}/{total}", flush=True)
+
     model.eval()
     with torch.no_grad():
-        for i in range(len(windows)):
-            window = windows[i]
-            if len(window.input_ids) != seq:
-                raise ValueError(f"window {i} has {len(window.input_ids)} tokens, window 0 has {seq}")
-            valid[i] = (window.labels != IGNORE_INDEX).numpy()
-            softmask[i] = window.predicted_softmask.numpy()
-            loss[i] = np.where(valid[i], token_losses(model, window, precision), 0.0)
-            if cut_loss is not None:
-                part = token_losses(model, window.cropped(cut_start - bucket), precision)[bucket:]
-                cut_loss[i] = np.where(valid[i, cut_start:], part, 0.0)
-            if progress:
-                print(f"  window {i + 1}/{len(windows)}", flush=True)
+        rows = share.run(
+            [functools.partial(job, i) for i in range(len(windows))], report if progress else None
+        )
+    loss = np.stack([row[0] for row in rows])
+    cut_loss = np.stack([row[1] for row in rows]) if context_cut else None
     return Scores(loss, valid, softmask, cut_loss, cut_start)

@@ -15,9 +15,9 @@ A step folder holds one of two layouts (`save` and `load` take either):
   parameters are DTensors already; a rank's own routed experts (expert parallel) are described to DCP as
   shards of the global [E, ...] tensor on the ("ep", "edp") mesh, so a checkpoint saved at one world size, ep
   or dp loads at another. Beside it `config.json` (the model's Hugging Face config), `trainer.pt` (rank 0:
-  the trainer state plus the mesh dims as "world") and `rng/rank-00000.pt` (each rank's RNG state); after the
-  last step the run adds `model/`, the Hugging Face layout (`genomelm.parallel.export`), which `genomelm
-  eval` reads.
+  the trainer state plus the mesh dims as "world") and `rng/rank-00000.pt` (each rank's RNG state); `genomelm
+  eval` reads the model from `state/` (`load_sharded_model`), and after the last step the run may add
+  `model/`, the Hugging Face layout (`genomelm.parallel.export`, setting `export_final`).
 A step folder is complete when it holds `trainer.pt` and `model/config.json` or `state/.metadata`.
 
 Every write goes to a temporary `.tmp-step-*` folder (one process: suffixed with its pid; sharded: one name,
@@ -444,14 +444,22 @@ def _as_global(value: Tensor, shape: tuple[int, ...], mesh: Mesh) -> DTensor:
     )
 
 
+def _model_view(
+    model: nn.Module, mesh: Mesh | None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple]]:
+    """(model state, what DCP sees of it, the expert shapes): the expert entries seen as global DTensors."""
+    model_state = get_model_state_dict(model)
+    shapes = _expert_shapes(model) if mesh is not None else {}
+    seen = {k: _as_global(v, shapes[k], mesh) if k in shapes else v for k, v in model_state.items()}
+    return model_state, seen, shapes
+
+
 def _described(
     model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | None
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(model state, optimizer state, what DCP sees): the last with the expert entries as global DTensors."""
-    model_state = get_model_state_dict(model)
+    model_state, seen_model, shapes = _model_view(model, mesh)
     optim_state = get_optimizer_state_dict(model, optimizer)
-    shapes = _expert_shapes(model) if mesh is not None else {}
-    seen_model = {k: _as_global(v, shapes[k], mesh) if k in shapes else v for k, v in model_state.items()}
     seen_state = {}
     for name, entry in optim_state["state"].items():
         if name in shapes:
@@ -463,6 +471,22 @@ def _described(
     seen_optim = {"state": seen_state, "param_groups": optim_state["param_groups"]}
     seen = {"model": seen_model, "optimizer": seen_optim}
     return model_state, optim_state, seen
+
+
+def load_sharded_model(step_dir: Path, model: nn.Module, mesh: Mesh | None) -> None:
+    """Fill `model` (split over this run's mesh, or whole in one process: mesh None) with the weights of the
+    sharded checkpoint `step_dir`, saved at any world size; the optimizer state is not read. Each rank reads
+    only its shard (DCP reads the blocks a rank's DTensors hold), cast to the model's dtypes as read."""
+    model_state, seen, shapes = _model_view(model, mesh)
+    with warnings.catch_warnings():  # one process reading a checkpoint many wrote is what `mesh=None` asks
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": seen}, checkpoint_id=Path(step_dir) / STATE_DIR, no_dist=mesh is None)
+    for name, value in seen.items():
+        if name in shapes:  # the global views alias the local rows; copy in case a view was not in place
+            _local(model_state[name]).copy_(value.to_local())
+        else:
+            model_state[name] = value
+    set_model_state_dict(model, model_state)
 
 
 def _local(value: Tensor) -> Tensor:

@@ -185,8 +185,8 @@ class CheckpointConfig:
     save_every: int = 100  # optimizer steps between checkpoints (and at the last step)
     keep_checkpoints: int = 2  # newest complete checkpoints kept (0: all)
     resume: str = "auto"  # "auto" (newest checkpoint of this run, if any), "never", or a checkpoint folder
-    # the Hugging Face copy of a sharded run's last checkpoint (`genomelm eval` reads the sharded one directly):
-    # "true", "false", or "auto" (written unless the run spans more than one node)
+    # the Hugging Face copy of a sharded run's last checkpoint (`genomelm eval` reads the sharded one
+    # directly): "true", "false", or "auto" (written unless the run spans more than one node)
     export_final: str = "auto"
 
     def validate(self) -> None:

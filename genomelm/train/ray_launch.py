@@ -28,7 +28,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -130,6 +130,64 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
     } | ({"stopped": metrics["stopped"]} if metrics.get("stopped") else {})
 
 
+def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
+    """`on_rank(*args)` (the evaluator's scoring, `args[1]` its run config) on dp * cp Ray Train workers, the
+    process group set up as for training; rank 0's result. Scoring keeps no state, so a restart
+    (`max_failures`) scores from the start."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    config: TrainConfig = args[1]
+    started_here = not ray.is_initialized()
+    if started_here:
+        start_ray(config.parallel.ray_address)
+    try:
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        workers = config.parallel.world
+        trainer = TorchTrainer(
+            _score_worker,
+            train_loop_config={
+                "call": (on_rank, args),
+                "cwd": os.getcwd(),
+                "environment": _forwarded_environment(),
+            },
+            torch_config=TorchConfig(
+                backend="nccl" if use_gpu else "gloo",
+                timeout_s=math.ceil(config.parallel.collective_timeout_s),
+            ),
+            scaling_config=ScalingConfig(
+                num_workers=workers,
+                use_gpu=use_gpu,
+                resources_per_worker=_resources_per_worker(workers, use_gpu),
+            ),
+            run_config=RunConfig(
+                name=f"{config.run}-score",
+                storage_path=str(Path(config.runs_dir).resolve()),
+                failure_config=FailureConfig(max_failures=config.parallel.max_failures),
+            ),
+        )
+        try:
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            raise _rank_error(exc) from exc
+    finally:
+        if started_here:
+            ray.shutdown()
+    return (result.metrics or {})["result"]
+
+
+def _score_worker(payload: dict[str, Any]) -> None:
+    """One scoring rank: the driver's working directory, its cores and GPU, then the call; rank 0 reports the
+    result."""
+    import ray.train
+
+    context = _enter_worker(payload)
+    on_rank, args = payload["call"]
+    result = on_rank(*args)
+    ray.train.report({"result": result} if context.get_world_rank() == 0 else {})
+
+
 @contextmanager
 def _stop_on_signal(run_dir: Path) -> Iterator[None]:
     """While Ray trains: the first SIGTERM or SIGINT to the driver asks the workers to stop after their step
@@ -168,19 +226,13 @@ def _resources_per_worker(workers: int, use_gpu: bool) -> dict[str, float]:
     return {"CPU": max(int(ray.cluster_resources().get("CPU", 1)) // workers, 1)}
 
 
-def _worker(payload: dict[str, Any]) -> None:
-    """One rank: the driver's working directory, its share of the cores, its GPU, then `train(config)`; rank 0
-    reports the summary and the final checkpoint (it lies under the Ray run folder, so nothing is copied)."""
+def _enter_worker(payload: dict[str, Any]) -> Any:
+    """Set a worker up like a local rank: the driver's working directory and environment, its share of the
+    cores, its GPU; returns its Ray Train context."""
     import ray
     import ray.train
     import torch
-    from ray.train import Checkpoint, CheckpointUploadMode
 
-    from genomelm.train.loop import (
-        train,  # the training stack: not in every Ray process the setup hook runs in
-    )
-
-    config: TrainConfig = payload["config"]
     folder = Path(payload["cwd"])
     if not folder.is_dir():
         raise RayLaunchError(
@@ -194,7 +246,21 @@ def _worker(payload: dict[str, Any]) -> None:
     torch.set_num_threads(max(int(cpus), 1))
     if torch.cuda.is_available():
         torch.cuda.set_device(ray.train.torch.get_device())
-    context = ray.train.get_context()
+    return ray.train.get_context()
+
+
+def _worker(payload: dict[str, Any]) -> None:
+    """One rank: the driver's working directory, its share of the cores, its GPU, then `train(config)`; rank 0
+    reports the summary and the final checkpoint (it lies under the Ray run folder, so nothing is copied)."""
+    import ray.train
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    from genomelm.train.loop import (
+        train,  # the training stack: not in every Ray process the setup hook runs in
+    )
+
+    config: TrainConfig = payload["config"]
+    context = _enter_worker(payload)
     summary = train(config, progress=context.get_world_rank() == 0)
     last = summary["checkpoint"]
     report_checkpoint = context.get_world_rank() == 0 and last is not None
