@@ -13,6 +13,7 @@ import torch
 from genomelm.cli import main as cli_main
 from genomelm.model import load_model, save_model
 from genomelm.model.checkpoint import INDEX_FILE, hf_config_dict
+from genomelm.model.hf_names import official_tensors
 from genomelm.parallel import launch
 from genomelm.parallel.export import ExportError, export_checkpoint
 
@@ -331,3 +332,189 @@ def test_export_and_rank_loading_with_the_trainers_expert_parallel_layout(hf_fol
     ) == [True, True]
     export_checkpoint(run, tmp_path / "hf", torch.float32)
     assert_same_tensors(load_model(tmp_path / "hf").state_dict(), want)
+
+
+# -------------------------------------------------------------------------------- the collective export
+SHARD_BYTES = 20_000  # `tiny` in fp32 (340 kB) in 19 files; a layer's fused experts (32 kB) span two or three
+
+
+def export_on_rank(step: str, out: str) -> tuple[list[str], list[str]]:
+    """(files this rank wrote, internal tensors it read from DCP) of the collective fp32 export."""
+    from genomelm.parallel import export
+
+    read: list[str] = []
+    read_group = export._read_group
+
+    def recording_read(state_dir, expected, names, stored):
+        read.extend(names)
+        return read_group(state_dir, expected, names, stored)
+
+    export._read_group = recording_read  # this rank's process only
+    files = export.export_checkpoint_collective(step, out, torch.float32, max_shard_bytes=SHARD_BYTES)
+    return [path.name for path in files], read
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+@pytest.mark.parametrize(("world", "spanning"), [(2, 0), (3, 1), (4, 0)])
+def test_collective_export_writes_the_one_process_files_each_rank_its_share(
+    sharded_run, tmp_path, world, spanning
+):
+    """The same bytes in every file (index and config.json too) as `export_checkpoint`; each rank writes a
+    contiguous run of the shards, about its share of the bytes, and reads only the tensors they hold. A tensor
+    whose files two ranks write is read by both: at most world - 1 such (at 3 ranks a layer's fused experts
+    span a rank boundary: at least `spanning`)."""
+    step = sharded_run / "checkpoints" / STEP
+    export_checkpoint(step, tmp_path / "one", torch.float32, max_shard_bytes=SHARD_BYTES)
+    out = tmp_path / "many"
+    results = launch(export_on_rank, world, str(step), str(out), timeout_s=TIMEOUT_S, collective_timeout_s=60)
+    assert folder_bytes(out) == folder_bytes(tmp_path / "one")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "one"]  # no staging folder left
+
+    written = [files for files, _ in results]
+    assert written[0][-2:] == [INDEX_FILE, "config.json"]
+    shards = [files[:-2] if rank == 0 else files for rank, files in enumerate(written)]
+    assert [name for files in shards for name in files] == sorted(p.name for p in out.glob("*.safetensors"))
+    sizes = [sum((out / name).stat().st_size for name in files) for files in shards]
+    assert min(sizes) > sum(sizes) / world / 2
+
+    weight_map = json.loads((out / INDEX_FILE).read_text())["weight_map"]
+    files_of = {
+        name: {weight_map[key] for key, _ in official_tensors(name, tensor)}
+        for name, tensor in reference_model().state_dict().items()
+    }
+    for files, (_, read) in zip(shards, results, strict=True):
+        assert sorted(read) == sorted(name for name, held in files_of.items() if held & set(files))
+    readers = [sum(bool(held & set(files)) for files in shards) for held in files_of.values()]
+    assert spanning <= sum(readers) - len(files_of) <= world - 1
+
+
+def export_failing_on_rank(step: str, out: str, failing: int) -> str:
+    """The collective export with rank `failing`'s disk full; what this rank raised ("type: message")."""
+    import torch.distributed as dist
+
+    from genomelm.parallel import export
+
+    if dist.get_rank() == failing:
+
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        export.save_file = full_disk  # this rank's process only
+    try:
+        export.export_checkpoint_collective(step, out, torch.float32, max_shard_bytes=SHARD_BYTES)
+    except Exception as exc:  # reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_collective_export_failing_on_one_rank_raises_on_all_and_leaves_nothing(sharded_run, tmp_path):
+    """Rank 1's write fails after rank 0 wrote its files: both raise (rank 0 quoting rank 1's error), no rank
+    waits, and neither OUT nor the staging folder is left."""
+    step = sharded_run / "checkpoints" / STEP
+    out = tmp_path / "hf"
+    errors = launch(
+        export_failing_on_rank, 2, str(step), str(out), 1, timeout_s=TIMEOUT_S, collective_timeout_s=60
+    )
+    assert errors[1] == "OSError: [Errno 28] No space left on device"
+    assert errors[0].startswith(
+        f"ExportError: the export to {out} failed, nothing was written: rank 1: OSError"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- training's export of its last step
+@pytest.mark.parametrize(
+    ("settings", "writes"),
+    [
+        ([], True),  # auto: one process
+        (["dp=8"], True),  # auto: one node of 8 GPUs
+        (["dp=2", "cp=8"], False),  # auto: 16 ranks, 2 nodes
+        (["dp=4", "gpus_per_node=2"], False),
+        (["launcher=ray", "dp=2"], True),  # a Ray started on this machine
+        (["launcher=ray", "dp=2", "ray_address=auto"], False),  # workers on an existing cluster
+        (["export_final=true", "dp=64"], True),
+        (["export_final=false", "dp=2"], False),
+    ],
+)
+def test_writes_final_export_follows_the_setting_and_the_node_count(settings, writes):
+    from genomelm.train.config import TrainConfig
+    from genomelm.train.loop import writes_final_export
+
+    assert writes_final_export(TrainConfig.load(None, settings)) is writes
+
+
+@pytest.fixture(scope="module")
+def fly(tmp_path_factory) -> Path:
+    from data_fixtures import fly_windows
+
+    return fly_windows(tmp_path_factory.mktemp("data") / "fly", "1-4096", 512)
+
+
+def train_on_rank(config, shard_bytes: int) -> None:
+    """`train(config)` on this rank, its final export in files of `shard_bytes` (the default 4 GiB makes
+    `tiny` one file, all of it rank 0's)."""
+    import functools
+
+    from genomelm.train import loop
+
+    loop.export_checkpoint_collective = functools.partial(  # this rank's process only
+        loop.export_checkpoint_collective, max_shard_bytes=shard_bytes
+    )
+    loop.train(config, progress=False)
+
+
+def train_dp2(fly: Path, runs: Path, **settings) -> Path:
+    """One step of `tiny` at dp 2 x ep 2 (2 gloo ranks); its checkpoint folder."""
+    from data_fixtures import tiny_run
+
+    from genomelm.train.config import TrainConfig
+
+    run = tiny_run(fly, runs, dp=2, ep=2, steps=1, save_every=1, **settings)
+    launch(train_on_rank, 2, TrainConfig.load(None, run), SHARD_BYTES, timeout_s=TIMEOUT_S)
+    return runs / "r" / "checkpoints" / "step-0000001"
+
+
+def test_final_export_is_written_by_every_rank_and_all_their_checksums_verified(fly, tmp_path):
+    """export_final=true: the Hugging Face copy equals the one-process export of the checkpoint; each rank
+    records its own files' checksums, and `verify_checkpoint(prefix="model/")` catches a changed file of rank
+    1's."""
+    from genomelm.parallel.checkpoint import verify_checkpoint
+
+    step = train_dp2(fly, tmp_path / "runs", export_final="true")
+    export_checkpoint(step, tmp_path / "one", torch.float32, max_shard_bytes=SHARD_BYTES)
+    assert folder_bytes(step / "model") == folder_bytes(tmp_path / "one")
+    records = {
+        path.name: json.loads(path.read_text()) for path in (step / "checksums").glob("model-rank-*.json")
+    }
+    assert sorted(records) == ["model-rank-00000.json", "model-rank-00001.json"]
+    assert {name for record in records.values() for name in record} == {
+        f"model/{path.name}" for path in (step / "model").iterdir()
+    }
+    assert f"model/{INDEX_FILE}" in records["model-rank-00000.json"]
+    assert verify_checkpoint(step, prefix="model/") == []
+
+    theirs = step / sorted(records["model-rank-00001.json"])[0]
+    damaged = bytearray(theirs.read_bytes())
+    damaged[-1] ^= 0xFF
+    theirs.write_bytes(bytes(damaged))
+    assert verify_checkpoint(step, prefix="model/") == [
+        f"{theirs}: its bytes differ from those written (xxh3-128 mismatch)"
+    ]
+
+
+def test_final_export_false_writes_none_and_a_rerun_with_auto_writes_it(fly, tmp_path):
+    """export_final=false leaves the sharded checkpoint alone; the same run again (at its end, nothing left to
+    train) with auto on one machine writes the copy."""
+    from genomelm.parallel.checkpoint import verify_checkpoint
+
+    step = train_dp2(fly, tmp_path / "runs", export_final="false")
+    assert not (step / "model").exists()
+    assert not list((step / "checksums").glob("model*"))
+    assert train_dp2(fly, tmp_path / "runs", export_final="auto") == step
+    assert (step / "model" / "config.json").exists()
+    assert len(list((step / "model").glob("*.safetensors"))) > 2
+    assert verify_checkpoint(step, prefix="model/") == []
+    assert sorted(p.name for p in step.iterdir() if p.name.startswith(".")) == []  # no staging folder left

@@ -11,20 +11,29 @@ The whole model never exists in memory: the top-level tensors, then one decoder 
 from DCP in one process (no process group; DCP reassembles the ranks' shards), cast, and appended to the shard
 being written. Peak memory: one layer (its stored dtype plus the output dtype) plus one output shard (at most
 `max_shard_bytes`, or one tensor if bigger). OUT is written to a temporary folder beside it, renamed in last.
+
+`export_checkpoint_collective` writes the same files from every rank of a launched group at once, each rank
+its share of the output files (training's export of its last checkpoint: hundreds of GB at full size).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import os
 import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -139,76 +148,119 @@ def _read_group(
     return {name: template[MODEL_KEY_PREFIX + name] for name in names}
 
 
-def _plan_shards(
-    groups: list[list[str]], expected: dict[str, torch.Tensor], max_shard_bytes: int
-) -> list[list[str]]:
-    """Official on-disk keys per output shard, in writing order (the split `save_state_dict` makes)."""
-    shards: list[list[str]] = [[]]
-    shard_bytes = 0
-    for name in (name for group in groups for name in group):
-        for key, tensor in official_tensors(name, expected[name]):  # meta tensors: sizes only
-            size = tensor.numel() * tensor.element_size()
-            if shards[-1] and shard_bytes + size > max_shard_bytes:
-                shards.append([])
-                shard_bytes = 0
-            shards[-1].append(key)
-            shard_bytes += size
-    return shards
+@dataclass(frozen=True)
+class _Plan:
+    """What the export of one checkpoint writes: which official tensors go to which output file, in order."""
+
+    config: ModelConfig
+    dtype: torch.dtype  # the output dtype (fp32-declared parameters stay fp32)
+    expected: dict[str, torch.Tensor]  # internal name -> meta tensor at its output dtype and global shape
+    stored: dict[str, torch.dtype]  # internal name -> its dtype in DCP
+    groups: list[list[str]]  # internal names: the top-level tensors, then each decoder layer's
+    files: list[str]  # model-0000i-of-0000n.safetensors, in writing order
+    file_of: dict[str, int]  # official key -> its file's index
+    file_bytes: list[int]  # each file's tensor bytes at the output dtypes
+
+    def files_of(self, name: str) -> set[int]:
+        """The indices of the files holding the official tensors of internal tensor `name` (one tensor, e.g.
+        the fused experts of a layer, may span several)."""
+        return {self.file_of[key] for key, _ in official_tensors(name, self.expected[name])}
 
 
-def _write_folder(
-    staging: Path, step: Path, config: ModelConfig, dtype: torch.dtype, max_shard_bytes: int
-) -> None:
-    """Write the Hugging Face files of the checkpoint `step` into `staging`, one layer at a time."""
+def _plan(step: Path, config: ModelConfig, dtype: torch.dtype, max_shard_bytes: int) -> _Plan:
+    """The output files of exporting `step`: official keys split in writing order (top-level tensors, then
+    layer by layer) into files of at most `max_shard_bytes` (one tensor may exceed it), the split
+    `save_state_dict` makes. Reads only DCP's metadata."""
     expected = GlmForCausalLM.from_config(config, RunOptions(), dtype, "meta").state_dict()
-    state_dir = step / STATE_DIR
-    stored = _check_keys(state_dir, expected, step / CONFIG_FILE)
+    stored = _check_keys(step / STATE_DIR, expected, step / CONFIG_FILE)
     groups = [
         [name for name in expected if layer_of(name) == group]
         for group in [None, *range(config.num_hidden_layers)]
     ]
-    shards = _plan_shards(groups, expected, max_shard_bytes)
+    shards: list[list[str]] = [[]]
+    file_bytes = [0]
+    for name in (name for group in groups for name in group):
+        for key, tensor in official_tensors(name, expected[name]):  # meta tensors: sizes only
+            size = tensor.numel() * tensor.element_size()
+            if shards[-1] and file_bytes[-1] + size > max_shard_bytes:
+                shards.append([])
+                file_bytes.append(0)
+            shards[-1].append(key)
+            file_bytes[-1] += size
     files = [f"model-{number:05d}-of-{len(shards):05d}.safetensors" for number in range(1, len(shards) + 1)]
-    shard_of = {key: number for number, keys in enumerate(shards) for key in keys}
-    weight_map: dict[str, str] = {}
-    total = 0
+    file_of = {key: number for number, keys in enumerate(shards) for key in keys}
+    return _Plan(config, dtype, expected, stored, groups, files, file_of, file_bytes)
+
+
+def _split(file_bytes: list[int], world: int) -> list[range]:
+    """Each rank's output files (indices), contiguous runs balanced by bytes: file i goes to the rank whose
+    1/world of all the bytes holds its middle byte (a rank may get none when there are fewer files than
+    ranks). Contiguous rather than round-robin: one internal tensor (a layer's fused experts, several GB at
+    full size) can span several files, and each rank writing one of them reads that tensor whole; round-robin
+    makes every file boundary a rank boundary, a contiguous split only world - 1 of them."""
+    total = sum(file_bytes)
+    before = itertools.accumulate(file_bytes, initial=0)  # bytes before each file (zip drops the total)
+    owners = [(2 * start + size) * world // (2 * total) for start, size in zip(before, file_bytes)]
+    return [range(bisect.bisect_left(owners, r), bisect.bisect_right(owners, r)) for r in range(world)]
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range) -> list[str]:
+    """Write the output files `numbers` (indices into `plan.files`) into `staging`, one layer at a time,
+    reading from DCP only the tensors they hold; returns their names. Each file is fsynced: the folder is
+    renamed into place, possibly by another process, once every writer returned."""
+    state_dir = step / STATE_DIR
+    wanted = set(numbers)
     pending: dict[str, torch.Tensor] = {}
-    current = 0
+    current = numbers.start
 
     def flush() -> None:
-        save_file(pending, staging / files[current], metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(pending, files[current]))
-        pending.clear()
+        if pending:
+            save_file(pending, staging / plan.files[current], metadata={"format": "pt"})
+            _fsync(staging / plan.files[current])
+            pending.clear()
 
-    for group in groups:
-        tensors = _read_group(state_dir, expected, group, stored)
-        for name in group:
-            tensor = tensors.pop(name).to(expected[name].dtype)
+    for group in plan.groups:
+        names = [name for name in group if plan.files_of(name) & wanted]
+        if not names:
+            continue
+        tensors = _read_group(state_dir, plan.expected, names, plan.stored)
+        for name in names:
+            tensor = tensors.pop(name).to(plan.expected[name].dtype)
             for key, piece in official_tensors(name, tensor):
-                if shard_of[key] != current:
+                number = plan.file_of[key]
+                if number not in wanted:
+                    continue
+                if number != current:
                     flush()
-                    current = shard_of[key]
+                    current = number
                 # copies: views of one internal tensor share storage, which safetensors refuses
                 pending[key] = piece.contiguous().clone()
-                total += piece.numel() * piece.element_size()
     flush()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return [plan.files[number] for number in numbers]
+
+
+def _write_index(staging: Path, plan: _Plan) -> list[str]:
+    """Write `model.safetensors.index.json` (every official key's file) and `config.json` into `staging`;
+    returns their names."""
+    weight_map = {key: plan.files[number] for key, number in sorted(plan.file_of.items())}
+    index = {"metadata": {"total_size": sum(plan.file_bytes)}, "weight_map": weight_map}
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (staging / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+    (staging / CONFIG_FILE).write_text(json.dumps(hf_config_dict(plan.config, plan.dtype), indent=2) + "\n")
+    for name in (INDEX_FILE, CONFIG_FILE):
+        _fsync(staging / name)
+    return [INDEX_FILE, CONFIG_FILE]
 
 
-def export_checkpoint(
-    source: str | Path,
-    out: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    force: bool = False,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> Path:
-    """Export the checkpoint `source` (run or step folder) to the Hugging Face folder `out`; returns the step
-    folder exported. `dtype` is the output dtype of all tensors but those the model declares fp32 (router,
-    correction bias, conv, gate constants, mHC base/scale), which stay fp32. An existing non-empty `out` is
-    replaced only with `force`."""
-    out = Path(out)
+def _prepare(
+    source: str | Path, out: Path, dtype: torch.dtype, force: bool, max_shard_bytes: int
+) -> tuple[Path, _Plan]:
+    """(step folder, its export plan); an `ExportError` for a taken `out` (without `force`) or a source that
+    cannot be exported."""
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(
             f"{out} already exists and is not empty; choose another OUT or pass --force to replace it"
@@ -218,25 +270,111 @@ def export_checkpoint(
         config = ModelConfig.from_file(step / CONFIG_FILE)
     except ConfigError as exc:
         raise ExportError(f"{step / CONFIG_FILE}: {exc}") from exc
+    return step, _plan(step, config, dtype, max_shard_bytes)
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename the written folder `staging` to `out`, replacing an existing `out`."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    staging.rename(out)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def export_checkpoint(
+    source: str | Path,
+    out: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    force: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Export the checkpoint `source` (run or step folder) to the Hugging Face folder `out` in this one
+    process; returns the step folder exported. `dtype` is the output dtype of all tensors but those the model
+    declares fp32 (router, correction bias, conv, gate constants, mHC base/scale), which stay fp32. An
+    existing non-empty `out` is replaced only with `force`."""
+    out = Path(out)
+    step, plan = _prepare(source, out, dtype, force, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     staging.chmod(0o755)  # mkdtemp makes it private
     try:
-        _write_folder(staging, step, config, dtype, max_shard_bytes)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            staging.rename(out)
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            staging.rename(out)
+        _write_files(staging, step, plan, range(len(plan.files)))
+        _write_index(staging, plan)
+        _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return step
+
+
+@contextmanager
+def _together(out: Path) -> Iterator[None]:
+    """One phase of `export_checkpoint_collective`: the body runs on every rank, then the ranks compare
+    outcomes (an all-gather, so it is also the barrier that ends the phase) and all raise if any body raised:
+    a failed rank its own exception, the others an `ExportError` quoting it. No rank is left waiting for one
+    that gave up."""
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as exc:
+        error = exc
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = [mine]
+    if dist.is_initialized():
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, mine)
+    if error is not None:
+        raise error
+    failed = [f"rank {rank}: {outcome}" for rank, outcome in enumerate(outcomes) if outcome is not None]
+    if failed:
+        raise ExportError(f"the export to {out} failed, nothing was written: {'; '.join(failed)}")
+
+
+def export_checkpoint_collective(
+    source: str | Path,
+    out: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    force: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """`export_checkpoint` written by every rank of the default process group at once (collective: all must
+    call it; without a group, this process alone); returns the files this rank wrote, at their paths in
+    `out`. `out` must be on a file system every rank sees.
+
+    The files are byte for byte those of `export_checkpoint`: the same plan, each rank writing a contiguous
+    run of the output files balanced by bytes (`_split`) and reading from DCP only the tensors they hold (no
+    collectives while reading). All write into one staging folder beside `out` (rank 0 creates it; a
+    leftover of a killed export is removed first), then rank 0 writes the index and `config.json` and renames
+    the folder into place. Between the phases the ranks agree on their outcomes: an error on any rank leaves
+    no `out` and raises on every rank."""
+    out = Path(out)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    staging = out.with_name(f".{out.name}.tmp-collective")  # one name every rank knows
+    try:
+        with _together(out):
+            step, plan = _prepare(source, out, dtype, force, max_shard_bytes)
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+        with _together(out):
+            written = _write_files(staging, step, plan, _split(plan.file_bytes, world)[rank])
+        with _together(out):
+            if rank == 0:
+                written += _write_index(staging, plan)
+                _move_into_place(staging, out)
+    except BaseException:
+        # after an agreement every rank is past its writes; an interrupt (not agreed on) of rank 0 alone
+        # makes those of the others fail, the folder gone
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [out / name for name in written]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model, save_model
 from genomelm.model.config import MOE, is_preset
 from genomelm.parallel.checkpoint import Checkpointer, write_checksums
-from genomelm.parallel.export import export_checkpoint
+from genomelm.parallel.export import export_checkpoint_collective
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ParallelRun
@@ -390,7 +390,7 @@ def tracked_peak_gb(tracker: Any, device: torch.device) -> float:
 # ------------------------------------------------------------------------------------------------- save it
 def save(run: Run, step: int) -> None:
     """Checkpoint after optimizer step `step` (every rank takes part under a launcher); after the last step of
-    a sharded run, rank 0 also writes the Hugging Face copy `genomelm eval` reads."""
+    a sharded run, also its Hugging Face copy (`export_final`, as the settings say)."""
     config = run.config
     state = {
         "step": step,
@@ -408,14 +408,33 @@ def save(run: Run, step: int) -> None:
     run.summary["checkpoint"] = path
 
 
+def writes_final_export(config: TrainConfig) -> bool:
+    """Whether a sharded run writes the Hugging Face copy of its last checkpoint (`checkpoint.export_final`):
+    "true" always, "false" never, "auto" unless the run spans more than one node: more ranks (dp * cp) than
+    `plan.gpus_per_node`, or Ray workers on an existing cluster (`ray_address`). There the copy is a long
+    extra write (313B parameters: about 1.25 TB in fp32) that `genomelm eval` does not need."""
+    setting = config.checkpoint.export_final
+    if setting != "auto":
+        return setting == "true"
+    parallel = config.parallel
+    joins_cluster = parallel.launcher == "ray" and bool(parallel.ray_address)
+    return parallel.world <= config.plan.gpus_per_node and not joins_cluster
+
+
 def export_final(run: Run, path: Path) -> None:
-    """Rank 0 writes the Hugging Face copy (`model/`, what `genomelm eval` reads) of the run's last
-    checkpoint when it is sharded and the copy is missing (written atomically: a kill leaves none, and a
-    re-run writes it)."""
-    if (
-        run.output_rank
+    """The Hugging Face copy (`model/`, for transformers and other tools; `genomelm eval` reads the sharded
+    checkpoint itself) of the run's last checkpoint `path`, when it is sharded, the copy is missing and
+    `writes_final_export` says so. Collective under a launcher (every rank calls it; rank 0's view of the
+    folder decides for all): each rank writes its share of the files and records their checksums
+    (`checksums/model-rank-<rank>.json`), so `verify_checkpoint(path, prefix="model/")` checks them all.
+    Written atomically: a kill leaves no copy, and a re-run writes it."""
+    wanted = [
+        writes_final_export(run.config)
         and run.checkpointer.is_sharded(path)
         and not (path / "model" / "config.json").exists()
-    ):
-        export_checkpoint(path, path / "model", dtype=torch.float32)
-        write_checksums(path, [p for p in (path / "model").rglob("*") if p.is_file()], "model")
+    ]
+    if run.parallel is not None:
+        dist.broadcast_object_list(wanted, src=0)  # every rank enters the collective export, or none
+    if wanted[0]:
+        files = export_checkpoint_collective(path, path / "model", dtype=torch.float32)
+        write_checksums(path, files, f"model-rank-{run.rank:05d}")
