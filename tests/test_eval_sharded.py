@@ -15,7 +15,13 @@ from data_fixtures import fly_windows
 from genomelm.eval.command import main as eval_main
 from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.train.config import TrainConfig
-from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_dtype
+from genomelm.train.scoring import (
+    ScoringRun,
+    WindowShare,
+    load_scoring_model,
+    scoring_dtype,
+    scoring_source,
+)
 
 HELDOUT = "200001-201280"  # 5 held-out windows of 256 tokens: an odd count, so dp 2 replicas get 3 and 2
 
@@ -48,22 +54,20 @@ def test_scoring_model_is_stored_in_the_run_precision(tmp_path: Path) -> None:
     assert not model.training
 
 
-@pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """A tiny run trained for 2 steps on dp 2 x ep 2 ranks: its settings. Its checkpoint is sharded and no
-    Hugging Face export of it is written."""
+def train_sharded(root: Path, model: str) -> list[str]:
+    """A run of `model` trained for 2 steps on dp 2 x ep 2 ranks in `root`: its settings. Its checkpoints
+    (steps 1 and 2) are sharded and no Hugging Face export of them is written."""
     from genomelm.train.command import launch_training
 
-    root = tmp_path_factory.mktemp("sharded")
     data = fly_windows(root / "fly", "1-4096", 256, heldout=HELDOUT)
     run = [
         f"data={data}",
         "seq=256",
-        "model=tiny",
+        f"model={model}",
         "run=r",
         f"runs_dir={root / 'runs'}",
         "steps=2",
-        "save_every=2",
+        "save_every=1",
         "warmup_steps=1",
         "lr=3e-3",
         "wandb=disabled",
@@ -75,18 +79,22 @@ def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return run
 
 
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return train_sharded(tmp_path_factory.mktemp("sharded"), "tiny")
+
+
 def _buckets(run: list[str], results: Path, *layout: str) -> dict:
     assert eval_main([*run, f"results_dir={results}", *layout]) == 0
     return json.loads((results / "r" / "buckets.json").read_text())
 
 
-@pytest.mark.slow
-def test_eval_on_dp2_cp2_ep2_equals_one_process(sharded_run: list[str], tmp_path: Path, capsys) -> None:
-    """ "before": the run's init, a Hugging Face folder each rank reads its shard of; "after": the sharded
-    checkpoint, read directly (whole in one process, by shard on 8 ranks). 5 windows over 2 replicas."""
-    one = _buckets(sharded_run, tmp_path / "one")
-    eight = _buckets(sharded_run, tmp_path / "eight", "dp=2", "cp=2", "ep=2", "cp_layout=contiguous")
-    capsys.readouterr()
+def check_eight_equal_one(run: list[str], tmp_path: Path) -> dict:
+    """The run's buckets at dp 2 x cp 2 x ep 2 against one process (5 windows over 2 replicas). Before: the
+    run's init, a Hugging Face folder each rank reads its shard of; after: the sharded checkpoint, read
+    directly (whole in one process, by shard on 8 ranks). Returns the one-process result."""
+    one = _buckets(run, tmp_path / "one")
+    eight = _buckets(run, tmp_path / "eight", "dp=2", "cp=2", "ep=2", "cp_layout=contiguous")
     assert one["provenance"]["after_model"].endswith("step-0000002")  # the sharded step folder itself
     assert eight["provenance"] == one["provenance"] | {"timestamp": eight["provenance"]["timestamp"]}
     assert eight["settings"] == one["settings"] and one["settings"]["windows"] == 5
@@ -97,8 +105,21 @@ def test_eval_on_dp2_cp2_ep2_equals_one_process(sharded_run: list[str], tmp_path
             assert b[model]["se"] == pytest.approx(a[model]["se"], rel=1e-4)
     for model in ("before", "after"):
         assert eight["context_cut"][model]["cut"] == pytest.approx(one["context_cut"][model]["cut"], rel=1e-5)
+    return one
+
+
+@pytest.mark.slow
+def test_eval_on_dp2_cp2_ep2_equals_one_process(sharded_run: list[str], tmp_path: Path, capsys) -> None:
+    one = check_eight_equal_one(sharded_run, tmp_path)
+    capsys.readouterr()
     change = [row["change"] for row in one["buckets"]]
     assert np.all(np.isfinite(change)) and np.mean(change) < 0  # the trained model is better
+
+
+@pytest.mark.slow
+def test_small_eval_on_dp2_cp2_ep2_equals_one_process(tmp_path: Path, capsys) -> None:
+    check_eight_equal_one(train_sharded(tmp_path / "run", "small"), tmp_path)
+    capsys.readouterr()
 
 
 @pytest.mark.slow
@@ -120,3 +141,33 @@ def test_probe_on_dp2_ep2_equals_one_process(sharded_run: list[str], tmp_path: P
         assert (b["windows"], b["tokens"]) == (a["windows"], a["tokens"]) == (3, 45)
         for model in ("before", "after"):
             assert b[model] == pytest.approx(a[model], rel=1e-5, abs=1e-6)
+
+
+def test_a_damaged_sharded_checkpoint_falls_back_to_the_one_before(
+    sharded_run: list[str], tmp_path: Path
+) -> None:
+    config = TrainConfig.load(None, sharded_run)
+    first, newest = Checkpointer(config.run_dir).complete()
+    run = ScoringRun.from_environment(config)
+    assert scoring_source(str(newest), run) == str(newest)
+    shard = sorted((newest / "state").glob("*.distcp"))[0]
+    copy = tmp_path / "intact.distcp"
+    copy.write_bytes(shard.read_bytes())
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    try:
+        with pytest.warns(UserWarning, match=f"damaged, using {first} instead.*{shard.name}"):
+            assert scoring_source(str(newest), run) == str(first)
+    finally:
+        shard.write_bytes(copy.read_bytes())  # the other tests read this run
+
+
+def test_layouts_the_evaluation_cannot_run_are_refused_before_any_process_starts(capsys) -> None:
+    base = ["model=tiny", "seq=256", "run=r", "--before", "tiny", "--after", "tiny"]
+    assert eval_main([*base, "dp=2", "ep=3"]) == 1
+    assert "ep=3" in capsys.readouterr().err
+    assert eval_main([*base, "cp=2", "bucket=96"]) == 1  # the cut window: 256 - 192 + 96 = 160 tokens
+    err = capsys.readouterr().err
+    assert "the context cut scores the last bucket with the one before it, 160 tokens" in err
+    assert "context_cut=false" in err

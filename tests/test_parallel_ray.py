@@ -191,3 +191,23 @@ def test_sigterm_to_the_driver_stops_the_workers_after_a_step_with_a_checkpoint(
     assert Checkpointer(tmp_path / "stopped").latest().name == f"step-{step:07d}"
     assert len(metrics.read_text().splitlines()) == step
     assert not (tmp_path / "stopped" / STOP_FILE).exists()
+
+
+@pytest.mark.slow
+def test_ray_eval_equals_one_process(ray_cluster: None, fly: Path, tmp_path: Path, capsys) -> None:
+    """`genomelm eval launcher=ray dp=2 ep=2`: 2 Ray Train workers score a run trained on Ray (its sharded
+    checkpoint, no Hugging Face export) as one local process does."""
+    from genomelm.eval.command import main as eval_main
+    from genomelm.train.command import launch_training
+
+    run = run_settings(fly, tmp_path, "scored", "steps=2", "export_final=false", "bucket=64")
+    launch_training(TrainConfig.load(None, [*run, "launcher=ray"]))
+    buckets = {}
+    for name, layout in (("ray", ["launcher=ray", "cp=1", "dp=2", "ep=2"]), ("one", ["cp=1"])):
+        assert eval_main([*run, f"results_dir={tmp_path / name}", *layout]) == 0
+        buckets[name] = json.loads((tmp_path / name / "scored" / "buckets.json").read_text())
+    capsys.readouterr()
+    assert buckets["ray"]["provenance"]["after_model"].endswith("step-0000002")
+    for a, b in zip(buckets["one"]["buckets"], buckets["ray"]["buckets"], strict=True):
+        for model in ("before", "after"):
+            assert b[model]["loss"] == pytest.approx(a[model]["loss"], rel=1e-5)

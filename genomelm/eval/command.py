@@ -40,7 +40,7 @@ from genomelm.eval.report import WriteError, format_table, write_csv, write_json
 from genomelm.eval.score import Scores, last_bucket_start, score_windows
 from genomelm.model.config import ConfigError
 from genomelm.parallel.launch import launch
-from genomelm.train.command import check_context_parallel
+from genomelm.train.command import check_mesh
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_pair, run_device
 from genomelm.train.plan import PlanError, check_fits
@@ -314,7 +314,17 @@ def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> 
     ranks (`genomelm.parallel.launch`) or Ray Train workers (`launcher=ray`): rank 0's result. On GPUs (or
     planned for them: gpus=N, a Ray cluster) the evaluation is planned first and refused if it cannot fit.
     `score` is a module-level function (the ranks receive it pickled)."""
-    check_context_parallel(config)  # dp x cp x ep against the model, windows the cp ranks can split
+    check_mesh(config, [config.seq_len])  # dp x cp x ep against the model, windows the cp ranks can split
+    start = last_bucket_start(config.seq_len, config.eval.bucket)
+    if config.eval.context_cut and start >= config.eval.bucket:
+        cut = config.seq_len - start + config.eval.bucket
+        try:
+            check_mesh(config, [cut])
+        except ValueError as exc:
+            raise EvalError(
+                f"the context cut scores the last bucket with the one before it, {cut} tokens, which "
+                f"cp={config.parallel.cp} cannot split ({exc}); give a bucket= that can, or context_cut=false"
+            ) from None
     if (
         torch.cuda.is_available()
         or (config.parallel.launcher == "ray" and config.parallel.ray_address)

@@ -112,14 +112,9 @@ def _launch(config: TrainConfig) -> dict:
 
 
 def check_context_parallel(config: TrainConfig) -> None:
-    """Refuse, before any process starts, a dp x cp x ep layout that cannot run: ep not dividing dp*cp or the
-    expert count, or a cp the run's windows (and warm-up crops) cannot split into."""
-    kpool, experts = 4, None
-    if config.model and (is_preset(config.model) or Path(config.model, "config.json").exists()):
-        model = model_config_of(config.model)
-        kpool = model.index_kpool if model.dsa_layers else 1
-        experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
-    ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep).check(experts)
+    """Refuse, before any process starts, a dp x cp x ep layout that cannot train: ep not dividing dp*cp or
+    the expert count, optimizer offload off a GPU, or a cp the run's windows (and warm-up crops) cannot split
+    into."""
     if config.parallel.optimizer_offload:
         if run_device().type != "cuda" and not (
             config.parallel.launcher == "ray" and config.parallel.ray_address
@@ -129,17 +124,27 @@ def check_context_parallel(config: TrainConfig) -> None:
                 "GPU); on this machine leave it false"
             )
     steps = range(max(config.data_options.seq_warmup_steps, 0) + 1)
-    lengths = sorted(
-        {
-            crop_length(
-                step,
-                config.data_options.seq_warmup_steps,
-                config.seq_len,
-                config.data_options.seq_warmup_start,
-            )
-            for step in steps
-        }
-    )
+    lengths = {
+        crop_length(
+            step,
+            config.data_options.seq_warmup_steps,
+            config.seq_len,
+            config.data_options.seq_warmup_start,
+        )
+        for step in steps
+    }
+    check_mesh(config, sorted(lengths))
+
+
+def check_mesh(config: TrainConfig, lengths: list[int]) -> None:
+    """Refuse a dp x cp x ep layout the model cannot split (ep not dividing dp*cp or the expert count) or a cp
+    windows of `lengths` tokens cannot split into (training and evaluation alike)."""
+    kpool, experts = 4, None
+    if config.model and (is_preset(config.model) or Path(config.model, "config.json").exists()):
+        model = model_config_of(config.model)
+        kpool = model.index_kpool if model.dsa_layers else 1
+        experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
+    ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep).check(experts)
     for length in lengths:
         ContextLayout(
             length,

@@ -26,7 +26,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -132,13 +135,16 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
 
 def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
     """`on_rank(*args)` (the evaluator's scoring, `args[1]` its run config) on dp * cp Ray Train workers, the
-    process group set up as for training; rank 0's result. Scoring keeps no state, so a restart
-    (`max_failures`) scores from the start."""
+    process group set up as for training; rank 0's result, which it pickles into a file of the run folder
+    (on the file system every node shares) for this driver to read: Ray Train keeps reported metrics only with
+    a checkpoint. Scoring keeps no state, so a restart (`max_failures`) scores from the start."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     config: TrainConfig = args[1]
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    answer = Path(tempfile.mkdtemp(prefix=".score-", dir=config.run_dir)).resolve() / "result.pkl"
     started_here = not ray.is_initialized()
     if started_here:
         start_ray(config.parallel.ray_address)
@@ -149,6 +155,7 @@ def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
             _score_worker,
             train_loop_config={
                 "call": (on_rank, args),
+                "answer": str(answer),
                 "cwd": os.getcwd(),
                 "environment": _forwarded_environment(),
             },
@@ -168,24 +175,29 @@ def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
             ),
         )
         try:
-            result = trainer.fit()
+            trainer.fit()
         except ray.train.TrainingFailedError as exc:
             raise _rank_error(exc) from exc
+        with open(answer, "rb") as handle:
+            return pickle.load(handle)
     finally:
+        shutil.rmtree(answer.parent, ignore_errors=True)
         if started_here:
             ray.shutdown()
-    return (result.metrics or {})["result"]
 
 
 def _score_worker(payload: dict[str, Any]) -> None:
-    """One scoring rank: the driver's working directory, its cores and GPU, then the call; rank 0 reports the
-    result."""
-    import ray.train
-
+    """One scoring rank: the driver's working directory, its cores and GPU, then the call; rank 0 writes the
+    result where the driver reads it (a temporary name, renamed into place)."""
     context = _enter_worker(payload)
     on_rank, args = payload["call"]
     result = on_rank(*args)
-    ray.train.report({"result": result} if context.get_world_rank() == 0 else {})
+    if context.get_world_rank() == 0:
+        answer = Path(payload["answer"])
+        partial = answer.with_suffix(".partial")
+        with open(partial, "wb") as handle:
+            pickle.dump(result, handle)
+        os.replace(partial, answer)
 
 
 @contextmanager
