@@ -5,7 +5,7 @@
 #   make data GENOME=hg38 SEQ=512k    hg38 chr1+chr2 (train) and chr22 (held out) as 512k-token windows
 #   make data FASTA=my.fa.gz TRAIN=chrA,chrB HELDOUT=chrC SEQ=1M OUT=dir
 #   make train SEQ=512k [STEPS=...] [MODEL=...] [DP=N] [CP=N] [EP=N] [LAUNCHER=local|ray] [CLUSTER=b200x64] [ARGS="key=value ..."]
-#   make eval-buckets SEQ=512k [BUCKET=32768] [HELDOUT=dirA,dirB]
+#   make eval-buckets SEQ=512k [BUCKET=32768] [HELDOUT=dirA,dirB] [MODEL=...] [DP=N] [CP=N] [EP=N] [LAUNCHER=local|ray] [CLUSTER=b200x64]
 #   make probe SEQ=512k [ARGS="probe_distances=1k,4k,16k probe_windows=4"]
 
 PYTHON ?= python3
