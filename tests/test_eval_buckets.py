@@ -23,9 +23,9 @@ from genomelm.eval.command import (
     write_outputs,
 )
 from genomelm.eval.report import format_table
-from genomelm.eval.score import score_windows
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import ModelChoiceError, model_pair
+from genomelm.train.scoring import score_windows
 
 # W=2 windows of S=5 positions, buckets of 2: [0, 2), [2, 4) and the uneven last one [4, 5)
 LOSS = np.array([[1, 2, 3, 4, 5], [3, 6, 1, 9, 7]], dtype=np.float32)

@@ -1,11 +1,16 @@
 """`genomelm plan`: a step traced on fake tensors holds what the same step holds on real tensors, and the
 plan scaled from one layer of each kind predicts the measured peak of the whole model at 1, 2 and 4 ranks,
-and of an MoE-heavy model on one rank and on 2 expert-parallel ranks, its MoE in several chunks."""
+and of an MoE-heavy model on one rank and on 2 expert-parallel ranks, its MoE in several chunks. With
+stage=eval, the evaluator's forward: traced the same way (fake = real on one rank), below the training
+step, its parameters the stored build's shard, its time's arithmetic, the refusal of an evaluation that does
+not fit."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +19,8 @@ import pytest
 import torch
 from data_fixtures import fly_windows
 
-from genomelm.model import ModelConfig
+from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
+from genomelm.parallel.fsdp import fp32_declared
 from genomelm.train import plan as planner
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan import PlanError, check_fits, make_plan
@@ -27,7 +33,15 @@ from genomelm.train.plan_memory import (
 )
 from genomelm.train.plan_report import refusal
 from genomelm.train.plan_search import plan_layout, rank
-from genomelm.train.plan_trace import StepTrace, _grouped_mm_flops, reduced_layers, sub_config, trace_step
+from genomelm.train.plan_trace import (
+    StepTrace,
+    _grouped_mm_flops,
+    layer_kind,
+    reduced_layers,
+    sub_config,
+    trace_forward,
+    trace_step,
+)
 from genomelm.train.plan_types import GIB, Assumptions, load_assumptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,11 +275,12 @@ def _stub_plan(
     ep: int = 2,
     recomputed: dict[str, int] | None = None,
     row_bytes: int = 0,
+    flops: dict[str, float] | None = None,
     **settings,
 ):
     """The plan of dp x cp x ep (given apart from the run's settings, as the layout search does);
-    `recomputed`, `row_bytes`: the stub trace's bytes held by each feed-forward module's recompute and saved
-    by the experts per row."""
+    `recomputed`, `row_bytes`, `flops`: the stub trace's bytes held by each feed-forward module's recompute,
+    saved by the experts per row, and its FLOPs by part."""
     config = TrainConfig.from_args(["model=tiny", "seq=1024"]).replace(**settings)
     model_config = ModelConfig.preset("tiny")
     numel = model_numel(model_config)
@@ -274,6 +289,8 @@ def _stub_plan(
         traces.trace.recomputed = recomputed
         traces.trace.transients |= dict.fromkeys(recomputed, 0)
     traces.trace.expert_row_bytes = row_bytes
+    if flops:
+        traces.trace.flops = flops
     plan = plan_layout(config, dp, cp, ep, Assumptions(), traces, model_config, numel)
     return plan, model_config, numel
 
@@ -408,3 +425,148 @@ def test_trainer_logs_tracked_peak_next_to_the_plan(tmp_path):
     assert all(row["peak_tracked_gb"] > 0 and row["host_peak_rss_gb"] > 0 for row in rows)
     planned = make_plan(TrainConfig.from_args(settings)).peak_gib_per_rank
     assert abs(rows[-1]["peak_tracked_gb"] - planned) <= 0.10 * rows[-1]["peak_tracked_gb"], (rows, planned)
+
+
+def test_fake_forward_equals_real_forward_on_one_rank():
+    """The evaluator's forward (no_grad, bf16 parameters, per-token losses) on fake tensors holds and counts
+    what the same forward holds on real ones."""
+    run = TrainConfig.from_args(["model=tiny", *SMALL_CHUNKS])  # precision auto: bf16 on the GPUs planned
+    model = ModelConfig.preset("tiny")
+    fake = trace_forward(run, model, 256, fake=True)
+    real = trace_forward(run, model, 256, fake=False)
+    assert fake.step_peak == real.step_peak and fake.flops == real.flops and sum(fake.flops.values()) > 0
+    assert fake.step_peak["Gradient"] == 0 and not fake.optimizer_peak and not fake.recomputed
+    assert fake.kept == real.kept
+    streams = 256 * model.hc_mult * model.hidden_size * 2  # a layer's input, bf16
+    assert all(0 <= kept < streams for kept in fake.kept.values())  # no layer keeps even its input
+
+
+def test_eval_plan_holds_less_than_the_training_step_and_passes_check_fits():
+    """tiny at dp 2 x cp 2, ep 2: the evaluator's forward (traced, not the training step's) peaks lower, with
+    no gradients, AdamW state or saved activations, and runs a quarter of the step's FLOPs (the step: the
+    forward, its recompute and a backward of twice its cost); `check_fits` of `config.replace(stage="eval")`
+    (what the evaluator calls) plans it."""
+    config = TrainConfig.from_args(["model=tiny", "seq=512", "dp=2", "cp=2", "ep=2", "bucket=128"])
+    train = make_plan(config)
+    evaluation = check_fits(config.replace(stage="eval"))
+    assert train.stage == "train" and evaluation.stage == "eval" and evaluation.fits
+    assert 0 < evaluation.peak_gib_per_rank < train.peak_gib_per_rank
+    assert not any("gradient" in k or "optimizer" in k or "saved" in k for k in evaluation.device_gib)
+    live = evaluation.device_gib["live as the peak's module starts (streams, inputs)"]
+    assert 0 < live < train.device_gib["saved activations (all layers)"]
+    key = next(k for k in evaluation.device_gib if k.startswith("transient of "))
+    assert evaluation.device_gib[key] == evaluation.transients_gib[key.removeprefix("transient of ")] > 0
+    assert sum(evaluation.device_gib.values()) == pytest.approx(evaluation.peak_gib_per_rank)
+    assert 0.2 < evaluation.flops_per_token / train.flops_per_token < 0.3
+    assert evaluation.comm_bytes_per_step["cp all_gather"] > 0  # the layers' exchanges and the losses
+    assert evaluation.evaluation.cut_tokens == 256 and evaluation.evaluation.cut_s > 0
+
+
+@pytest.mark.parametrize(("precision", "fsdp"), [("auto", True), ("fp32", True), ("auto", False)])
+def test_eval_parameters_are_the_stored_build_sharded(precision, fsdp):
+    """The evaluator stores the parameters in bf16 (auto on the GPU), those the model declares fp32 in fp32,
+    or all in fp32 (precision=fp32); with FSDP2 each rank holds 1 / (dp*cp) of them and gathers the root and
+    two decoder layers (experts / ep), without it every parameter but the other ep ranks' experts."""
+    plan, model_config, numel = _stub_plan(stage="eval", precision=precision, fsdp=fsdp)
+    model = GlmForCausalLM.from_config(model_config, RunOptions(), torch.bfloat16, "meta")
+    fp32 = set(fp32_declared(model)) if precision == "auto" else {n for n, _ in model.named_parameters()}
+    assert fp32 and len(fp32) <= len(list(model.parameters()))
+
+    def stored(names: list[str]) -> int:
+        return sum(model.get_parameter(n).numel() * (4 if n in fp32 else 2) for n in names)
+
+    names = [n for n, _ in model.named_parameters()]
+    experts = stored([n for n in names if ".mlp.experts." in n])
+    total = stored(names)
+    assert total != 2 * sum(v for k, v in numel.items() if k != "experts")  # the fp32 ones count 4 B
+    kind = "bf16, fp32 where declared" if precision == "auto" else "fp32"
+    dev = {k: v * GIB for k, v in plan.device_gib.items()}
+    key = "FSDP gathered: root (embedding, norm, head) + 2 decoder layers"
+    if fsdp:
+        assert dev[f"parameters ({kind})"] == pytest.approx(total / 4)  # dp 2 x cp 2
+        layers = [stored([n for n in names if n.startswith(f"layers.{i}.")]) for i in range(4)]
+        local = [  # each MoE layer's experts / ep
+            b - stored([n for n in names if n.startswith(f"layers.{i}.mlp.experts.")]) / 2
+            for i, b in enumerate(layers)
+        ]
+        root = total - sum(layers)
+        assert dev[key] == pytest.approx(root + 2 * max(local))
+    else:
+        assert dev[f"parameters ({kind})"] == pytest.approx(total - experts / 2) and key not in dev
+    assert plan.host_gib_per_node == {} and not plan.optimizer_offload
+
+
+def test_eval_time_arithmetic(tmp_path):
+    """One window's forward and the context cut's (seq - last_bucket_start + bucket tokens), each by its
+    FLOPs and collectives; the whole evaluation: 2 models x ceil(windows / dp) x (window + cut), the windows
+    counted in the prepared folder's manifest (eval_windows capping them), else estimated from hg38 chr22."""
+    from data_fixtures import fly_windows
+
+    from genomelm.data import WindowDataset
+    from genomelm.train.scoring import last_bucket_start
+
+    model_config = ModelConfig.preset("tiny")
+    traced = reduced_layers(model_config)
+    flops = {f"layers.{i}": (k + 1) * 1e15 for k, i in enumerate(traced)} | {"rest": 5e14}
+    plan, _, _ = _stub_plan(stage="eval", bucket=256, flops=flops)
+    e = plan.evaluation
+    seq, cut = 1024, 1024 - last_bucket_start(1024, 256) + 256
+    assert e.cut_tokens == cut == 512 and e.models == 2
+    assert e.windows == math.ceil(39_159_782 / seq) and e.windows_source.startswith("estimated: hg38 chr22")
+    assert e.per_replica == math.ceil(e.windows / 2)  # dp 2
+    assert e.total_s == pytest.approx(2 * e.per_replica * (e.window_s + e.cut_s))
+    a = plan.assumptions
+    kinds = {layer_kind(model_config, i): i for i in traced}
+    layers = range(model_config.num_hidden_layers)
+    busiest = flops["rest"] + sum(flops[f"layers.{kinds[layer_kind(model_config, i)]}"] for i in layers)
+    assert a["compute_s"] == pytest.approx(busiest / (a["tflops"] * 1e12 * a["mfu"]))  # no expert FLOPs
+    assert e.window_s == pytest.approx(a["compute_s"] + a["comm_s"]) and e.cut_s > 0
+    # the forward's collectives: every unit gathered once (bf16 as stored), the experts' all-to-all once
+    moe = sum(t == "sparse" for t in model_config.mlp_layer_types)
+    rows = seq // 2 * model_config.num_experts_per_tok
+    a2a = rows * model_config.hidden_size * 2 / 2 * 2 * moe * 4.0  # (ep-1)/ep, both ways, imbalance 4
+    assert plan.comm_bytes_per_step["ep all_to_all (dispatch + combine; forward)"] == pytest.approx(a2a)
+    assert "fsdp reduce_scatter (fp32 gradients)" not in plan.comm_bytes_per_step
+    uncut, _, _ = _stub_plan(stage="eval", bucket=256, context_cut=False, flops=flops)
+    assert uncut.evaluation.cut_tokens == 0 and uncut.evaluation.cut_s == 0
+    assert uncut.evaluation.total_s == pytest.approx(2 * e.per_replica * e.window_s)
+    data = fly_windows(tmp_path / "fly", "1-2048", 512, heldout="200001-201536")
+    heldout = len(WindowDataset(data, "heldout"))
+    counted, _, _ = _stub_plan(stage="eval", seq="512", bucket=128, data=str(data), flops=flops)
+    assert counted.evaluation.windows == heldout == 3 and "manifest.json" in counted.evaluation.windows_source
+    assert counted.evaluation.per_replica == 2  # ceil(3 / dp 2)
+    capped, _, _ = _stub_plan(stage="eval", seq="512", bucket=128, data=str(data), eval_windows=1)
+    assert capped.evaluation.windows == 1 and capped.evaluation.per_replica == 1
+
+
+def test_check_fits_refuses_an_evaluation_that_does_not_fit():
+    """GLM-5.3-Flash on one B200: its 313B parameters alone, in bf16, are 584 GiB. The evaluator's check
+    (`config.replace(stage="eval")`) refuses it, naming the layout and the evaluation's own switches."""
+    config = TrainConfig.from_args(
+        ["model=glm-5.3-flash", "seq=256", "gpus=1", "moe_chunk_tokens=256", "loss_chunk_tokens=256"]
+    )
+    with pytest.raises(PlanError) as refused:
+        check_fits(config.replace(stage="eval"))
+    message = str(refused.value)
+    pattern = r"the evaluation of run run does not fit: ([\d.]+) GiB per rank > 178 GiB usable on B200 "
+    found = re.match(pattern + r"\(dp=1 cp=1 ep=1\); no layout of 1 x B200 fits", message)
+    assert found and float(found.group(1)) > 584 and message.endswith("force=true evaluates anyway")
+
+
+def test_plan_command_prints_and_writes_the_evaluation(tmp_path, capsys):
+    """`genomelm plan ... stage=eval device=cpu`: the evaluation's peak, seconds per window, the held-out
+    windows with their source and the hours for before + after, in plan-eval.json beside the training's."""
+    from genomelm.train.plan_command import main
+
+    settings = ["model=tiny", "seq=512", "bucket=128", "gpus=4", "dp=2", "cp=2", "ep=2", "eval_windows=3"]
+    assert main([*settings, "stage=eval", "device=cpu", f"runs_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "plan run, evaluation: 512-token windows on 4 x B200 (dp 2 x cp 2, ep 2" in out
+    assert "context cut (256 tokens)" in out and "held-out windows: 3 (" in out
+    assert "whole evaluation: 2 models x 2 windows per dp replica (ceil 3 / dp 2)" in out
+    written = json.loads((tmp_path / "run" / "plan-eval.json").read_text())
+    assert written["stage"] == "eval" and written["evaluation"]["windows"] == 3
+    assert written["evaluation"]["total_s"] == pytest.approx(
+        2 * 2 * (written["evaluation"]["window_s"] + written["evaluation"]["cut_s"])
+    )
+    assert not (tmp_path / "run" / "plan.json").exists()

@@ -3,6 +3,7 @@ counted (`genomelm.parallel.simulation`, `genomelm.parallel.fake_cuda`, `genomel
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from genomelm.model import ModelConfig
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
 from genomelm.parallel.simulation import Collective, CollectiveError, SimulationMode, check_ranks_agree
 from genomelm.train.config import TrainConfig
-from genomelm.train.simulate import simulate_step
+from genomelm.train.simulate import (
+    Simulation,
+    describe_simulation,
+    simulate_eval_layout,
+    simulate_eval_step,
+    simulate_step,
+)
 
 CHUNKS = ["loss_chunk_tokens=64", "indexer_query_block=32", "attention_query_block=32"]
 
@@ -190,3 +197,132 @@ def test_the_planners_cpu_trace_holds_what_the_cuda_step_holds() -> None:
     op lists, the CUDA branches) peaks within 0.5% of it (measured: +0.03% for this step)."""
     cuda, cpu = (run_on_fake_cuda(_tracked_peak, kind, timeout_s=300) for kind in ("cuda", "cpu"))
     assert cpu > 0 and abs(cuda - cpu) <= 0.005 * cpu, (cuda, cpu)
+
+
+def _tiny_eval(*settings: str) -> TrainConfig:
+    """`tiny` evaluated as on GPUs: FSDP2 (the default), bf16, a context cut of 256-token buckets."""
+    return TrainConfig.from_args(["model=tiny", "precision=bf16", "bucket=256", *CHUNKS, *settings])
+
+
+@pytest.fixture(scope="module")
+def tiny_eval() -> tuple[TrainConfig, Simulation]:
+    """Every rank of dp 2 x cp 2 x ep 2 scoring one 1,024-token window of `tiny` (its forward and the
+    context cut's 512 tokens), on fake CUDA; the ranks' collectives pair up (checked inside)."""
+    config = _tiny_eval("seq=1024", "dp=2", "cp=2", "ep=2", "moe_chunk_tokens=128")
+    return config, simulate_eval_step(config, ModelConfig.preset("tiny"))
+
+
+# where the scoring of a window may wait for the device: the expert exchange's split sizes, the window's
+# rows to the device and its losses read back (`token_losses`), the dp replicas' pass counter (`_sum`)
+EVAL_SYNC_SITES = ("in expert_parallel_forward", "in token_losses", "in _sum")
+
+
+def test_dp2_cp2_ep2_eval_step_is_forward_only_with_syncs_at_the_exchange_and_the_read_back(
+    tiny_eval: tuple[TrainConfig, Simulation],
+) -> None:
+    """The evaluator's own path (`ScoringRun`, `build_scoring_model` with FSDP2, `ContextParallelScorer`,
+    `score_windows`) on every rank: no collective NCCL would reject (each raises), no backward collective
+    (no reduce-scatter), and a window's host syncs only where stated, bounded."""
+    config, simulation = tiny_eval
+    model_config = ModelConfig.preset("tiny")
+    assert len(simulation.ranks) == simulation.dims.world == 4
+    assert simulation.stage == "eval" and simulation.cut_tokens == 512  # the last bucket + the one before
+    forwards = 2
+    for rank in simulation.ranks:
+        kinds = Counter(c.kind for c in rank.collectives)
+        assert set(kinds) == {"all_gather", "all_to_all", "all_reduce"}, kinds  # no reduce-scatter
+        assert {c.phase for c in rank.collectives} == {"window"}
+        reduces = [c for c in rank.collectives if c.kind == "all_reduce"]
+        dp_group = tuple(r for r in range(4) if r % 2 == rank.rank % 2)
+        issued = [(c.dtype, c.ranks, c.site.split(" in ")[-1]) for c in reduces]
+        assert issued == [("int64", dp_group, "_sum")]  # the pass counter only
+        assert "kda: fla chunk_kda (cuda) + context parallel" in rank.routes  # the GPU's route
+    syncs = simulation.syncs_per_window()
+    exchanges = simulation.moe_calls_per_window(config, model_config)
+    assert exchanges == 3 * (512 // 128 + 256 // 128)  # MoE layers x chunks of both forwards
+    by_site = {key: sum(n for site, n in syncs.items() if key in site) for key in EVAL_SYNC_SITES}
+    assert sum(by_site.values()) == sum(syncs.values()), syncs  # nowhere else
+    # one per exchange (at most: the simulation counts a `.tolist()` of one storage from one line as one read,
+    # and two exchanges' count matrices can share a freed storage's address)
+    assert 0 < by_site["in expert_parallel_forward"] <= exchanges, syncs
+    # per forward: the read-back, and (from pageable host memory) the ids' and the labels' copies
+    assert forwards <= by_site["in token_losses"] <= 3 * forwards, syncs
+    assert by_site["in _sum"] <= 2, syncs  # its count to the device and the sum read back
+
+
+def _fsdp_gathers(model_config: ModelConfig, world: int) -> Counter[tuple[str, int]]:
+    """(dtype, elements) of each FSDP2 all-gather over all ranks in one evaluated window of two forwards, and
+    the count of each: per decoder layer and forward its bf16-stored replicated parameters in bf16 and its
+    fp32-declared ones in fp32; the root (embedding, norm, head) in the first forward only (FSDP2 keeps the
+    root unsharded after its forward). FSDP2 pads each parameter's dim 0 to a multiple of the group's size."""
+    from genomelm.model import GlmForCausalLM
+
+    model = GlmForCausalLM.from_config(model_config, None, torch.bfloat16, "meta")
+    units: dict[str, Counter[str]] = {}
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:  # gathered over the ranks holding the same experts instead
+            continue
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        padded = -(-param.shape[0] // world) * world * math.prod(param.shape[1:])
+        units.setdefault(unit, Counter())[str(param.dtype).removeprefix("torch.")] += padded
+    out: Counter[tuple[str, int]] = Counter()
+    for unit, sizes in units.items():
+        for dtype, numel in sizes.items():
+            out[dtype, numel] += 1 if unit == "root" else 2
+    return out
+
+
+def test_eval_step_stores_and_gathers_bf16_parameters_and_the_fp32_declared_in_fp32(
+    tiny_eval: tuple[TrainConfig, Simulation],
+) -> None:
+    """precision=bf16: every rank stores its shard in bf16 (the fp32-declared parameters in fp32), never an
+    fp32 copy, and FSDP2 gathers each layer's parameters in those dtypes, whole: the bytes stored over the
+    ranks are the bf16 build's, and the gathers over all ranks are exactly the units' padded parameters."""
+    from genomelm.model import GlmForCausalLM
+
+    _, simulation = tiny_eval
+    model_config = ModelConfig.preset("tiny")
+    built = GlmForCausalLM.from_config(model_config, None, torch.bfloat16, "meta")
+    expected: Counter[str] = Counter()
+    for param in built.parameters():
+        expected[str(param.dtype).removeprefix("torch.")] += param.numel() * param.element_size()
+    stored = sum((Counter(r.parameter_bytes) for r in simulation.ranks), Counter())
+    assert stored == expected and set(expected) == {"bfloat16", "float32"}, stored
+    rank = simulation.ranks[0]
+    itemsize = {"bfloat16": 2, "float32": 4}
+    everyone = Counter(
+        (c.dtype, c.bytes // itemsize[c.dtype])
+        for c in rank.collectives
+        if c.kind == "all_gather" and c.ranks == (0, 1, 2, 3)
+    )
+    assert everyone == _fsdp_gathers(model_config, world=4)
+    # this ep rank's half of the experts, over the ranks holding the same ones (rank 0's: ranks 0 and 2)
+    experts = sum(p.numel() for n, p in built.named_parameters() if ".mlp.experts." in n) // 2
+    same_experts = [c for c in rank.collectives if c.kind == "all_gather" and c.ranks == (0, 2)]
+    assert {c.dtype for c in same_experts} == {"bfloat16"}
+    assert sum(c.bytes for c in same_experts) == 2 * experts * 2  # two forwards, bf16
+
+
+def test_eval_layout_of_a_planned_run_is_the_evaluations_forward_with_its_context_cut() -> None:
+    """`genomelm plan stage=eval`'s simulation: the last rank at the traced tokens, a context cut that splits
+    over the cp ranks, described as the evaluator's forward with the host syncs projected to the whole
+    window (its expert exchanges at the run's own tokens)."""
+    config = _tiny_eval("seq=4096", "bucket=1024", "dp=2", "cp=2", "ep=2", "moe_chunk_tokens=128")
+    config = config.replace(trace_tokens=512)
+    model_config = ModelConfig.preset("tiny")
+    simulation, traced = simulate_eval_layout(config, model_config, "h200")
+    assert [r.rank for r in simulation.ranks] == [3]
+    assert simulation.stage == "eval" and simulation.tokens_per_window == 1024 and simulation.cut_tokens > 0
+    text = describe_simulation(simulation, config, traced, model_config)
+    syncs = simulation.syncs_per_window()
+    exchange = sum(n for site, n in syncs.items() if "expert_parallel_forward" in site)
+    calls = simulation.moe_calls_per_window(config, traced)
+    assert 0 < exchange <= calls
+    # MoE layers x chunks of the run's own forwards: the window's 2,048 tokens per rank, then the cut's 1,024
+    full = 3 * (2048 // 128 + 1024 // 128)
+    simulated = sum(syncs.values())
+    projected = simulated - exchange + exchange / calls * full
+    assert f"host syncs per window: {simulated:g} simulated; {projected:g} at the full model" in text
+    assert text.startswith("simulated evaluation forward on fake CUDA (rank 3 of dp 2 x cp 2, ep 2;")
+    assert "then the context cut's 512" in text and "reduce_scatter" not in text
+    assert "the results' all_gather_object over the dp group" in text

@@ -37,7 +37,6 @@ from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucketed_loss, compare, relative_change
 from genomelm.eval.plot import save_figure
 from genomelm.eval.report import WriteError, format_table, write_csv, write_json, write_result_set
-from genomelm.eval.score import Scores, last_bucket_start, score_windows
 from genomelm.model.config import ConfigError
 from genomelm.parallel.launch import launch
 from genomelm.train.command import check_mesh
@@ -45,7 +44,16 @@ from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_pair, run_device
 from genomelm.train.plan import PlanError, check_fits
 from genomelm.train.ray_launch import RayLaunchError, score_with_ray
-from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source
+from genomelm.train.scoring import (
+    Scores,
+    ScoringRun,
+    WindowShare,
+    context_cut_tokens,
+    last_bucket_start,
+    load_scoring_model,
+    score_windows,
+    scoring_source,
+)
 
 
 class EvalError(Exception):
@@ -315,9 +323,8 @@ def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> 
     planned for them: gpus=N, a Ray cluster) the evaluation is planned first and refused if it cannot fit.
     `score` is a module-level function (the ranks receive it pickled)."""
     check_mesh(config, [config.seq_len])  # dp x cp x ep against the model, windows the cp ranks can split
-    start = last_bucket_start(config.seq_len, config.eval.bucket)
-    if config.eval.context_cut and start >= config.eval.bucket:
-        cut = config.seq_len - start + config.eval.bucket
+    cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
+    if cut:
         try:
             check_mesh(config, [cut])
         except ValueError as exc:

@@ -39,13 +39,12 @@ from genomelm.eval.buckets import window_stats
 from genomelm.eval.command import EvalError, load_heldout, parse_run_args, print_written, run_scoring
 from genomelm.eval.plot import save_probe_figure
 from genomelm.eval.report import format_number, jsonable, write_atomic, write_result_set
-from genomelm.eval.score import token_losses
 from genomelm.model.config import ConfigError
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_pair
 from genomelm.train.plan import PlanError
 from genomelm.train.ray_launch import RayLaunchError
-from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source
+from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
 
 if TYPE_CHECKING:
     from genomelm.eval.command import HeldoutSet

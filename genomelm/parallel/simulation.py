@@ -26,6 +26,7 @@ a shadow returns a placeholder (0), and the sync is still recorded.
 from __future__ import annotations
 
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,7 +163,7 @@ class SimulationMode(TorchDispatchMode):
         self.collectives: list[Collective] = []
         self.syncs: list[HostSync] = []
         self.unknown_values = 0  # value reads answered with the placeholder (0)
-        self.last_read: tuple[str, int] | None = None
+        self.last_read: tuple[str, weakref.ref] | None = None  # the last value read: its line and tensor
         self.shadows = WeakTensorKeyDictionary()
         self.pinned = WeakTensorKeyDictionary()  # fake host tensors made by pin_memory()
 
@@ -196,11 +197,14 @@ class SimulationMode(TorchDispatchMode):
 
     def _value_read(self, func: Any, tensor: torch.Tensor) -> Any:
         if tensor.device.type != "cpu":
-            # `.tolist()` reads element by element: reads of one storage from one line are one copy
-            read = (source_line(), tensor.untyped_storage()._cdata)
-            if read != self.last_read:
+            # `.tolist()` reads element by element (views of one tensor): reads of one tensor from one line
+            # are one copy. Held by a weak reference, not by storage address: a freed tensor's address is
+            # reused by the next one, whose read is another copy.
+            owner = tensor._base if tensor._base is not None else tensor
+            site = source_line()
+            if self.last_read is None or self.last_read[0] != site or self.last_read[1]() is not owner:
                 self._sync("value read", func)
-            self.last_read = read
+            self.last_read = (site, weakref.ref(owner))
         if not isinstance(tensor, FakeTensor):  # a real tensor: its own value
             return func(tensor)
         shadow = self.shadows.get(tensor)

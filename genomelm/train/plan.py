@@ -18,8 +18,13 @@ collectives at the link of their group plus the offload copies over PCIe (no ove
 and settable. Every layout of the GPUs, ranked: `plan_search`; the tables and plan.json: `plan_report`; the
 types and the assumptions: `plan_types`.
 
-This module: the plan of the run's own layout, and the trainer's check before it trains (`check_fits`,
-`describe_run`).
+With stage=eval the plan is the evaluator's instead: its forward of one window traced the same way
+(`genomelm.train.plan_trace.trace_forward`: no_grad, the parameters as the evaluator stores them, the
+context-parallel scorer), its peak per GPU (`plan_memory.EVAL_RULE`), one window's forward and the context
+cut's, and the whole before/after evaluation of the held-out set (`plan_time.evaluation_time`).
+
+This module: the plan of the run's own layout, and the trainer's (or, with stage=eval, the evaluator's) check
+before it starts (`check_fits`, `describe_run`).
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ def plan_with_refusal(config: TrainConfig) -> tuple[Plan, str | None]:
 
 
 def check_fits(config: TrainConfig) -> Plan:
-    """The trainer's check before training: the run's plan, or PlanError naming the best layout that fits
-    (unless `force=true`)."""
+    """The trainer's check before training (the evaluator's before it scores: `config.replace(stage="eval")`):
+    the run's plan, or PlanError naming the best layout that fits (unless `force=true`)."""
     plan, refused = plan_with_refusal(config)
     if refused:
         raise PlanError(refused)

@@ -1,5 +1,7 @@
 """Bytes per rank: the traced step (one decoder layer of each kind, cached per cp) read at the rank's tokens
-and scaled to every layer, plus the parameters, gradients and AdamW state by the sharding rules below."""
+and scaled to every layer, plus the parameters, gradients and AdamW state by the sharding rules below; for
+the evaluation (stage=eval), the traced forward read the same way, plus the parameters as stored
+(`EVAL_RULE`)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,20 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from genomelm.model import GlmForCausalLM, ModelConfig
+import torch
+
+from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
 from genomelm.model.config import is_preset
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_config_of
-from genomelm.train.plan_trace import StepTrace, layer_kind, reduced_layers, trace_step
+from genomelm.train.plan_trace import (
+    StepTrace,
+    eval_param_dtype,
+    layer_kind,
+    reduced_layers,
+    trace_forward,
+    trace_step,
+)
 from genomelm.train.plan_types import GIB, GPUS, Assumptions, Layout
 
 SHARDING_RULE = (
@@ -46,6 +57,24 @@ OFFLOAD_RULE = (
     "traced with offload=true (with recompute, offload moves only each layer's saved input to the host); "
     "offload=false adds those bytes back to the device"
 )
+EVAL_RULE = (
+    "the evaluation (stage=eval): the evaluator's forward of one window traced under no_grad (bf16 autocast "
+    "when the precision resolves to bf16 on CUDA), per-token losses through the context-parallel scorer; "
+    "nothing is saved for a backward, no gradients, no optimizer state, no recompute, no offload. The "
+    "parameters are stored in the run's precision (bf16 with the parameters the model declares fp32 kept "
+    "fp32, else fp32; bytes of that build on the meta device) and split as in training: with FSDP2 "
+    "(fsdp=true, W = dp*cp > 1) all of them over the W ranks (the experts over ep, then over the W/ep ranks "
+    "holding them), else every parameter with the experts / ep; FSDP2 holds the root unit gathered "
+    "(embedding, final norm, head: it does not reshard the root after the forward) and two decoder layers "
+    "(the running one and the next, gathered ahead), each as stored, its experts / ep; live through the "
+    "forward: at the module whose start + transient is the largest, what was live as it started (linear in "
+    "the rank's tokens) and its transient; the transients as in training (the feed-forward's and the head's "
+    "up to their chunk), the MoE's with EP plus the busiest rank's (imbalance - 1) x chunk x top-k rows "
+    "more, (2 hidden + 3 moe_intermediate) x the compute dtype's bytes each (dispatched rows, gate/up, "
+    "SwiGLU, output); the per-token loss all-gathered over cp (the parts, their concatenation and the "
+    "window-ordered copy: 3 x S x 4 B; at cp 1 the [S] fp32 output) is added to the peak, though it lives "
+    "after the last layer (an upper bound by a few MiB)"
+)
 
 
 def resolve_model_config(config: TrainConfig) -> ModelConfig:
@@ -64,6 +93,20 @@ def model_numel(model_config: ModelConfig) -> dict[str, int]:
     out = {f"layers.{i}": sum(p.numel() for p in layer.parameters()) for i, layer in enumerate(model.layers)}
     out["rest"] = sum(p.numel() for p in model.parameters()) - sum(out.values())
     out["experts"] = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    return out
+
+
+def model_bytes(model_config: ModelConfig, options: RunOptions, dtype: torch.dtype) -> dict[str, int]:
+    """`model_numel`'s parts in bytes of the model built in `dtype` on the meta device (the parameters the
+    model declares fp32 stay fp32): what the evaluator stores."""
+    model = GlmForCausalLM.from_config(model_config, options, dtype, "meta")
+
+    def size(params: list[torch.nn.Parameter]) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    out = {f"layers.{i}": size(list(layer.parameters())) for i, layer in enumerate(model.layers)}
+    out["rest"] = size(list(model.parameters())) - sum(out.values())
+    out["experts"] = size([p for n, p in model.named_parameters() if ".mlp.experts." in n])
     return out
 
 
@@ -88,27 +131,39 @@ def trace_token_counts(tokens: int, a: Assumptions) -> tuple[int, int]:
     return (t2 // 2 if tokens > t2 else t2), t2
 
 
+def _trace(
+    run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int], optimizer: bool
+) -> StepTrace:
+    """The run's stage traced on fake tensors: the training step, or the evaluator's forward."""
+    if run.plan.stage == "eval":
+        return trace_forward(run, model_config, tokens, layers, fake=True)
+    return trace_step(run, model_config, tokens, layers, fake=True, optimizer=optimizer)
+
+
 class TraceCache:
     """Traces at one or two token counts per context-parallel size, cached across layouts: dp, ep, FSDP and
     optimizer offload change bytes in known proportion (computed), and offload only where the saved layer
-    inputs live (with recompute), so one pair of traces per cp serves every layout with that cp."""
+    inputs live (with recompute), so one pair of traces per cp serves every layout with that cp. The
+    evaluation's forward (stage=eval) is cached apart, by the dtype its parameters are stored in."""
 
     def __init__(self) -> None:
         self.cache: dict[tuple, StepTrace] = {}
 
     @staticmethod
     def traced_run(run: TrainConfig) -> TrainConfig:
-        """The run as traced: with recompute, offload on (`OFFLOAD_RULE`)."""
-        return run.replace(offload=True) if run.memory.recompute else run
+        """The run as traced: training with recompute, offload on (`OFFLOAD_RULE`)."""
+        return run.replace(offload=True) if run.memory.recompute and run.plan.stage == "train" else run
 
     def _key(self, run: TrainConfig, tokens: int, layers: list[int]) -> tuple:
         memory, options = run.memory, run.model_options
+        if run.plan.stage == "eval":  # the memory switches are the training step's
+            switches: tuple = (eval_param_dtype(run),)
+        else:
+            switches = (memory.recompute, memory.offload, memory.recompute_chunks, memory.keep_selection)
         return (
+            run.plan.stage,
             run.parallel.cp,
-            memory.recompute,
-            memory.offload,
-            memory.recompute_chunks,
-            memory.keep_selection,
+            *switches,
             options.moe_chunk_tokens,
             options.loss_chunk_tokens,
             options.indexer_query_block,
@@ -129,7 +184,7 @@ class TraceCache:
         key = self._key(run, tokens, layers)
         cached = self.cache.get(key)
         if cached is None or (optimizer and not cached.optimizer_peak):
-            cached = self.cache[key] = self._trace(run, model_config, tokens, layers, optimizer)
+            cached = self.cache[key] = _trace(run, model_config, tokens, layers, optimizer)
         return cached
 
     def prefetch(
@@ -148,7 +203,7 @@ class TraceCache:
         workers = min(len(todo), os.cpu_count() or 1, 4)
         if workers < 2 or multiprocessing.parent_process() is not None:
             for key, run, tokens, optimizer in todo:
-                self.cache[key] = self._trace(run, model_config, tokens, layers, optimizer)
+                self.cache[key] = _trace(run, model_config, tokens, layers, optimizer)
             return
         todo.sort(key=lambda item: -item[1].parallel.cp * item[2])  # the slowest first
         # what trace_step imports when it runs: imported once here, not in every forked worker
@@ -157,17 +212,11 @@ class TraceCache:
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
             futures = {
-                key: pool.submit(trace_step, run, model_config, tokens, layers, True, optimizer)
+                key: pool.submit(_trace, run, model_config, tokens, layers, optimizer)
                 for key, run, tokens, optimizer in todo
             }
             for key, future in futures.items():
                 self.cache[key] = future.result()
-
-    @staticmethod
-    def _trace(
-        run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int], optimizer: bool
-    ) -> StepTrace:
-        return trace_step(run, model_config, tokens, layers, fake=True, optimizer=optimizer)
 
 
 @dataclass
@@ -216,9 +265,10 @@ def scaled_traces(
 
 @dataclass(frozen=True)
 class ParameterShare:
-    """The model's parameter counts (`model_numel`) and what one rank of a layout holds of them."""
+    """The model's parameter counts (`model_numel`; for the evaluation, their bytes as stored: `model_bytes`)
+    and what one rank of a layout holds of them."""
 
-    numel: dict[str, int]
+    numel: dict[str, int]  # by part, as `model_numel` (or `model_bytes`)
     total: int  # every parameter
     experts: int  # the routed experts' share of `total`
     local: float  # one rank's: total / dp*cp with FSDP2, else every parameter with the experts / ep
@@ -246,6 +296,18 @@ class RankMemory:
         return self.peak <= self.usable * GIB and sum(self.host.values()) <= a.host_gib * GIB
 
 
+def chunked_transients(config: TrainConfig, steps: ScaledTraces) -> dict[str, float]:
+    """Each traced module's transient on the line through the two traces, at the rank's tokens, or only up to
+    their chunk for the chunked modules (feed-forward: moe_chunk_tokens, loss head: loss_chunk_tokens)."""
+    lo, hi, tokens = steps.lo, steps.hi, steps.tokens
+    options = config.model_options
+    chunk = {"mlp": options.moe_chunk_tokens, "lm_head": options.loss_chunk_tokens}
+    return {
+        k: max(0.0, steps.line(lo.transients.get(k, 0), v, min(tokens, chunk.get(k.split(".")[-1], tokens))))
+        for k, v in hi.transients.items()
+    }
+
+
 def module_transients(
     config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions
 ) -> dict[str, float]:
@@ -253,13 +315,8 @@ def module_transients(
     moe_chunk_tokens, loss head: loss_chunk_tokens) only up to their chunk, the MoE layers' by `MOE_RULE`
     with FSDP or EP; plus, where a layer's recompute holds every chunk at once, the feed-forward tensors its
     recompute holds until its backward (`recompute_held`)."""
-    lo, hi, tokens = steps.lo, steps.hi, steps.tokens
-    options = config.model_options
-    chunk = {"mlp": options.moe_chunk_tokens, "lm_head": options.loss_chunk_tokens}
-    transients = {
-        k: max(0.0, steps.line(lo.transients.get(k, 0), v, min(tokens, chunk.get(k.split(".")[-1], tokens))))
-        for k, v in hi.transients.items()
-    }
+    tokens, options = steps.tokens, config.model_options
+    transients = chunked_transients(config, steps)
     held = recompute_held(config, model_config, layout, steps, a)
     if layout.ep > 1 or layout.sharded:  # the busiest rank's rows of one chunk
         rows = (
@@ -390,8 +447,57 @@ def rank_memory(
     return RankMemory(device, transients, host, host_inputs, peak, GPUS[config.plan.gpu][0])
 
 
+def eval_transients(
+    config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions
+) -> dict[str, float]:
+    """Each traced module's transient in the evaluator's forward at the rank's tokens (`chunked_transients`),
+    the MoE layers' with EP plus the rows of one chunk the busiest rank receives beyond the traced mean
+    (`EVAL_RULE`)."""
+    transients = chunked_transients(config, steps)
+    if layout.ep == 1:
+        return transients
+    c = model_config
+    chunk = min(steps.tokens, config.model_options.moe_chunk_tokens)
+    rows = (a.imbalance - 1) * chunk * c.num_experts_per_tok
+    width = 2 if eval_param_dtype(config) == torch.bfloat16 else 4  # the experts' compute dtype
+    extra = rows * (2 * c.hidden_size + 3 * c.moe_intermediate_size) * width
+    for k in transients:
+        if k.endswith(".mlp") and c.mlp_layer_types[int(k.split(".")[1])] == "sparse":
+            transients[k] += extra
+    return transients
+
+
+def eval_rank_memory(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    layout: Layout,
+    stored: ParameterShare,
+    steps: ScaledTraces,
+    a: Assumptions,
+) -> RankMemory:
+    """One rank's device bytes in the evaluator's forward (`EVAL_RULE`); `stored`: the parameters' bytes as
+    stored (`model_bytes`) and this rank's share. No host memory."""
+    hi = steps.hi
+    transients = eval_transients(config, model_config, layout, steps, a)
+    starts = {k: steps.line(steps.lo.starts.get(k, 0), v) for k, v in hi.starts.items()}
+    peak_module = max(transients, key=lambda k: starts.get(k, 0.0) + transients[k])
+    dtype = "bf16, fp32 where declared" if eval_param_dtype(config) == torch.bfloat16 else "fp32"
+    device = {
+        f"parameters ({dtype})": stored.local,
+        "buffers": _categories(hi, "Buffer") * stored.total / max(_categories(hi, "Parameter"), 1),
+    }
+    if layout.sharded:
+        gathered = stored.numel["rest"] + 2 * _largest_layer(model_config, layout, stored)
+        device["FSDP gathered: root (embedding, norm, head) + 2 decoder layers"] = gathered
+    device["live as the peak's module starts (streams, inputs)"] = starts.get(peak_module, 0.0)
+    device[f"transient of {peak_module}"] = transients[peak_module]
+    device["per-token loss, all-gathered ([S] fp32)"] = (3 if layout.cp > 1 else 1) * config.seq_len * 4
+    return RankMemory(device, transients, {}, 0.0, sum(device.values()), GPUS[config.plan.gpu][0])
+
+
 def _largest_layer(model_config: ModelConfig, layout: Layout, params: ParameterShare) -> float:
-    """Parameters of the largest decoder layer as FSDP gathers it (its routed experts / ep)."""
+    """Parameters (or their bytes, as `params` counts them) of the largest decoder layer as FSDP gathers it
+    (its routed experts / ep)."""
     layers = range(model_config.num_hidden_layers)
     sparse = [i for i in layers if model_config.mlp_layer_types[i] == "sparse"]
     experts_per_layer = params.experts / max(1, len(sparse))

@@ -1,5 +1,5 @@
 """What the planner prints and writes: one plan as a table, the ranked layouts, the line a run that does not
-fit is refused with, and runs/<run>/plan.json."""
+fit is refused with, and runs/<run>/plan.json (the evaluation's, stage=eval: runs/<run>/plan-eval.json)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from genomelm.train.plan_types import Plan
 
 
 def layout_args(plan: Plan) -> str:
-    """The key=value settings of a plan's layout."""
+    """The key=value settings of a plan's layout (an evaluation's: dp, cp, ep)."""
+    if plan.stage == "eval":
+        return f"dp={plan.dp} cp={plan.cp} ep={plan.ep}"
     return (
         f"dp={plan.dp} cp={plan.cp} ep={plan.ep} offload={str(plan.offload).lower()} "
         f"optimizer_offload={str(plan.optimizer_offload).lower()}"
@@ -22,7 +24,13 @@ def refusal(config: TrainConfig, plan: Plan, candidates: list[Plan]) -> str:
     """Why the run does not fit, and the best layout of the same GPUs that does (`candidates`, ranked)."""
     gpus = f"{plan.gpus} x {config.plan.gpu.upper()}"
     best = next((p for p in candidates if p.fits), None)
-    if best:
+    evaluating = plan.stage == "eval"
+    if best and evaluating:
+        fix = (
+            f"best evaluation layout that fits {gpus}: {layout_args(best)} ({best.peak_gib_per_rank:.1f} "
+            f"GiB per rank, {best.step_s:,.1f} s per window projected)"
+        )
+    elif best:
         fix = (
             f"best layout that fits {gpus}: {layout_args(best)} ({best.peak_gib_per_rank:.1f} GiB per "
             f"rank, {best.host_gib_total:,.0f} GiB host per node, {best.tokens_per_s_projected:,.0f} "
@@ -35,15 +43,18 @@ def refusal(config: TrainConfig, plan: Plan, candidates: list[Plan]) -> str:
         )
     else:
         fix = f"no layout of {plan.gpus} GPUs fits"
+    what, anyway = ("the evaluation of run", "evaluates") if evaluating else ("run", "trains")
     return (
-        f"run {config.run} does not fit: {plan.peak_gib_per_rank:.1f} GiB per rank > "
+        f"{what} {config.run} does not fit: {plan.peak_gib_per_rank:.1f} GiB per rank > "
         f"{plan.usable_gib:.0f} GiB usable on {config.plan.gpu.upper()} ({layout_args(plan)}); {fix}; "
-        "force=true trains anyway"
+        f"force=true {anyway} anyway"
     )
 
 
 def describe(plan: Plan) -> str:
     """The plan as a table."""
+    if plan.evaluation is not None:
+        return describe_eval(plan)
     a = plan.assumptions
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines = [
@@ -74,18 +85,73 @@ def describe(plan: Plan) -> str:
         f"(compute {a['compute_s']:.2f} s + communication {a['comm_s']:.2f} s + offload copies "
         f"{a['host_copy_s']:.2f} s per window, no overlap)"
     )
-    lines.append(
+    lines.append(_assumed(a))
+    lines += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _assumed(a: dict) -> str:
+    return (
         f"  assumptions: mfu={a['mfu']} tflops={a['tflops']} nvlink_gbs={a['nvlink_gbs']} "
         f"ib_gbs={a['ib_gbs']} pcie_gbs={a['pcie_gbs']} gpus_per_node={a['gpus_per_node']} "
         f"host_gib={a['host_gib']:.0f} imbalance={a['imbalance']:.2f} ({a['imbalance_source']}) "
         f"trace_tokens={a['trace_tokens']}"
     )
+
+
+def _s(seconds: float) -> str:
+    """Seconds with two decimals, or three significant digits below 0.1 s (small models)."""
+    return f"{seconds:,.2f} s" if seconds >= 0.1 or seconds == 0 else f"{seconds:.3g} s"
+
+
+def describe_eval(plan: Plan) -> str:
+    """An evaluation's plan as a table: its peak per rank, one window's forward, the context cut's and the
+    whole before/after evaluation."""
+    a, e = plan.assumptions, plan.evaluation
+    assert e is not None
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines = [
+        (
+            f"plan {plan.run}, evaluation: {plan.seq:,}-token windows on {plan.gpus} x {plan.gpu.upper()} "
+            f"(dp {plan.dp} x cp {plan.cp}, ep {plan.ep}; fsdp {plan.fsdp}; precision {a['precision']}; "
+            "forward only, no_grad)"
+        ),
+        f"  {verdict}: peak {plan.peak_gib_per_rank:,.1f} GiB per rank of {plan.usable_gib:.0f} GiB usable",
+        "  device memory per rank (GiB):",
+    ]
+    lines += [f"    {k:<64} {v:>10,.2f}" for k, v in plan.device_gib.items()]
+    lines.append("  transients by module (GiB):")
+    lines += [f"    {k:<64} {v:>10,.2f}" for k, v in plan.transients_gib.items()]
+    lines.append(
+        f"  FLOPs per token (forward, per rank): {plan.flops_per_token:.3e} (busiest expert-parallel rank: "
+        f"{a['busiest_rank_flops_per_token']:.3e})"
+    )
+    lines.append("  bytes communicated per window per rank (the full window's forward):")
+    lines += [f"    {k:<64} {v / 1e9:>10,.2f} GB" for k, v in plan.comm_bytes_per_step.items()]
+    lines.append(
+        f"  projected per window: {_s(e.window_s)} (compute {_s(a['compute_s'])} + communication "
+        f"{_s(a['comm_s'])}, no overlap)"
+        + (f"; context cut ({e.cut_tokens:,} tokens): {_s(e.cut_s)}" if e.cut_tokens else "; no context cut")
+    )
+    lines.append(
+        f"  held-out windows: {e.windows if e.windows is not None else 'unknown'} ({e.windows_source})"
+    )
+    if e.total_s is not None:
+        forwards = f"{_s(e.window_s)} + {_s(e.cut_s)}" if e.cut_tokens else _s(e.window_s)
+        lines.append(
+            f"  whole evaluation: {e.models} models x {e.per_replica} windows per dp replica (ceil "
+            f"{e.windows} / dp {plan.dp}) x ({forwards}) = {_s(e.total_s)} = {e.total_s / 3600:,.2f} h "
+            "(before + after training)"
+        )
+    lines.append(_assumed(a))
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
 def describe_search(plans: list[Plan], limit: int = 0) -> str:
     """The ranked layouts as a table, the first `limit` of them (0: all)."""
+    if plans and plans[0].evaluation is not None:
+        return _describe_eval_search(plans, limit)
     rows = [
         (
             f"{'fits':<5} {'dp':>3} {'cp':>3} {'ep':>3} {'offload':<8} {'opt_offload':<12} {'peak GiB':>10} "
@@ -101,10 +167,29 @@ def describe_search(plans: list[Plan], limit: int = 0) -> str:
     return "\n".join(rows)
 
 
+def _describe_eval_search(plans: list[Plan], limit: int) -> str:
+    """Ranked evaluation layouts: peak, seconds per window and context cut, hours for before + after."""
+    rows = [
+        f"{'fits':<5} {'dp':>3} {'cp':>3} {'ep':>3} {'peak GiB':>10} {'s/window':>9} {'s/cut':>7} "
+        f"{'hours':>7}"
+    ]
+    for p in plans[: limit or None]:
+        e = p.evaluation
+        assert e is not None
+        hours = f"{e.total_s / 3600:>7,.2f}" if e.total_s is not None else f"{'?':>7}"
+        rows.append(
+            f"{'yes' if p.fits else 'no':<5} {p.dp:>3} {p.cp:>3} {p.ep:>3} {p.peak_gib_per_rank:>10,.1f} "
+            f"{e.window_s:>9,.2f} {e.cut_s:>7,.2f} {hours}"
+        )
+    if limit and len(plans) > limit:
+        rows.append(f"... {len(plans) - limit} more in plan-eval.json")
+    return "\n".join(rows)
+
+
 def write_plan(config: TrainConfig, plans: list[Plan]) -> Path:
-    """runs/<run>/plan.json: plans[0], the run's own layout; the rest (search=true), ranked, under
-    "search"."""
-    path = config.run_dir / "plan.json"
+    """runs/<run>/plan.json (the evaluation's: plan-eval.json, beside the training's): plans[0], the run's own
+    layout; the rest (search=true), ranked, under "search"."""
+    path = config.run_dir / ("plan-eval.json" if config.plan.stage == "eval" else "plan.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     body = plans[0].to_json() | ({"search": [p.to_json() for p in plans[1:]]} if len(plans) > 1 else {})
     path.write_text(json.dumps(body, indent=2))

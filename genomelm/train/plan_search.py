@@ -1,14 +1,17 @@
-"""Layouts: the plan of one dp x cp x ep layout (memory and time put together), every layout of the GPUs, and
-their ranking."""
+"""Layouts: the plan of one dp x cp x ep layout (memory and time put together: of the training step, or with
+stage=eval of the evaluator's forward), every layout of the GPUs, and their ranking."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import torch
+
 from genomelm.model import ModelConfig
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan_memory import (
+    EVAL_RULE,
     MOE_RULE,
     OFFLOAD_RULE,
     SHARDING_RULE,
@@ -16,29 +19,50 @@ from genomelm.train.plan_memory import (
     RankMemory,
     ScaledTraces,
     TraceCache,
+    eval_rank_memory,
+    model_bytes,
     model_numel,
     rank_memory,
     resolve_model_config,
     scaled_traces,
     trace_token_counts,
 )
-from genomelm.train.plan_time import StepTime, step_time
-from genomelm.train.plan_trace import reduced_layers
-from genomelm.train.plan_types import GIB, Assumptions, Layout, Plan, load_assumptions
+from genomelm.train.plan_time import (
+    StepTime,
+    context_cut_tokens,
+    evaluation_time,
+    forward_time,
+    step_time,
+)
+from genomelm.train.plan_trace import eval_param_dtype, eval_precision, reduced_layers
+from genomelm.train.plan_types import GIB, Assumptions, EvalTime, Layout, Plan, load_assumptions
 
 
 def check_layout(config: TrainConfig, model_config: ModelConfig, dp: int, cp: int, ep: int) -> Layout:
     """The layout of dp x cp ranks with the experts over ep, for `config`'s window, fsdp and
-    optimizer_offload; ValueError when the window or the experts do not split so."""
+    optimizer_offload (training's alone); ValueError when the window (with stage=eval, or its context cut)
+    or the experts do not split so."""
     seq, world = config.seq_len, dp * cp
     if not splits(seq, cp):
         raise ValueError(f"seq {seq:,} does not split into cp={cp} shards of whole 128-token pieces")
+    evaluating = config.plan.stage == "eval"
+    cut = context_cut_tokens(config) if evaluating else 0
+    if cut and not splits(cut, cp):
+        raise ValueError(
+            f"the context cut's {cut:,} tokens do not split into cp={cp} shards of whole 128-token pieces"
+        )
     if world % ep or model_config.n_routed_experts % ep:
         raise ValueError(
             f"ep={ep} must divide dp*cp={world} and the {model_config.n_routed_experts} routed experts"
         )
     sharded = config.parallel.fsdp and world > 1
-    return Layout(dp, cp, ep, sharded, config.parallel.optimizer_offload and sharded)
+    return Layout(dp, cp, ep, sharded, config.parallel.optimizer_offload and sharded and not evaluating)
+
+
+def window_splits(config: TrainConfig, cp: int) -> bool:
+    """Whether the window and, with stage=eval, its context cut split into cp shards (`splits`)."""
+    cut = context_cut_tokens(config) if config.plan.stage == "eval" else 0
+    return splits(config.seq_len, cp) and (not cut or splits(cut, cp))
 
 
 def splits(seq: int, cp: int) -> bool:
@@ -55,14 +79,19 @@ def plan_layout(
     traces: TraceCache | None = None,
     model_config: ModelConfig | None = None,
     numel: dict[str, int] | None = None,
+    stored: dict[str, int] | None = None,
 ) -> Plan:
     """The plan of one layout (dp x cp ranks, experts over ep) for `config`'s window and switches (fsdp,
-    offload, optimizer_offload)."""
+    offload, optimizer_offload), of the training step or, with stage=eval, of the evaluation (`eval_plan`;
+    `stored`: `model_bytes` of the evaluator's build)."""
     model_config = model_config or resolve_model_config(config)
-    numel = numel or model_numel(model_config)
     traces = traces or TraceCache()
     a = assumptions.resolved(config.plan.gpu)
     layout = check_layout(config, model_config, dp, cp, ep)
+    if config.plan.stage == "eval":
+        stored = stored or model_bytes(model_config, config.model_options, eval_param_dtype(config))
+        return eval_plan(config, model_config, layout, a, stored, traces)
+    numel = numel or model_numel(model_config)
     steps = scaled_traces(config, model_config, cp, a, traces, optimizer=not layout.sharded)
     params = ParameterShare.of(numel, layout)
     memory = rank_memory(config, model_config, layout, params, steps, a)
@@ -113,10 +142,90 @@ def _plan(
     )
 
 
+def eval_plan(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    layout: Layout,
+    a: Assumptions,
+    stored: dict[str, int],
+    traces: TraceCache,
+) -> Plan:
+    """The evaluation's plan of `layout`: the traced forward's peak per rank (`eval_rank_memory`), one
+    window's forward, the context cut's and the whole before/after evaluation (`evaluation_time`)."""
+    steps = scaled_traces(config, model_config, layout.cp, a, traces, optimizer=False)
+    weights = ParameterShare.of(stored, layout)
+    memory = eval_rank_memory(config, model_config, layout, weights, steps, a)
+    bf16 = eval_param_dtype(config) == torch.bfloat16
+    window = forward_time(model_config, layout, weights, steps, a, bf16)
+    cut_tokens, cut = context_cut_tokens(config), None
+    if cut_tokens:  # a forward of its own, traced (or read off the window's traces) at its tokens per rank
+        cut_run = config.replace(seq=str(cut_tokens))
+        cut_steps = scaled_traces(cut_run, model_config, layout.cp, a, traces, optimizer=False)
+        cut = forward_time(model_config, layout, weights, cut_steps, a, bf16)
+    evaluation = evaluation_time(config, layout, window, cut, cut_tokens)
+    notes = _notes(config, model_config, layout, steps)
+    notes.append(
+        "not counted: loading each model (its checkpoint read and sharded), the windows' reads, and overlap "
+        "of compute with communication (none assumed)"
+    )
+    return _eval_plan(config, layout, a, memory, window, evaluation, notes)
+
+
+def _eval_plan(
+    config: TrainConfig,
+    layout: Layout,
+    a: Assumptions,
+    memory: RankMemory,
+    window: StepTime,
+    evaluation: EvalTime,
+    notes: list[str],
+) -> Plan:
+    """The evaluation's `Plan` of a layout: GiB, one window's forward, and for plan.json the assumptions and
+    rules."""
+    seq, tokens = config.seq_len, config.seq_len // layout.cp
+    scored_s = evaluation.window_s + evaluation.cut_s
+    return Plan(
+        run=config.run,
+        seq=seq,
+        gpus=layout.world,
+        gpu=config.plan.gpu,
+        dp=layout.dp,
+        cp=layout.cp,
+        ep=layout.ep,
+        recompute=False,
+        offload=False,
+        optimizer_offload=False,
+        fsdp=layout.sharded,
+        fits=memory.fits(a),
+        usable_gib=memory.usable,
+        peak_gib_per_rank=memory.peak / GIB,
+        device_gib={k: v / GIB for k, v in memory.device.items()},
+        transients_gib={k: v / GIB for k, v in memory.transients.items()},
+        host_gib_per_node={},
+        flops_per_token=window.rank_flops / tokens,
+        comm_bytes_per_step=window.comm,
+        step_s=window.step_s,
+        tokens_per_s_projected=layout.dp * seq / max(scored_s, 1e-9),
+        assumptions=dataclasses.asdict(a)
+        | {
+            "compute_s": window.compute_s,
+            "comm_s": window.comm_s,
+            "host_copy_s": 0.0,
+            "busiest_rank_flops_per_token": window.busiest_flops / tokens,
+            "precision": eval_precision(config),
+            "overlap": "none: compute and every collective add up",
+            "eval": EVAL_RULE,
+        },
+        notes=notes,
+        stage="eval",
+        evaluation=evaluation,
+    )
+
+
 def _notes(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces) -> list[str]:
     """What the plan ignored, and how it was traced and scaled."""
     notes = []
-    if config.parallel.optimizer_offload and not layout.sharded:
+    if config.parallel.optimizer_offload and not layout.sharded and config.plan.stage == "train":
         notes.append("optimizer_offload needs FSDP over more than one rank (fsdp=true, dp*cp > 1): ignored")
     traced = f"traced {len(steps.layers)} of {model_config.num_hidden_layers} layers"
     if steps.t1 != steps.t2:
@@ -132,42 +241,62 @@ def _notes(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps
 def search(
     config: TrainConfig, assumptions: Assumptions | None = None, traces: TraceCache | None = None
 ) -> list[Plan]:
-    """Every dp x cp x ep layout of `config.plan.gpus` (64 if unset), with offload and optimizer_offload on
-    and off, ranked (`rank`). One pair of traces per cp (see `TraceCache`), traced first, in parallel."""
+    """Every dp x cp x ep layout of `config.plan.gpus` (64 if unset), for training with offload and
+    optimizer_offload on and off, ranked (`rank`); with stage=eval the evaluator's layouts (dp x cp x ep
+    alone: it neither offloads nor keeps an optimizer). One pair of traces per cp (see `TraceCache`), traced
+    first, in parallel."""
     assumptions = assumptions or load_assumptions(config)
     model_config = resolve_model_config(config)
-    numel = model_numel(model_config)
+    evaluating = config.plan.stage == "eval"
+    numel = None if evaluating else model_numel(model_config)
+    stored = model_bytes(model_config, config.model_options, eval_param_dtype(config)) if evaluating else None
     traces = traces or TraceCache()
     gpus = config.plan.gpus or 64
     a = assumptions.resolved(config.plan.gpu)
-    cps = [cp for cp in powers_of_two(gpus) if splits(config.seq_len, cp)]
+    cps = [cp for cp in powers_of_two(gpus) if window_splits(config, cp)]
     sharded = config.parallel.fsdp and gpus > 1
     opt_offloads = (False, True) if sharded else (False,)  # optimizer offload is FSDP2's
+    switches = (
+        [{}]
+        if evaluating
+        else [
+            {"offload": offload, "optimizer_offload": opt_offload}
+            for offload in (True, False)
+            for opt_offload in opt_offloads
+        ]
+    )
+    traced_optimizer = not sharded and not evaluating
+    cut = context_cut_tokens(config) if evaluating else 0
     requests = []
     for cp in cps:
         run = config.replace(cp=cp, dp=1, ep=1)
         t1, t2 = trace_token_counts(config.seq_len // cp, a)
-        requests += [(run, t1, t1 == t2 and not sharded), (run, t2, not sharded)]
+        requests += [(run, t1, t1 == t2 and traced_optimizer), (run, t2, traced_optimizer)]
+        if cut:  # the context cut's forward (mostly the window's traces again)
+            requests += [(run, t, False) for t in trace_token_counts(cut // cp, a)]
     traces.prefetch(requests, model_config, reduced_layers(model_config))
     plans = []
     for cp in cps:
         for ep in powers_of_two(gpus):
             if model_config.n_routed_experts % ep:
                 continue
-            for offload in (True, False):
-                for opt_offload in opt_offloads:
-                    run = config.replace(offload=offload, optimizer_offload=opt_offload)
-                    plan = plan_layout(run, gpus // cp, cp, ep, assumptions, traces, model_config, numel)
-                    plans.append(plan)
+            for switch in switches:
+                run = config.replace(**switch)
+                plan = plan_layout(run, gpus // cp, cp, ep, assumptions, traces, model_config, numel, stored)
+                plans.append(plan)
     return rank(plans)
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
-    """Fitting first; then by projected tokens/s; at equal speed the smaller peak, then less host memory."""
-    return sorted(
-        plans,
-        key=lambda p: (not p.fits, -round(p.tokens_per_s_projected), p.peak_gib_per_rank, p.host_gib_total),
-    )
+    """Fitting first; then by projected tokens/s (evaluations: by the whole evaluation's time where the
+    held-out windows are counted, which the replicas' uneven shares change); at equal speed the smaller
+    peak, then less host memory."""
+
+    def speed(plan: Plan) -> float:
+        total = plan.evaluation.total_s if plan.evaluation is not None else None
+        return round(total, 1) if total is not None else -round(plan.tokens_per_s_projected)
+
+    return sorted(plans, key=lambda p: (not p.fits, speed(p), p.peak_gib_per_rank, p.host_gib_total))
 
 
 def powers_of_two(n: int) -> list[int]:

@@ -1,14 +1,20 @@
 """Time per window: FLOPs of the busiest rank / (achieved fraction of the GPU's bf16 peak), plus the
-collectives at the link of their group, plus the offload copies over PCIe, added without overlap."""
+collectives at the link of their group, plus the offload copies over PCIe, added without overlap. For the
+evaluation (stage=eval): the forward's FLOPs and collectives of a window and of its context cut, and the
+whole before/after evaluation of the held-out set (`evaluation_time`, `held_out_windows`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from genomelm.data import read_manifest
 from genomelm.model import ModelConfig
+from genomelm.train import scoring
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan_memory import ParameterShare, ScaledTraces
-from genomelm.train.plan_types import Assumptions, Layout
+from genomelm.train.plan_types import Assumptions, EvalTime, Layout
 
 # With optimizer_offload the AdamW step runs on the host CPU, one parameter tensor at a time (`foreach=False`:
 # FSDP2's DTensors on two meshes, the experts' and the rest's, cannot share a foreach kernel): about seven
@@ -17,6 +23,10 @@ from genomelm.train.plan_types import Assumptions, Layout
 # same per-tensor loop costs launches only (~10 kernels per parameter tensor, 5 us each: well under 0.1 s).
 HOST_ADAMW_BYTES_PER_PARAMETER = 100
 HOST_MEMORY_GBS_PER_GPU = 25.0
+# Held-out sets sized without their prepared folder: genome -> (held-out record (configs/data/<genome>.yaml),
+# its length, its bases other than N; GRCh38 chr22, whose N are mostly the short arm's first ~10.5 Mb).
+HELD_OUT_ESTIMATES = {"hg38": ("chr22", 50_818_468, 39_159_782)}
+EVAL_MODELS = 2  # the evaluation scores the model before training and after
 
 
 @dataclass
@@ -45,18 +55,7 @@ def step_time(
     a: Assumptions,
 ) -> StepTime:
     """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads."""
-    lo, hi, rep_of = steps.lo, steps.hi, steps.rep_of
-    layers = range(model_config.num_hidden_layers)
-    sparse = [i for i in layers if model_config.mlp_layer_types[i] == "sparse"]
-    flops = {k: steps.quadratic(lo.flops[k], hi.flops[k]) for k in hi.flops}
-    rank_flops = flops["rest"] + sum(flops[f"layers.{rep_of[i]}"] for i in layers)
-    expert_flops = sum(
-        steps.line(
-            lo.expert_flops.get(f"layers.{rep_of[i]}", 0), hi.expert_flops.get(f"layers.{rep_of[i]}", 0)
-        )
-        for i in sparse
-    )
-    busiest_flops = rank_flops + (a.imbalance - 1) * expert_flops if layout.ep > 1 else rank_flops
+    rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     comm, comm_s = comm_bytes(model_config, layout, params, steps, a)
     compute_s = busiest_flops / (a.tflops * 1e12 * a.mfu)
     host_s = 0.0  # offload copies over PCIe
@@ -70,10 +69,89 @@ def step_time(
     return StepTime(rank_flops, busiest_flops, comm, compute_s, comm_s, host_s)
 
 
+def forward_time(
+    model_config: ModelConfig,
+    layout: Layout,
+    stored: ParameterShare,
+    steps: ScaledTraces,
+    a: Assumptions,
+    stored_in_bf16: bool,
+) -> StepTime:
+    """The evaluator's forward of the traced window on one rank of `layout`: its FLOPs at the assumed mfu
+    plus its collectives (`forward_comm_bytes`); `stored`: the parameters' bytes as stored (bf16, with the
+    fp32-declared ones fp32, when `stored_in_bf16`). No host copies."""
+    rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
+    comm, comm_s = forward_comm_bytes(model_config, layout, stored, steps, a, stored_in_bf16)
+    return StepTime(rank_flops, busiest_flops, comm, busiest_flops / (a.tflops * 1e12 * a.mfu), comm_s, 0.0)
+
+
+def _flops(
+    model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions
+) -> tuple[float, float]:
+    """FLOPs of one rank at `steps.tokens` (a*t + b*t^2 through the traces, every layer by its kind's), and
+    of the busiest expert-parallel rank (`imbalance` x the mean rows through its routed experts)."""
+    lo, hi, rep_of = steps.lo, steps.hi, steps.rep_of
+    layers = range(model_config.num_hidden_layers)
+    sparse = [i for i in layers if model_config.mlp_layer_types[i] == "sparse"]
+    flops = {k: steps.quadratic(lo.flops[k], hi.flops[k]) for k in hi.flops}
+    rank_flops = flops["rest"] + sum(flops[f"layers.{rep_of[i]}"] for i in layers)
+    expert_flops = sum(
+        steps.line(
+            lo.expert_flops.get(f"layers.{rep_of[i]}", 0), hi.expert_flops.get(f"layers.{rep_of[i]}", 0)
+        )
+        for i in sparse
+    )
+    busiest_flops = rank_flops + (a.imbalance - 1) * expert_flops if layout.ep > 1 else rank_flops
+    return rank_flops, busiest_flops
+
+
 def link_bytes_per_s(a: Assumptions, ranks: int) -> float:
     """Bytes per second of a collective over `ranks` consecutive ranks: NVLink inside a node, else the
     NICs."""
     return (a.nvlink_gbs if ranks <= a.gpus_per_node else a.ib_gbs) * 1e9
+
+
+@dataclass
+class _Tally:
+    """Bytes one rank moves, by collective, and their seconds at the link of each collective's group."""
+
+    a: Assumptions
+    bytes: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def add(self, name: str, value: float, ranks: int) -> None:
+        self.bytes[name] = self.bytes.get(name, 0.0) + value
+        self.seconds += value / link_bytes_per_s(self.a, ranks)
+
+    def traced_layers(self, model_config: ModelConfig, steps: ScaledTraces, cp: int) -> None:
+        """The decoder layers' context-parallel collectives as traced, each layer by its kind's, on the line
+        through the two traces."""
+        lo, hi = steps.lo, steps.hi
+        for i in range(model_config.num_hidden_layers):
+            part = f"layers.{steps.rep_of[i]}"
+            for kind, size in hi.comm.get(part, {}).items():
+                self.add(f"cp {kind}", steps.line(lo.comm.get(part, {}).get(kind, 0), size), cp)
+
+    def expert_exchange(
+        self, model_config: ModelConfig, layout: Layout, tokens: int, passes: int, width: int, label: str
+    ) -> None:
+        """The busiest rank's all-to-all: tokens x top-k rows of hidden x `width` B each way (dispatch,
+        combine) per MoE layer and pass, x `imbalance`."""
+        if layout.ep == 1:
+            return
+        ep = layout.ep
+        moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
+        rows = tokens * model_config.num_experts_per_tok
+        per_layer = rows * model_config.hidden_size * width * (ep - 1) / ep
+        self.add(label, per_layer * 2 * passes * moe_layers * self.a.imbalance, ep)
+
+
+def _gathered(layout: Layout, params: ParameterShare) -> float:
+    """What FSDP's all-gathers of every unit bring one rank per pass, in `params`' unit: the rest of every
+    unit, and the experts from the other ranks holding the same ones (W/ep)."""
+    world, ep = layout.world, layout.ep
+    edp = world // ep
+    return (params.total - params.experts) * (world - 1) / world + params.experts / ep * (edp - 1) / edp
 
 
 def comm_bytes(
@@ -81,38 +159,95 @@ def comm_bytes(
 ) -> tuple[dict[str, float], float]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
     computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over."""
-    lo, hi, cp, world, ep = steps.lo, steps.hi, layout.cp, layout.world, layout.ep
-    out: dict[str, float] = {}
-    seconds = 0.0
-
-    def add(name: str, value: float, ranks: int) -> None:
-        nonlocal seconds
-        out[name] = out.get(name, 0.0) + value
-        seconds += value / link_bytes_per_s(a, ranks)
-
-    for i in range(model_config.num_hidden_layers):
-        part = f"layers.{steps.rep_of[i]}"
-        for kind, size in hi.comm.get(part, {}).items():
-            add(f"cp {kind}", steps.line(lo.comm.get(part, {}).get(kind, 0), size), cp)
+    hi, cp, world = steps.hi, layout.cp, layout.world
+    tally = _Tally(a)
+    tally.traced_layers(model_config, steps, cp)
     for kind, size in hi.comm.get("rest", {}).items():
         if not (kind == "all_reduce" and size > 1024):  # not the packed gradient sum (computed below)
-            add(f"cp {kind}", size, cp)
+            tally.add(f"cp {kind}", size, cp)
     if layout.sharded:
-        edp = world // ep
-        gathered = (params.total - params.experts) * (world - 1) / world + params.experts / ep * (
-            edp - 1
-        ) / edp
-        add("fsdp all_gather (bf16, forward + recompute)", 2 * 2 * gathered, world)
-        add("fsdp reduce_scatter (fp32 gradients)", 4 * gathered, world)
+        gathered = _gathered(layout, params)
+        tally.add("fsdp all_gather (bf16, forward + recompute)", 2 * 2 * gathered, world)
+        tally.add("fsdp reduce_scatter (fp32 gradients)", 4 * gathered, world)
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
-        add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
-    if ep > 1:
-        moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
-        rows = steps.tokens * model_config.num_experts_per_tok
-        per_layer = rows * model_config.hidden_size * 2 * (ep - 1) / ep
-        add(
-            "ep all_to_all (dispatch + combine; forward, recompute, backward)",
-            per_layer * 2 * 3 * moe_layers * a.imbalance,
-            ep,
+        tally.add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
+    label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
+    tally.expert_exchange(model_config, layout, steps.tokens, 3, 2, label)  # bf16 rows
+    return tally.bytes, tally.seconds
+
+
+def forward_comm_bytes(
+    model_config: ModelConfig,
+    layout: Layout,
+    stored: ParameterShare,
+    steps: ScaledTraces,
+    a: Assumptions,
+    stored_in_bf16: bool,
+) -> tuple[dict[str, float], float]:
+    """Bytes one rank moves in the evaluator's forward at `steps.tokens` per rank (the traced
+    context-parallel collectives, the losses' all-gather among them; every FSDP unit gathered once, as
+    stored; the expert all-to-all once, in bf16 with `stored_in_bf16`, else fp32), and their seconds."""
+    lo, hi = steps.lo, steps.hi
+    tally = _Tally(a)
+    tally.traced_layers(model_config, steps, layout.cp)
+    for kind, size in hi.comm.get("rest", {}).items():  # the per-token losses: linear in the tokens
+        tally.add(f"cp {kind}", steps.line(lo.comm.get("rest", {}).get(kind, 0), size), layout.cp)
+    if layout.sharded:
+        tally.add("fsdp all_gather (as stored, forward)", _gathered(layout, stored), layout.world)
+    width = 2 if stored_in_bf16 else 4  # the rows in the compute dtype
+    label = "ep all_to_all (dispatch + combine; forward)"
+    tally.expert_exchange(model_config, layout, steps.tokens, 1, width, label)
+    return tally.bytes, tally.seconds
+
+
+def context_cut_tokens(config: TrainConfig) -> int:
+    """Tokens of the run's context-cut forward (`genomelm.train.scoring.context_cut_tokens`; 0 where the
+    evaluator skips it)."""
+    return scoring.context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
+
+
+def held_out_windows(config: TrainConfig) -> tuple[int | None, str]:
+    """Held-out windows the evaluation scores per model, and where the count came from: the manifests of the
+    folders it reads (`heldout`, else the run's data folder), else for the run's own folder an estimate from
+    the genome (`HELD_OUT_ESTIMATES`: non-N bases / seq, rounded up; the data stage drops windows over
+    `max_n_fraction` N), else None; `eval_windows` caps each folder's count."""
+    folders = [Path(f.strip()) for f in config.eval.heldout.split(",")] if config.eval.heldout else []
+    folders = folders or [config.data_dir]
+    cap = config.eval.eval_windows
+
+    def capped(n: int) -> int:
+        return min(n, cap) if cap > 0 else n
+
+    manifests = {folder: read_manifest(folder) for folder in folders}
+    missing = [str(folder) for folder, manifest in manifests.items() if manifest is None]
+    capping = f", at most eval_windows={cap} each" if cap > 0 else ""
+    if not missing:
+        counts = [int(m["splits"]["heldout"]["stats"]["windows"]) for m in manifests.values() if m]
+        where = ", ".join(f"{folder / 'manifest.json'} ({n:,})" for folder, n in zip(folders, counts))
+        return sum(capped(n) for n in counts), f"the held-out split of {where}{capping}"
+    if not config.eval.heldout and config.genome in HELD_OUT_ESTIMATES:
+        record, length, bases = HELD_OUT_ESTIMATES[config.genome]
+        estimate = math.ceil(bases / config.seq_len)
+        return capped(estimate), (
+            f"estimated: {config.genome} {record}, {bases:,} of its {length:,} bases not N, / "
+            f"{config.seq_len:,} per window, rounded up{capping} (no prepared folder {missing[0]})"
         )
-    return out, seconds
+    if cap > 0:
+        return cap, f"eval_windows={cap} (at most: no prepared folder {', '.join(missing)})"
+    return None, (
+        f"unknown: no prepared folder {', '.join(missing)} and no estimate for genome {config.genome} "
+        "(prepare the data, or give eval_windows=N)"
+    )
+
+
+def evaluation_time(
+    config: TrainConfig, layout: Layout, window: StepTime, cut: StepTime | None, cut_tokens: int
+) -> EvalTime:
+    """The evaluation's time: each dp replica scores its share of the held-out windows (the busiest,
+    ceil(windows / dp)), each window in full and, with the context cut, once more over `cut_tokens`; both
+    models (`EVAL_MODELS`)."""
+    windows, source = held_out_windows(config)
+    cut_s = cut.step_s if cut is not None else 0.0
+    per_replica = math.ceil(windows / layout.dp) if windows is not None else None
+    total = EVAL_MODELS * per_replica * (window.step_s + cut_s) if per_replica is not None else None
+    return EvalTime(window.step_s, cut_tokens, cut_s, windows, source, per_replica, EVAL_MODELS, total)

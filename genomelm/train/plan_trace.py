@@ -13,6 +13,10 @@ records:
   collective, both counted as dispatched in the same pass (one forward + backward per trace);
 - apart from the step, what the routed experts save per row they compute (`expert_row_bytes`), for the rows
   an expert-parallel rank receives beyond the mean.
+`trace_forward` measures the evaluator's forward the same way (the same model, mesh and instruments): the
+window's per-token losses under `torch.no_grad()`, the parameters stored in the run's precision
+(`eval_param_dtype`), through the context-parallel scorer (`ContextParallelScorer.loss`: shard, forward,
+all-gather of the losses) when cp > 1; no `LayerRunner`, no optimizer.
 The KDA core runs its torch path (`kda_backend="torch"`): fla's Triton kernels cannot run on fake tensors, and
 the torch path holds more (per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper
 bound. With `fake=True` everything runs on `FakeTensorMode` tensors (no data, no compute) and, under context
@@ -46,9 +50,10 @@ from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.model.moe import Experts
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.mesh import ParallelDims
-from genomelm.parallel.training import ParallelRun
+from genomelm.parallel.training import ContextParallelScorer, ParallelRun
 from genomelm.train.config import OptimConfig, TrainConfig
 from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
+from genomelm.train.precision import autocast_for, resolve_precision
 from genomelm.train.step import StepPhases, TrainStep, make_optimizer
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
@@ -87,6 +92,9 @@ class StepTrace:
         default_factory=dict
     )  # "layers.<i>" -> (token, expert) rows this rank's experts computed (a real expert-parallel step)
     expert_row_bytes: int = 0  # what the routed experts save per row they compute (`expert_row_bytes`)
+    starts: dict[str, int] = field(
+        default_factory=dict
+    )  # module (as in `transients`) -> activation, temporary and other bytes live as its first forward starts
 
     @property
     def step_peak_total(self) -> int:
@@ -123,6 +131,7 @@ class _MetaHostCopier(HostCopier):
 
 _COLLECTIVES = {
     "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",  # into a list of tensors (the scorer's per-token losses)
     "allgather_into_tensor_coalesced_": "all_gather",
     "_reduce_scatter_base_": "reduce_scatter",
     "allreduce_": "all_reduce",
@@ -159,6 +168,8 @@ class _Counter(TorchDispatchMode):
                 t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
             ]
             size = max(t.numel() * t.element_size() for t in tensors)
+            if func._opname == "allgather_":  # the gathered whole, as for `_allgather_base_`'s output
+                size = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(args[0]))
             slot = self.bytes.setdefault(self.where(), {})
             slot[kind] = slot.get(kind, 0) + size
         return out
@@ -248,6 +259,64 @@ def fake_process_group(cp: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def eval_precision(run: TrainConfig) -> str:
+    """The precision the evaluation of `run` computes in on the GPUs it is planned for ("bf16" or "fp32";
+    "auto" resolves as on CUDA)."""
+    return resolve_precision(run.memory.precision, torch.device("cuda"))
+
+
+def eval_param_dtype(run: TrainConfig) -> torch.dtype:
+    """The dtype the evaluator stores the parameters in: bf16 for a bf16 run (the parameters the model
+    declares fp32 stay fp32: `GlmForCausalLM.from_config` keeps them), else fp32."""
+    return torch.bfloat16 if eval_precision(run) == "bf16" else torch.float32
+
+
+@contextmanager
+def _traced_model(
+    run: TrainConfig,
+    config: ModelConfig,
+    tokens_per_rank: int,
+    fake: bool,
+    dtype: torch.dtype,
+    recompute_chunks: bool,
+) -> Iterator[tuple[GlmForCausalLM, ParallelRun | None, list[torch.Tensor]]]:
+    """The model of `config` in `dtype` (each feed-forward chunk checkpointed on its own with
+    `recompute_chunks`) split as the run splits it (without FSDP) and one window's rows (ids,
+    labels, weights [1, cp x tokens_per_rank]): on fake tensors over a fake group of run.cp ranks (this
+    being the last) with `fake`, else on real ones inside the run's own dp x cp x ep group (see
+    `trace_step`)."""
+    cp = run.parallel.cp
+    dims = ParallelDims(1, cp, 1)
+    with ExitStack() as stack:
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            if cp > 1 and not dist.is_initialized():
+                stack.enter_context(fake_process_group(cp, cp - 1))
+        else:
+            dims = ParallelDims(run.parallel.dp, cp, run.parallel.ep)
+        # the mesh is built from real rank numbers, before any fake tensor exists
+        parallel = ParallelRun.from_environment(dims, run.parallel.cp_layout, False, "cpu")
+        if fake:
+            stack.enter_context(FakeTensorMode())
+            stack.enter_context(_ExpertCountShape())
+        options = dataclasses.replace(run.model_options, kda_backend="torch")
+        model = GlmForCausalLM.from_config(config, options, dtype)
+        set_chunk_recompute(model, recompute_chunks)
+        if parallel is not None:
+            parallel.prepare(model, None, run.parallel.ep_capacity_factor)
+        window = tokens_per_rank * cp
+        rows = [
+            torch.zeros(1, window, dtype=torch.long),
+            torch.zeros(1, window, dtype=torch.long),
+            torch.ones(1, window),
+        ]
+        if not fake:
+            rows[0] = torch.randint(0, min(config.vocab_size, 5), (1, window))
+            rows[1] = torch.roll(rows[0], -1, dims=1)
+        yield model, parallel, rows
+
+
 def trace_step(
     run: TrainConfig,
     model_config: ModelConfig,
@@ -267,42 +336,39 @@ def trace_step(
     depend on the tokens)."""
     layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
     config = sub_config(model_config, layers)
-    cp = run.parallel.cp
-    dims = ParallelDims(1, cp, 1)
-    with ExitStack() as stack:
-        if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            if cp > 1 and not dist.is_initialized():
-                stack.enter_context(fake_process_group(cp, cp - 1))
-        else:
-            dims = ParallelDims(run.parallel.dp, cp, run.parallel.ep)
-        # the mesh is built from real rank numbers, before any fake tensor exists
-        parallel = ParallelRun.from_environment(dims, run.parallel.cp_layout, False, "cpu")
-        if fake:
-            stack.enter_context(FakeTensorMode())
-            stack.enter_context(_ExpertCountShape())
-        model = GlmForCausalLM.from_config(
-            config, options=dataclasses.replace(run.model_options, kda_backend="torch")
-        )
-        set_chunk_recompute(model, run.memory.recompute_chunks)
-        if parallel is not None:
-            parallel.prepare(model, None, run.parallel.ep_capacity_factor)
+    chunks = run.memory.recompute_chunks
+    with _traced_model(run, config, tokens_per_rank, fake, torch.float32, chunks) as (model, parallel, rows):
         model.train()
         runner = LayerRunner.for_memory(run.memory)
         if runner.copier is not None and fake:
             runner.copier = _MetaHostCopier()
-        window = tokens_per_rank * cp
-        rows = [
-            torch.zeros(1, window, dtype=torch.long),
-            torch.zeros(1, window, dtype=torch.long),
-            torch.ones(1, window),
-        ]
-        if not fake:
-            rows[0] = torch.randint(0, min(config.vocab_size, 5), (1, window))
-            rows[1] = torch.roll(rows[0], -1, dims=1)
         trace = _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
     return dataclasses.replace(trace, expert_row_bytes=expert_row_bytes(config))
+
+
+def trace_forward(
+    run: TrainConfig,
+    model_config: ModelConfig,
+    tokens_per_rank: int,
+    layers: list[int] | None = None,
+    fake: bool = True,
+) -> StepTrace:
+    """Run the evaluator's forward of one window on one rank (window = cp x tokens_per_rank) over `layers` of
+    the model (None: all) and measure it: the parameters in `eval_param_dtype`, `torch.no_grad()`, the run's
+    autocast (`eval_precision`), the per-token losses (`reduction="none"`) through `ContextParallelScorer`
+    at cp > 1 (this rank's shard, its forward, the all-gather of the losses, window order restored). The
+    mesh as in `trace_step`; the trace has no optimizer phase, nothing recomputed and no expert rows saved."""
+    layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
+    config = sub_config(model_config, layers)
+    dtype = eval_param_dtype(run)
+    with _traced_model(run, config, tokens_per_rank, fake, dtype, False) as (model, parallel, rows):
+        model.eval()
+        probe = _StepProbe(model, None, None, layers, optimizer=False)
+        context = parallel.context if parallel is not None else None
+        scorer = ContextParallelScorer(model, context) if context is not None else model
+        with torch.no_grad(), autocast_for(eval_precision(run), probe.device), probe.tracked():
+            scorer.loss(rows[0], rows[1], reduction="none")
+        return probe.trace(tokens_per_rank, run.parallel.cp)
 
 
 def _measure(
@@ -327,33 +393,37 @@ def _measure(
         lambda: torch.autocast(probe.device.type, dtype=torch.bfloat16),
         run.optim.grad_accum * (parallel.dims.dp if parallel is not None else 1),
     )
-    step.run(run.optim.lr, [rows], StepPhases(probe.forward_backward, probe.update, assume_finite=True))
+    step.run(run.optim.lr, [rows], StepPhases(probe.tracked, probe.update, assume_finite=True))
     return probe.trace(tokens_per_rank, parallel.dims.cp if parallel is not None else 1)
 
 
 class _StepProbe:
     """The planner's instruments on one traced step: MemTracker over the forward + backward and, apart, over
     the update; the live bytes as each decoder layer (and the final norm) starts; FLOPs and collective bytes
-    by decoder layer (`_Counter`)."""
+    by decoder layer (`_Counter`). Without a `runner` and `optim` (the evaluator's forward): no optimizer,
+    and the layers' starts marked by forward pre-hooks."""
 
     def __init__(
         self,
         model: GlmForCausalLM,
-        runner: LayerRunner,
-        optim: OptimConfig,
+        runner: LayerRunner | None,
+        optim: OptimConfig | None,
         layers: list[int],
         optimizer: bool,
     ) -> None:
         self.model, self.runner, self.layers, self.track_update = model, runner, layers, optimizer
         self.device = torch.device("cpu")
-        self.optimizer = make_optimizer(model, optim, self.device)
+        self.optimizer = make_optimizer(model, optim, self.device) if optim is not None else None
         self.names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
         self.tracker, self.update_tracker = _Tracker(), _Tracker()
-        self.tracker.track_external(model, self.optimizer)
+        self.tracker.track_external(model, *([self.optimizer] if self.optimizer is not None else []))
         self.counter = _Counter(self.where)
         self.marks: list[int] = []  # live device bytes as each layer starts, and as the final norm starts
         self.in_forward = True
-        self.handle = model.norm.register_forward_pre_hook(self.end_of_forward)
+        self.handles = [model.norm.register_forward_pre_hook(self.end_of_forward)]
+        if runner is None:
+            hooks = [layer.register_forward_pre_hook(lambda *_: self.mark()) for layer in model.layers]
+            self.handles += hooks
 
     def mark(self) -> None:
         if self.in_forward:
@@ -376,7 +446,8 @@ class _StepProbe:
         return "rest"
 
     @contextmanager
-    def forward_backward(self) -> Iterator[None]:
+    def tracked(self) -> Iterator[None]:
+        """The forward (and backward) under the memory tracker and the counter."""
         with self.tracker, self.counter:
             yield
 
@@ -393,12 +464,14 @@ class _StepProbe:
 
     def trace(self, tokens_per_rank: int, cp: int) -> StepTrace:
         """What the step held and did, once it has run."""
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
         device, layers, names = self.device, self.layers, self.names
         peaks = self.tracker.get_tracker_snapshot("peak")
         host = peaks.get(torch.device("meta"), {}).get("Total", 0)
-        if self.runner.copier is not None and not isinstance(self.runner.copier, _MetaHostCopier):
-            host = self.runner.copier.bytes_offloaded
+        copier = self.runner.copier if self.runner is not None else None
+        if copier is not None and not isinstance(copier, _MetaHostCopier):
+            host = copier.bytes_offloaded
         update_peak = self.update_tracker.get_tracker_snapshot("peak").get(device, {})
         return StepTrace(
             tokens_per_rank=tokens_per_rank,
@@ -409,6 +482,7 @@ class _StepProbe:
             optimizer_peak=_categories(update_peak) if self.track_update else {},
             kept={layers[i]: self.marks[i + 1] - self.marks[i] for i in range(len(layers))},
             transients=_transients(self.tracker, device, names),
+            starts=_starts(self.tracker, device, names),
             flops=_flops_by_part(self.counter, names),
             comm=self.counter.bytes,
             expert_flops=self.counter.expert_flops,
@@ -437,13 +511,9 @@ def _transients(tracker: MemTracker, device: torch.device, names: dict[nn.Module
     """Each traced layer's attention and feed-forward module, and the head: peak minus start, forward or
     backward, whichever is larger."""
     out = {}
-    by_index = {layer.layer_idx: name for layer, name in names.items()}
     for stats in tracker.memory_tracking.values():
-        fqn = stats.mod_fqn.removeprefix("GlmForCausalLM.")
-        parts = fqn.split(".")
-        if len(parts) == 3 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
-            fqn = f"{by_index[int(parts[1])]}.{parts[2]}"
-        elif fqn != "lm_head":
+        fqn = _module_key(stats.mod_fqn, names)
+        if fqn is None:
             continue
         best = 0
         for start, peak in (("Pre-Forward", "Peak-Forward"), ("Pre-Backward", "Peak-Backward")):
@@ -453,6 +523,29 @@ def _transients(tracker: MemTracker, device: torch.device, names: dict[nn.Module
                 best = max(best, b - a)
         out[fqn] = best
     return out
+
+
+def _starts(tracker: MemTracker, device: torch.device, names: dict[nn.Module, str]) -> dict[str, int]:
+    """Each traced layer's attention and feed-forward module, and the head: the activation, temporary and
+    other bytes live as its first forward starts (what the module's transient comes on top of)."""
+    out = {}
+    for stats in tracker.memory_tracking.values():
+        fqn = _module_key(stats.mod_fqn, names)
+        starts = _states(stats, "Pre-Forward")
+        if fqn is not None and starts:
+            snapshot = _categories(starts[0].get(device, {}))
+            out[fqn] = sum(snapshot.get(k, 0) for k in ("Activation", "Temp", "Other"))
+    return out
+
+
+def _module_key(mod_fqn: str, names: dict[nn.Module, str]) -> str | None:
+    """A tracked module's name as `transients` keys it ("layers.<i>.self_attn" / ".mlp" in the full model's
+    numbering, "lm_head"), or None for the other modules."""
+    fqn = mod_fqn.removeprefix("GlmForCausalLM.")
+    parts = fqn.split(".")
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
+        return _part(fqn, names)
+    return fqn if fqn == "lm_head" else None
 
 
 def _recomputed(tracker: MemTracker, device: torch.device, names: dict[nn.Module, str]) -> dict[str, int]:

@@ -83,8 +83,27 @@ class Layout:
 
 
 @dataclass
+class EvalTime:
+    """The evaluation's projected time (`plan_time.evaluation_time`): one window's forward over the layout's
+    cp ranks, the context cut's, and the whole before/after evaluation of the held-out set, its windows split
+    over the dp replicas."""
+
+    window_s: float  # one full window's forward
+    cut_tokens: int  # tokens of the context cut's forward (0: not scored)
+    cut_s: float  # its forward
+    windows: int | None  # held-out windows scored by each model (None: unknown)
+    windows_source: str  # where `windows` came from
+    per_replica: int | None  # windows the busiest dp replica scores: ceil(windows / dp)
+    models: int  # models scored: before and after training
+    total_s: float | None  # models x per_replica x (window_s + cut_s)
+
+
+@dataclass
 class Plan:
-    """One layout's verdict (bytes per rank, per node; FLOPs; projected speed)."""
+    """One layout's verdict (bytes per rank, per node; FLOPs; projected speed). For the evaluation
+    (stage="eval"), `step_s` and `comm_bytes_per_step` are one window's forward, `tokens_per_s_projected` the
+    window tokens the layout scores per second (the context cut's forward included) and `evaluation` the
+    evaluation's time."""
 
     run: str
     seq: int
@@ -109,6 +128,8 @@ class Plan:
     tokens_per_s_projected: float
     assumptions: dict[str, Any]  # `Assumptions` as resolved, the step time's parts and the rules (plan.json)
     notes: list[str] = field(default_factory=list)
+    stage: str = "train"  # "train" (the training step) or "eval" (the evaluator's forward)
+    evaluation: EvalTime | None = None  # stage="eval"
 
     @property
     def host_gib_total(self) -> float:

@@ -11,6 +11,12 @@ Parameters are stored in the run's precision: bf16 for a bf16 run (the model's f
 fp32), never an fp32 copy of a bf16 run's model. Under context parallelism the model is wrapped in a
 `ContextParallelScorer`, so every rank of a cp group gets the whole window's per-token losses.
 
+`score_windows(model, windows, bucket, context_cut, share=run.share)` scores held-out windows with it: per
+window its per-token loss, and with the context cut its last bucket again with only the preceding bucket as
+context. A model is anything with ``.loss(input_ids[B, S], labels[B, S], reduction="none") -> [B, S]`` (nats,
+0 where labels == -100) and parameters; a window is a `genomelm.data.windows.Window`. This is the one scoring
+step the evaluator, the probe and the planner's simulation (`genomelm.train.simulate`) run.
+
 `WindowShare.run(jobs)` gives each dp replica every dp-th job (each one or more forward passes of one window)
 and gathers the results, in job order, on every rank. Every replica runs the same number of jobs: FSDP's
 all-gathers and the expert exchange span the replicas, so a replica with nothing left runs its first job again
@@ -19,6 +25,7 @@ and drops the result (each job is counted once).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,10 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from genomelm.data.vocab import IGNORE_INDEX
+from genomelm.data.windows import Window
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model
 from genomelm.model.config import is_preset
 from genomelm.parallel.checkpoint import (
@@ -45,7 +55,8 @@ from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_config_of, run_device
-from genomelm.train.precision import fsdp_param_dtype, resolve_precision
+from genomelm.train.precision import autocast_for, fsdp_param_dtype, resolve_precision
+from genomelm.train.step import device_rows
 
 T = TypeVar("T")
 
@@ -98,7 +109,7 @@ class WindowShare:
     def _sum(self, count: int) -> int:
         if self.size == 1:
             return count
-        total = torch.tensor([count], dtype=torch.int64, device=self.device)
+        total = torch.full((1,), count, dtype=torch.int64, device=self.device)  # no host-to-device copy
         dist.all_reduce(total, group=self.group)
         return int(total.item())  # one host sync per pass of a whole window: nothing beside its forward
 
@@ -211,3 +222,104 @@ def build_scoring_model(model_config: ModelConfig, config: TrainConfig, run: Sco
     )
     model.to_empty(device=run.device)
     return model
+
+
+# ------------------------------------------------------------------------------------------ scoring windows
+@dataclass
+class Scores:
+    """Per-token loss of W windows of S tokens; position t is the prediction of token t + 1.
+
+    loss: float32 [W, S] nats (0 where not valid); valid: bool [W, S] (a real next base);
+    softmask: bool [W, S] (the predicted base is soft-masked, i.e. a repeat);
+    cut_loss: float32 [W, L] loss of the last bucket's L positions with only the preceding bucket as
+    context, or None when not scored; cut_start: the last bucket's first position.
+    """
+
+    loss: np.ndarray
+    valid: np.ndarray
+    softmask: np.ndarray
+    cut_loss: np.ndarray | None = None
+    cut_start: int = 0
+
+
+def last_bucket_start(seq: int, bucket: int) -> int:
+    """First position of the last (possibly shorter) bucket of a window of `seq` positions."""
+    return (seq - 1) // bucket * bucket
+
+
+def context_cut_tokens(seq: int, bucket: int, context_cut: bool) -> int:
+    """Tokens of the context cut's forward of a `seq`-token window: the last bucket with only the one before
+    it as context, seq - c + bucket for the last bucket's start c; 0 where the evaluator skips it
+    (`context_cut` off, or fewer than 2 buckets)."""
+    start = last_bucket_start(seq, bucket)
+    return seq - start + bucket if context_cut and start >= bucket else 0
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def token_losses(model: torch.nn.Module, window: Window, precision: str) -> np.ndarray:
+    """float32 [L] loss of each position of `window` the model reads (0 where the label is ignored), under the
+    run's `precision`."""
+    device = _device(model)
+    ids, labels = device_rows([window.input_ids, window.labels], device)  # pinned, no host wait on CUDA
+    with autocast_for(precision, device):
+        out = model.loss(ids, labels, reduction="none")
+    return out[0].float().cpu().numpy()
+
+
+def score_windows(
+    model: torch.nn.Module,
+    windows: Sequence[Window],
+    bucket: int,
+    context_cut: bool,
+    progress: bool = False,
+    precision: str = "auto",
+    share: WindowShare | None = None,
+) -> Scores:
+    """Score every window of `windows` (all of one length S) with `model`, in `precision` ("auto": bf16 on
+    CUDA as in training, fp32 on the CPU); with `share`, the dp replicas split the windows (each scored once,
+    the scores gathered on every rank).
+
+    With `context_cut`, the last bucket's positions [c, S) are scored again from input_ids[c - bucket:S]
+    only (the preceding bucket as context), c = `last_bucket_start(S, bucket)`; needs at least 2 buckets.
+    """
+    if not len(windows):
+        raise ValueError("no windows to score")
+    share = share if share is not None else WindowShare()
+    seq = len(windows[0].input_ids)
+    cut_start = last_bucket_start(seq, bucket)
+    if context_cut and cut_start < bucket:
+        raise ValueError(
+            f"the context cut needs at least 2 buckets per window; SEQ {seq} holds one of {bucket}"
+        )
+    valid = np.zeros((len(windows), seq), dtype=bool)
+    softmask = np.zeros((len(windows), seq), dtype=bool)
+    for i in range(len(windows)):
+        labels = windows[i].labels
+        if len(labels) != seq:
+            raise ValueError(f"window {i} has {len(labels)} tokens, window 0 has {seq}")
+        valid[i] = (labels != IGNORE_INDEX).numpy()
+        softmask[i] = windows[i].predicted_softmask.numpy()
+
+    def job(i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        window = windows[i]
+        loss = np.where(valid[i], token_losses(model, window, precision), 0.0).astype(np.float32)
+        if not context_cut:
+            return loss, None
+        part = token_losses(model, window.cropped(cut_start - bucket), precision)[bucket:]
+        return loss, np.where(valid[i, cut_start:], part, 0.0).astype(np.float32)
+
+    def report(done: int, total: int) -> None:
+        print(f"  window {done}/{total}", flush=True)
+
+    model.eval()
+    with torch.no_grad():
+        rows = share.run(
+            [functools.partial(job, i) for i in range(len(windows))], report if progress else None
+        )
+    loss = np.stack([row[0] for row in rows])
+    cut_loss = np.stack([row[1] for row in rows]) if context_cut else None
+    return Scores(loss, valid, softmask, cut_loss, cut_start)

@@ -1,5 +1,6 @@
-"""The multi-GPU training step, simulated on this CPU: every rank's `TrainStep.run` on fake CUDA tensors, its
-collectives checked against NCCL's rules and compared across ranks, its host syncs counted.
+"""The multi-GPU training step and the evaluator's forward, simulated on this CPU: every rank's
+`TrainStep.run` (or `score_windows` of one window) on fake CUDA tensors, its collectives checked against
+NCCL's rules and compared across ranks, its host syncs counted.
 
 `simulate_step(config)` runs, in one fake-CUDA process (`genomelm.parallel.fake_cuda`), each rank of the
 run's dp x cp mesh in turn (ep borrowing its ranks) on torch's fake process group: the model built on
@@ -10,38 +11,72 @@ run's dp x cp mesh in turn (ep borrowing its ranks) on torch's fake process grou
 tensor handed to a collective, a collective one rank skips, or a host sync in the hot path shows here as it
 would on the first GPU step.
 
+`simulate_eval_step(config)` does the same for the evaluator (`genomelm eval` on the run's mesh): each rank's
+`ScoringRun.from_environment`, `build_scoring_model` (built on meta, split by `ParallelRun.prepare` with
+FSDP2, stored in the run's precision, placed on the device), the `ContextParallelScorer` under cp, and
+`score_windows` of one window (its forward, the context cut's, the dp replicas' pass counter), forward only.
+
 What the simulation cannot see, and what stands in for it:
 - values: fake tensors hold none; the routing is balanced (every expert receives its share), a loss or norm
-  read returns a placeholder, the step is taken as finite;
+  read returns a placeholder, the step is taken as finite; the evaluator's `.numpy()` of a loss read back to
+  the host gives zeros (`host_numpy`: the read-back itself, `.cpu()`, is recorded as the sync it is);
 - kernels: fla's and any Triton kernel cannot run on fake tensors. fla's `chunk_kda` enters as a custom op
   with a fake implementation (`fla_stand_in`: output and final state of the right shapes and dtypes, fla's
   saved inputs, gradients of the inputs' shapes), so KDA takes the route it takes on a GPU (`auto` -> fla,
   the context-parallel summary without queries) whether or not fla is installed here;
-- FSDP2: sharding allocates its buffers on the device as real tensors (and it creates CUDA streams), which
-  the stand-ins cannot give, so the simulated mesh runs without FSDP (`fsdp=false`: the replicated
-  gradients' all-reduce stands in for its reduce-scatters), and FSDP2's collectives are counted on gloo
-  instead (tests/test_parallel_fsdp.py);
+- FSDP2 (the evaluation only): its side streams and events need the CUDA runtime, so `fsdp_stand_in` gives
+  it streams that only keep their order (no timing; a host wait on one is recorded as a sync) and builds its
+  device meshes' rank tables as the host tensors they are. The training step's simulated mesh runs without
+  FSDP (`fsdp=false`: the replicated gradients' all-reduce stands in for its reduce-scatters), its FSDP2
+  collectives counted on gloo instead (tests/test_parallel_fsdp.py);
+- the evaluator's results gather (`all_gather_object` of pickled numpy arrays over the dp group, once per
+  evaluation after the last window): it needs the values, so the simulated path stops right before it;
 - NCCL's timing, real overlap, kernel-internal behaviour and memory fragmentation.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from genomelm.data.vocab import BUILTIN, A
+from genomelm.data.windows import Window
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.model.config import MOE
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
+from genomelm.parallel.layout import ContextLayout, segments_per_rank
 from genomelm.parallel.mesh import ParallelDims
-from genomelm.parallel.simulation import Collective, HostSync, SimulationMode, check_ranks_agree
-from genomelm.parallel.training import ParallelRun
+from genomelm.parallel.simulation import (
+    Collective,
+    HostSync,
+    SimulationError,
+    SimulationMode,
+    check_ranks_agree,
+    source_line,
+)
+from genomelm.parallel.training import ContextParallelScorer, ParallelRun
+from genomelm.train import scoring
 from genomelm.train.config import TrainConfig
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
+from genomelm.train.plan_trace import reduced_layers, sub_config
+from genomelm.train.precision import fsdp_param_dtype
+from genomelm.train.scoring import (
+    ScoringRun,
+    WindowShare,
+    build_scoring_model,
+    context_cut_tokens,
+    score_windows,
+    scoring_dtype,
+)
 from genomelm.train.step import StepPhases, TrainStep, device_rows, make_optimizer
 
 GPU_CAPABILITY = {"b200": (10, 0), "h200": (9, 0), "h100": (9, 0)}
@@ -62,22 +97,27 @@ class RankSimulation:
     syncs: list[HostSync]
     unknown_values: int  # value reads the simulation answered with a placeholder
     routes: str = ""  # the model's route table as it ran (the kernels each block took)
+    parameter_bytes: dict[str, int] = field(default_factory=dict)  # evaluation: bytes stored per dtype
 
 
 @dataclass
 class Simulation:
-    """Every simulated rank of one optimizer step."""
+    """Every simulated rank of one optimizer step (`stage` "train") or of one evaluated window ("eval": its
+    forward of `tokens_per_window` tokens, then with `cut_tokens` the context cut's forward of that many)."""
 
     dims: ParallelDims
     tokens_per_window: int
     ranks: list[RankSimulation] = field(default_factory=list)
+    stage: str = "train"
+    cut_tokens: int = 0
 
     def moe_calls_per_window(self, config: TrainConfig, model_config: ModelConfig) -> int:
-        """Expert exchanges per micro-batch that need their split sizes on the host: MoE layers x chunks of
-        the rank's tokens (a recompute reuses the forward's)."""
+        """Expert exchanges per micro-batch (or evaluated window) that need their split sizes on the host:
+        MoE layers x chunks of the rank's tokens, per forward (a recompute reuses the forward's)."""
         layers = sum(kind == MOE for kind in model_config.mlp_layer_types)
-        tokens = self.tokens_per_window // self.dims.cp
-        chunks = -(-tokens // config.model_options.moe_chunk_tokens)
+        chunk = config.model_options.moe_chunk_tokens
+        forwards = [t for t in (self.tokens_per_window, self.cut_tokens) if t]
+        chunks = sum(-(-(tokens // self.dims.cp) // chunk) for tokens in forwards)
         return layers * chunks if self.dims.ep > 1 else 0
 
     def syncs_per_window(self) -> dict[str, float]:
@@ -95,10 +135,13 @@ class Simulation:
         """Host syncs of the update phase (gradient sum, clipping, AdamW) by "kind at site", rank 0's."""
         return dict(Counter(f"{s.kind} at {s.site}" for s in self.ranks[0].syncs if s.phase == "update"))
 
-    def collectives_by_kind(self, rank: int = 0) -> dict[str, tuple[int, int]]:
-        """(count, bytes) per "kind over group-size ranks" of one rank's step."""
+    def collectives_by_kind(self, rank: int = 0, phase: str | None = None) -> dict[str, tuple[int, int]]:
+        """(count, bytes) per "kind over group-size ranks" of one rank's step (of its `phase` only, if
+        given)."""
         out: dict[str, tuple[int, int]] = {}
         for c in self.ranks[rank].collectives:
+            if phase is not None and c.phase != phase:
+                continue
             key = f"{c.kind} ({c.dtype}) over {len(c.ranks)} ranks"
             count, size = out.get(key, (0, 0))
             out[key] = (count + 1, size + c.bytes)
@@ -230,8 +273,6 @@ def _simulate_rank(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from genomelm.train.precision import fsdp_param_dtype
-
     device = torch.device("cuda", 0)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
     try:
@@ -280,11 +321,276 @@ def _phase(phase: list[str], name: str) -> Iterator[None]:
     yield
 
 
+def simulate_eval_step(
+    config: TrainConfig,
+    model_config: ModelConfig,
+    ranks: list[int] | None = None,
+    gpu: str = "h200",
+    timeout_s: float = 600.0,
+) -> Simulation:
+    """The evaluator's scoring of one window of `config.seq_len` tokens on `config`'s mesh, on fake CUDA
+    tensors, rank by rank (`ranks`: None, all): the model built and split as `load_scoring_model` does it
+    (phase "build"), then `score_windows` of the window (phase "window": its forward, and with
+    `eval.context_cut` and >= 2 buckets of `eval.bucket` tokens the context cut's, under the run's autocast
+    and `no_grad`; the dp replicas' pass counter), up to the results' gather (see the module docstring). The
+    ranks' collectives are compared (`check_ranks_agree`) when all ran; `CollectiveError` at the first
+    collective NCCL would reject.
+
+    Not simulated: reading the weights (`load_rank_shard`, `load_sharded_model`: values only, which fake
+    tensors do not hold) and the results' `all_gather_object` after the last window."""
+    dims = ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep)
+    dims.check(model_config.n_routed_experts if MOE in model_config.mlp_layer_types else None)
+    ranks = list(range(dims.world)) if ranks is None else ranks
+    simulation = run_on_fake_cuda(_simulate_eval_ranks, config, model_config, ranks, gpu, timeout_s=timeout_s)
+    if len(ranks) == dims.world:
+        check_ranks_agree([r.collectives for r in simulation.ranks])
+    return simulation
+
+
+def _simulate_eval_ranks(
+    config: TrainConfig, model_config: ModelConfig, ranks: list[int], gpu: str
+) -> Simulation:
+    dims = ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep)
+    cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
+    simulation = Simulation(dims, config.seq_len, stage="eval", cut_tokens=cut)
+    with simulated_gpu(gpu), fla_stand_in():
+        for rank in ranks:
+            simulation.ranks.append(_simulate_eval_rank(config, model_config, dims, rank, cut > 0))
+    return simulation
+
+
+def _simulate_eval_rank(
+    config: TrainConfig, model_config: ModelConfig, dims: ParallelDims, rank: int, context_cut: bool
+) -> RankSimulation:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
+    try:
+        with _replaced(scoring, "run_device", lambda: device):  # what `run_device` answers on a GPU rank
+            run = scoring.ScoringRun.from_environment(config)
+        phase = ["build"]
+        mode = SimulationMode("cuda", lambda: phase[0])
+        with FakeTensorMode(), mode, fsdp_stand_in(mode), host_numpy():
+            scorer, model = _scoring_model(model_config, config, run)
+            stored: Counter[str] = Counter()
+            for param in model.parameters():
+                local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: this rank's shard
+                stored[str(local.dtype).removeprefix("torch.")] += local.numel() * local.element_size()
+            # a held-out window as the dataset reads it (host memory, pageable): one base throughout, so
+            # every position but the last has a label
+            seq = config.seq_len
+            ids = torch.full((seq,), BUILTIN.code_to_id[A], dtype=torch.long)
+            softmask = torch.zeros(seq, dtype=torch.bool)
+            window = Window(
+                "simulated", 0, "simulated", start=0, end=seq, ids=ids, softmask=softmask, vocab=BUILTIN
+            )
+            phase[0] = "window"
+            with _until_results_gather():
+                score_windows(
+                    scorer,
+                    [window],
+                    config.eval.bucket,
+                    context_cut,
+                    precision=config.memory.precision,
+                    share=run.share,
+                )
+        return RankSimulation(
+            rank, 1, mode.collectives, mode.syncs, mode.unknown_values, model.route_table(), dict(stored)
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _scoring_model(
+    model_config: ModelConfig, config: TrainConfig, run: ScoringRun
+) -> tuple[nn.Module, GlmForCausalLM]:
+    """`load_scoring_model`'s model on `run` without its weights (what would fill them writes values only):
+    the scorer (`ContextParallelScorer` under cp, else the model) and the model.
+
+    With FSDP2 it is `build_scoring_model`'s (built on meta, split, `to_empty` on the device). Without it the
+    model is built on the device and then split, as `load_scoring_model` does for a preset: the same split,
+    but `to_empty` cannot move a fake parameter without FSDP2 replacing it (torch swaps the tensors, and
+    refuses the parameters `FakeTensorMode` holds weak references to)."""
+
+    if run.parallel is not None and run.parallel.fsdp:
+        model = build_scoring_model(model_config, config, run)
+    else:
+        dtype = scoring_dtype(config.memory.precision, run.device)
+        model = GlmForCausalLM.from_config(model_config, config.model_options, dtype, run.device)
+        if run.parallel is not None:
+            param_dtype = fsdp_param_dtype(config.memory.precision, run.device)
+            run.parallel.prepare(model, param_dtype, config.parallel.ep_capacity_factor)
+    model.eval()
+    context = run.parallel.context if run.parallel is not None else None
+    return (ContextParallelScorer(model, context) if context is not None else model), model
+
+
+@contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """`owner.name` is `value` while inside, then as it was (an attribute of `owner`'s own restored as
+    stored, a staticmethod as one; an inherited one by removing the replacement)."""
+    own = name in vars(owner)
+    saved = vars(owner).get(name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, saved)
+        else:
+            delattr(owner, name)
+
+
+class _Event:
+    """A CUDA event of the simulation (`torch.cuda.Event`): marks a point of its stream; waiting for it on
+    the host is a host sync, recorded."""
+
+    def __init__(self, mode: SimulationMode, *args: Any, **kwargs: Any) -> None:
+        self.mode = mode
+
+    def record(self, stream: _Stream | None = None) -> None:
+        """Marks the stream's queue here: nothing to do in one queue without timing."""
+
+    def wait(self, stream: _Stream | None = None) -> None:
+        """The stream's later work waits for this point: in one queue it does already."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _record_wait(self.mode, "event synchronize")
+
+
+class _Stream:
+    """A CUDA stream of the simulation (`torch.cuda.Stream`, FSDP2's all-gather and reduce-scatter streams):
+    the simulation has one queue and no timing, so ordering one stream after another is already so; waiting
+    for it on the host is a host sync, recorded."""
+
+    def __init__(self, mode: SimulationMode, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.mode, self.priority = mode, priority
+
+    def wait_stream(self, stream: _Stream) -> None:
+        """Later work on this stream waits for `stream`'s: in one queue it does already."""
+
+    def wait_event(self, event: _Event) -> None:
+        """Later work on this stream waits for `event`: in one queue it does already."""
+
+    def record_event(self, event: _Event | None = None) -> _Event:
+        return event if event is not None else _Event(self.mode)
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _record_wait(self.mode, "stream synchronize")
+
+
+def _record_wait(mode: SimulationMode, op: str) -> None:
+    mode.syncs.append(HostSync("stream wait", op, source_line(), mode.phase()))
+
+
+@contextmanager
+def fsdp_stand_in(mode: SimulationMode) -> Iterator[None]:
+    """FSDP2 on fake CUDA while inside: `torch.cuda`'s streams and events (FSDP2's side streams) are
+    `_Stream`s and `_Event`s of `mode` (the current one switched by `torch.cuda.stream`), and a device mesh
+    built from a process group (`DeviceMesh.from_group`: FSDP's meshes of its parameter groups) keeps its
+    rank table a real host tensor, as on a GPU machine: it is host bookkeeping, which a fake tensor (all
+    tensors are, inside `FakeTensorMode`) cannot index by value."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    current = [_Stream(mode)]
+
+    @contextmanager
+    def stream(selected: _Stream | None) -> Iterator[None]:
+        saved = current[0]
+        current[0] = selected if selected is not None else saved
+        try:
+            yield
+        finally:
+            current[0] = saved
+
+    original = DeviceMesh.from_group
+
+    def from_group(*args: Any, **kwargs: Any) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    cuda = {
+        "Stream": functools.partial(_Stream, mode),
+        "Event": functools.partial(_Event, mode),
+        "current_stream": lambda device=None: current[0],
+        "stream": stream,
+    }
+    with ExitStack() as stack:
+        for name, value in cuda.items():
+            stack.enter_context(_replaced(torch.cuda, name, value))
+        stack.enter_context(_replaced(DeviceMesh, "from_group", staticmethod(from_group)))
+        yield
+
+
+@contextmanager
+def host_numpy() -> Iterator[None]:
+    """`.numpy()` of a fake host tensor while inside: zeros of its shape and dtype (fake tensors hold no
+    values; the copy to the host before it, `.cpu()`, is the sync the simulation records). A device tensor
+    is refused, as torch refuses it."""
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    original = torch.Tensor.numpy
+
+    def numpy(self: torch.Tensor, *, force: bool = False) -> np.ndarray:
+        if not isinstance(self, FakeTensor):
+            return original(self, force=force)
+        if self.device.type != "cpu":
+            raise TypeError(
+                f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                "tensor to host memory first."
+            )
+        with unset_fake_temporarily():
+            dtype = original(torch.empty(0, dtype=self.dtype)).dtype
+        return np.zeros(tuple(self.shape), dtype=dtype)
+
+    with _replaced(torch.Tensor, "numpy", numpy):
+        yield
+
+
+class _ResultsGather(Exception):
+    """The evaluator's results gather was reached: where the simulated path ends."""
+
+
+@contextmanager
+def _until_results_gather() -> Iterator[None]:
+    """Runs the body up to `WindowShare.run`'s `all_gather_object` of the results (pickled numpy arrays:
+    values the simulation does not have), which ends it; an `all_gather_object` from anywhere else is
+    refused."""
+
+    def gather(*args: Any, **kwargs: Any) -> None:
+        caller = sys._getframe(1)
+        if caller.f_code is not WindowShare.run.__code__:
+            raise SimulationError(
+                f"all_gather_object at {caller.f_code.co_filename}:{caller.f_lineno}: it sends values the "
+                "simulation does not have"
+            )
+        raise _ResultsGather
+
+    with _replaced(dist, "all_gather_object", gather):
+        try:
+            yield
+        except _ResultsGather:
+            pass
+
+
 def describe_simulation(
     simulation: Simulation, config: TrainConfig, traced: ModelConfig, full: ModelConfig
 ) -> str:
     """The simulated step as the planner prints it: collectives per step by kind and group, host syncs per
-    micro-batch by site, as simulated (the `traced` layers) and at the whole model's size."""
+    micro-batch by site, as simulated (the `traced` layers) and at the whole model's size. An evaluation's
+    simulation (`simulate_eval_layout`) is described as the evaluator's forward (`_describe_eval`)."""
+    if simulation.stage == "eval":
+        return _describe_eval(simulation, config, traced, full)
     rank = simulation.ranks[-1]
     syncs = simulation.syncs_per_window()
     traced_calls = simulation.moe_calls_per_window(config, traced)
@@ -330,8 +636,6 @@ def simulate_layout(
     traces), one decoder layer of each kind at the real widths, at `trace_tokens` tokens per rank (or the
     rank's own, if fewer; rounded to whole KDA chunks and k-pools of every segment). Returns the simulation
     and the traced model config."""
-    from genomelm.parallel.layout import ContextLayout, segments_per_rank
-    from genomelm.train.plan_trace import reduced_layers, sub_config
 
     cp = config.parallel.cp
     unit = segments_per_rank(config.parallel.cp_layout) * 64 * model_config.index_kpool
@@ -341,3 +645,80 @@ def simulate_layout(
     world = config.parallel.dp * cp
     run = config.replace(seq=str(tokens * cp), grad_accum=1)
     return simulate_step(run, traced, ranks=[world - 1], gpu=gpu), traced
+
+
+def _describe_eval(
+    simulation: Simulation, config: TrainConfig, traced: ModelConfig, full: ModelConfig
+) -> str:
+    """The simulated evaluation (one window: its forward and the context cut's) as the planner prints it:
+    the parameters a rank stores, collectives per window by kind and group, host syncs per window by site, as
+    simulated and at the whole model's size (`config`: the run's, at its own window and bucket)."""
+    rank = simulation.ranks[-1]
+    dims = simulation.dims
+    syncs = simulation.syncs_per_window()
+    traced_calls = simulation.moe_calls_per_window(config, traced)
+    full_cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
+    full_sim = Simulation(dims, config.seq_len, stage="eval", cut_tokens=full_cut)
+    full_calls = full_sim.moe_calls_per_window(config, full)
+    exchange = sum(n for site, n in syncs.items() if "expert_parallel_forward" in site)
+    per_call = exchange / traced_calls if traced_calls else 0.0
+    projected = sum(syncs.values()) - exchange + per_call * full_calls
+    forwards = f"{simulation.tokens_per_window // dims.cp:,} tokens per rank"
+    if simulation.cut_tokens:
+        forwards += f", then the context cut's {simulation.cut_tokens // dims.cp:,}"
+    stored = ", ".join(
+        f"{dtype} {size / 1e6:,.2f} MB" for dtype, size in sorted(rank.parameter_bytes.items())
+    )
+    lines = [
+        f"simulated evaluation forward on fake CUDA (rank {rank.rank} of dp {dims.dp} x cp {dims.cp}, ep "
+        f"{dims.ep}; {traced.num_hidden_layers} of {full.num_hidden_layers} layers; one window: {forwards}; "
+        f"forward only, FSDP2 {'on' if config.parallel.fsdp and dims.world > 1 else 'off'}, the weights not "
+        "read):",
+        "  collectives NCCL would reject: 0 (each is checked: device, contiguity, dtype)",
+        f"  parameters this rank stores (simulated layers): {stored or 'none'}",
+        "  collectives per window (simulated layers), by kind and group:",
+    ]
+    by_kind = simulation.collectives_by_kind(len(simulation.ranks) - 1, "window")
+    lines += [f"    {kind:<58} {n:>5} x {size / 1e6:>10,.2f} MB" for kind, (n, size) in by_kind.items()]
+    lines.append(
+        f"  host syncs per window: {sum(syncs.values()):g} simulated; {projected:g} at the full model "
+        f"({full_calls} expert exchanges x {per_call:g} + the rest: per forward the window's rows copied to "
+        "the device and its losses read back, per window the dp replicas' pass counter)"
+    )
+    lines += [f"    {n:>6g}  {site}" for site, n in sorted(syncs.items(), key=lambda item: -item[1])]
+    build = Counter(f"{s.kind} at {s.site}" for s in rank.syncs if s.phase == "build")
+    lines.append(f"  building the model (split over the mesh, placed on the device): {sum(build.values())}")
+    lines += [f"    {n:>6}  {site}" for site, n in build.items()]
+    if dims.dp > 1:
+        lines.append(
+            "  after the last window: the results' all_gather_object over the dp group, once per evaluation "
+            "(pickled numpy arrays: not simulated)"
+        )
+    return "\n".join(lines)
+
+
+def simulate_eval_layout(
+    config: TrainConfig, model_config: ModelConfig, gpu: str
+) -> tuple[Simulation, ModelConfig]:
+    """The planner's simulation of the evaluation on the run's own layout: the last rank of the mesh, one
+    decoder layer of each kind at the real widths, a window of `trace_tokens` tokens per rank (as
+    `simulate_layout`), and where the run scores the context cut, a bucket scaled down with the window so
+    that the traced window has >= 2 of them and its cut splits over the cp ranks (the bucket divides the
+    window, the cut is two buckets). Returns the simulation and the traced model config."""
+
+    cp = config.parallel.cp
+    unit = segments_per_rank(config.parallel.cp_layout) * 64 * model_config.index_kpool
+    tokens = max(min(config.seq_len // cp, config.plan.trace_tokens) // unit * unit, unit)
+    window = tokens * cp
+    ContextLayout(window, cp, 0, config.parallel.cp_layout, kpool=model_config.index_kpool)
+    cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut) > 0
+    bucket = window
+    if cut:  # in halves of a split cut: a bucket of d halves dividing the window cuts 2d halves, whole units
+        half = cp * unit // 2
+        pieces = window // half
+        target = max(window * config.eval.bucket // config.seq_len // half, 1)
+        bucket = half * max(d for d in range(1, pieces // 2 + 1) if pieces % d == 0 and d <= target)
+    traced = sub_config(model_config, reduced_layers(model_config))
+    run = config.replace(seq=str(window), bucket=bucket, context_cut=cut)
+    world = config.parallel.dp * cp
+    return simulate_eval_step(run, traced, ranks=[world - 1], gpu=gpu), traced
