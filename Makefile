@@ -7,6 +7,9 @@
 #   make train SEQ=512k [STEPS=...] [MODEL=...] [DP=N] [CP=N] [EP=N] [LAUNCHER=local|ray] [CLUSTER=b200x64] [ARGS="key=value ..."]
 #   make eval-buckets SEQ=512k [BUCKET=32768] [HELDOUT=dirA,dirB] [MODEL=...] [DP=N] [CP=N] [EP=N] [LAUNCHER=local|ray] [CLUSTER=b200x64]
 #   make probe SEQ=512k [ARGS="probe_distances=1k,4k,16k probe_windows=4"]
+#   make track SEQ=512k [REGION=chr22:20000001-21000000 | REGION=regions.bed]
+#   make variants SEQ=512k VCF=variants.vcf.gz [FASTA=reference.fa]
+#   make embed SEQ=512k [REGION=...] [ARGS="embed_layer=-1 embed_pool=mean"]
 
 PYTHON ?= python3
 VENV := .venv
@@ -33,7 +36,7 @@ OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
              $(if $(DP),dp=$(DP)) $(if $(EP),ep=$(EP)) \
              $(if $(LAUNCHER),launcher=$(LAUNCHER)) $(ARGS)
 
-.PHONY: install data train eval-buckets probe demo test lint clean
+.PHONY: install data train eval-buckets probe track variants embed demo test lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,6 +59,15 @@ eval-buckets: $(STAMP)
 
 probe: $(STAMP)
 	$(BIN)/genomelm probe $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES)
+
+track: $(STAMP)
+	$(BIN)/genomelm track $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(REGION),track_region=$(REGION))
+
+variants: $(STAMP)
+	$(BIN)/genomelm variants $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(VCF),vcf=$(VCF)) $(if $(FASTA),fasta=$(FASTA))
+
+embed: $(STAMP)
+	$(BIN)/genomelm embed $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(REGION),embed_region=$(REGION))
 
 # CPU runs: glibc keeps freed memory instead of mapping fresh pages for every large temporary
 # (benchmarks/model_step.py: 64k-token step 72 s -> 45 s on 2 cores, for more resident memory)

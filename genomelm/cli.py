@@ -1,4 +1,4 @@
-"""Command-line entry point: ``genomelm {data,train,eval,probe,plan} ...``.
+"""Command-line entry point: ``genomelm {data,train,eval,probe,track,variants,embed,plan,export} ...``.
 
 Each stage owns its argument parsing in ``genomelm.<stage>.command.main(argv)``; this module only
 dispatches, and imports a stage lazily so ``genomelm data`` never pays for importing torch models.
@@ -14,6 +14,12 @@ STAGES = {
     "train": ("genomelm.train.command", "fine-tune the model on prepared windows"),
     "eval": ("genomelm.eval.command", "held-out loss per position bucket, before and after training"),
     "probe": ("genomelm.eval.probe", "copy probe: how far back the model retrieves a copied segment"),
+    "track": (
+        "genomelm.eval.tracks",
+        "per-base loss tracks (bigWig, bedGraph) before/after, long-context gain",
+    ),
+    "variants": ("genomelm.eval.variants", "zero-shot variant effects of a VCF: log-likelihood ratios"),
+    "embed": ("genomelm.eval.embed", "hidden states of windows or regions (safetensors, npy)"),
     "plan": (
         "genomelm.train.plan_command",
         "will a run fit the GPUs, and how fast: traced from the real code",
@@ -27,7 +33,7 @@ STAGES = {
 
 def usage() -> str:
     lines = ["usage: genomelm <stage> [options]", "", "stages:"]
-    lines += [f"  {name:<6} {text}" for name, (_, text) in STAGES.items()]
+    lines += [f"  {name:<8} {text}" for name, (_, text) in STAGES.items()]
     lines.append("\n`genomelm <stage> --help` shows a stage's options.")
     return "\n".join(lines)
 

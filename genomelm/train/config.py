@@ -17,7 +17,10 @@ program that owns them, one small dataclass each, which checks its own values:
 | | | collective timeout |
 | `checkpoint` | the checkpointer | save_every, keep_checkpoints, resume |
 | `log` | metrics | log_every, wandb, track_memory |
-| `eval`, `probe` | the evaluator and the copy probe | buckets, held-out sets, probe distances |
+| `eval`, `probe` | the evaluator and the copy probe | buckets, held-out sets, probe distances, |
+| | | eval during training |
+| `track`, `variants`, `embed` | the genomics read-outs | regions, context cut, VCF, reference, layer, |
+| | | pooling |
 | `plan` | the planner | GPUs, GPU kind, search, force, traced device, assumptions |
 
 A YAML file gives the groups as sections (`optim: {lr: 1e-5}`); flat keys work too. Overrides are the
@@ -49,6 +52,9 @@ GPU_KINDS = ("b200", "h200")
 PLAN_DEVICES = ("auto", "cpu", "cuda")
 PLAN_STAGES = ("train", "eval")
 EXPORT_FINAL = ("auto", "true", "false")
+VARIANT_POSITIONS = ("end", "center")
+EMBED_POOLS = ("mean", "base")
+EMBED_DTYPES = ("fp32", "bf16")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -222,10 +228,59 @@ class EvalConfig:
     eval_windows: int = 0  # held-out windows to score (0 = all)
     context_cut: bool = True  # also score the last bucket with only the preceding bucket as context
     heldout: str | None = None  # prepared folders to evaluate, comma separated (default: the run's data)
+    eval_every: int = (
+        0  # during training: score `eval_windows` held-out windows every this many steps (0: off)
+    )
 
     def validate(self) -> None:
         _require(self.bucket >= 1, f"bucket={self.bucket}: give tokens per bucket >= 1")
         _require(self.eval_windows >= 0, f"eval_windows={self.eval_windows}: give windows >= 0 (0 = all)")
+        _require(
+            self.eval_every >= 0, f"eval_every={self.eval_every}: give steps >= 0 (0: no eval in training)"
+        )
+
+
+@dataclass
+class TrackConfig:
+    """`genomelm track`: per-base loss tracks (bigWig, bedGraph) of held-out windows or regions."""
+
+    track_region: str | None = None  # "chr:start-end" (1-based, inclusive) or a BED file; default: held-out
+    context_cut_tokens: int = 0  # the long-context gain's short context, tokens (0: the bucket size)
+    track_bin: int = 1  # bases averaged per track value (1: per base)
+
+    def validate(self) -> None:
+        _require(self.context_cut_tokens >= 0, f"context_cut_tokens={self.context_cut_tokens}: give >= 0")
+        _require(self.track_bin >= 1, f"track_bin={self.track_bin}: give bases per value >= 1")
+
+
+@dataclass
+class VariantConfig:
+    """`genomelm variants`: zero-shot variant effects of a VCF's records."""
+
+    vcf: str | None = None  # the VCF (.vcf or .vcf.gz) to score
+    fasta: str | None = None  # the reference (any format `genomelm data` reads); default: the run's source
+    variant_context: int = 0  # tokens of the window scored around each variant (0: the run's SEQ)
+    variant_position: str = "end"  # where the variant sits in its window: "end" or "center"
+    skip_mismatch: bool = False  # count and list REF alleles that differ from the reference, not stop
+    contig_map: str | None = None  # a two-column file: VCF contig name, reference record name
+
+    def validate(self) -> None:
+        _check_choice("variant_position", self.variant_position, VARIANT_POSITIONS)
+        _require(self.variant_context >= 0, f"variant_context={self.variant_context}: give tokens >= 0")
+
+
+@dataclass
+class EmbedConfig:
+    """`genomelm embed`: hidden states of held-out windows or regions."""
+
+    embed_region: str | None = None  # "chr:start-end" (1-based, inclusive) or a BED file; default: held-out
+    embed_layer: int = -1  # decoder layer whose output is taken (-1: the last, as the head sees it)
+    embed_pool: str = "mean"  # "mean" (one vector per window or region) or "base" (one per base)
+    embed_dtype: str = "fp32"  # "fp32" or "bf16"
+
+    def validate(self) -> None:
+        _check_choice("embed_pool", self.embed_pool, EMBED_POOLS)
+        _check_choice("embed_dtype", self.embed_dtype, EMBED_DTYPES)
 
 
 @dataclass
@@ -304,6 +359,9 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
+    variants: VariantConfig = field(default_factory=VariantConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     GROUPS: ClassVar[tuple[str, ...]] = (
@@ -316,6 +374,9 @@ class TrainConfig:
         "log",
         "eval",
         "probe",
+        "track",
+        "variants",
+        "embed",
         "plan",
     )
 
