@@ -61,13 +61,13 @@ probe: $(STAMP)
 	$(BIN)/genomelm probe $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES)
 
 track: $(STAMP)
-	$(BIN)/genomelm track $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(REGION),track_region=$(REGION))
+	$(BIN)/genomelm track $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(REGION),region=$(REGION))
 
 variants: $(STAMP)
 	$(BIN)/genomelm variants $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(VCF),vcf=$(VCF)) $(if $(FASTA),fasta=$(FASTA))
 
 embed: $(STAMP)
-	$(BIN)/genomelm embed $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(REGION),embed_region=$(REGION))
+	$(BIN)/genomelm embed $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES) $(if $(REGION),region=$(REGION))
 
 # CPU runs: glibc keeps freed memory instead of mapping fresh pages for every large temporary
 # (benchmarks/model_step.py: 64k-token step 72 s -> 45 s on 2 cores, for more resident memory)

@@ -6,7 +6,8 @@ program that owns them, one small dataclass each, which checks its own values:
 
 | group | owner | settings |
 |---|---|---|
-| (top level) | the run | run, genome, seq, data, model, allow_random_init, dry_run, runs_dir, results_dir |
+| (top level) | the run | run, genome, seq, data, model, allow_random_init, dry_run, runs_dir, results_dir, |
+| | | region |
 | `optim` | the optimizer and its step | steps, epochs, lr, schedule, clipping, accumulation, seed, |
 | | | expert bias |
 | `data_options` | the training feed | reverse-complement, soft-mask weight, length warm-up |
@@ -244,7 +245,6 @@ class EvalConfig:
 class TrackConfig:
     """`genomelm track`: per-base loss tracks (bigWig, bedGraph) of held-out windows or regions."""
 
-    track_region: str | None = None  # "chr:start-end" (1-based, inclusive) or a BED file; default: held-out
     context_cut_tokens: int = 0  # the long-context gain's short context, tokens (0: the bucket size)
     track_bin: int = 1  # bases averaged per track value (1: per base)
 
@@ -273,7 +273,6 @@ class VariantConfig:
 class EmbedConfig:
     """`genomelm embed`: hidden states of held-out windows or regions."""
 
-    embed_region: str | None = None  # "chr:start-end" (1-based, inclusive) or a BED file; default: held-out
     embed_layer: int = -1  # decoder layer whose output is taken (-1: the last, as the head sees it)
     embed_pool: str = "mean"  # "mean" (one vector per window or region) or "base" (one per base)
     embed_dtype: str = "fp32"  # "fp32" or "bf16"
@@ -350,6 +349,9 @@ class TrainConfig:
     dry_run: bool = False  # print the model's layer routes and memory switches, train nothing
     runs_dir: str = "runs"  # where runs/<run>/ (checkpoints, metrics) lives
     results_dir: str = "results"  # where results/<run>/ (evaluation tables, figures) lives
+    # what `genomelm track` and `genomelm embed` read: "chr:start-end" (1-based, inclusive) or a BED file of
+    # the run's source reference; default: the held-out windows
+    region: str | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     data_options: DataOptions = field(default_factory=DataOptions)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
