@@ -145,7 +145,7 @@ def check_mesh(config: TrainConfig, lengths: list[int]) -> None:
         kpool = model.index_kpool if model.dsa_layers else 1
         experts = model.n_routed_experts if MOE in model.mlp_layer_types else None
     ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep).check(experts)
-    for length in lengths:
+    for length in lengths if config.parallel.cp > 1 else ():  # one rank per window splits nothing
         ContextLayout(
             length,
             config.parallel.cp,
