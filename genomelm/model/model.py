@@ -185,12 +185,26 @@ class GlmForCausalLM(nn.Module):
                 "use dsa_backend='sparse' (or raise the limit)"
             )
 
-    def hidden_states(self, input_ids: Tensor, layer_runner: LayerRunner | None = None) -> Tensor:
-        """input_ids [B, S] -> final normed hidden states [B, S, D].
+    def hidden_states(
+        self, input_ids: Tensor, layer_runner: LayerRunner | None = None, upto_layer: int | None = None
+    ) -> Tensor:
+        """input_ids [B, S] -> hidden states [B, S, D] as the head reads them: the mHC streams after the last
+        decoder layer collapsed (`hc_head`: their mean) and normed (the final `norm`); fp32 whatever the
+        autocast (the collapse is fp32, the norm weight promotes to it).
 
-        `layer_runner(layer, streams, shared_selection) -> (streams, selection)` wraps every layer call
-        (activation recompute, offload); default: call the layer.
+        `upto_layer` (0-based): stop after that decoder layer (the layers after it do not run) and collapse
+        its output streams the same way, so `upto_layer = L - 1` equals the default. `layer_runner(layer,
+        streams, shared_selection) -> (streams, selection)` wraps every layer call (activation recompute,
+        offload); default: call the layer.
         """
+        layers = self.layers
+        if upto_layer is not None:
+            if not 0 <= upto_layer < len(self.layers):
+                raise ValueError(
+                    f"upto_layer={upto_layer}: the model has {len(self.layers)} decoder layers, "
+                    f"0..{len(self.layers) - 1}"
+                )
+            layers = self.layers[: upto_layer + 1]
         self.check_dense_guard(input_ids.shape[1])
         runner = layer_runner if layer_runner is not None else _call_layer
         embedded = self.embed_tokens(input_ids)
@@ -198,13 +212,13 @@ class GlmForCausalLM(nn.Module):
         streams = embedded.to(compute_dtype(embedded)).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1)
         streams = streams.contiguous()
         selection: Selection | None = None
-        for layer in self.layers:
+        for layer in layers:
             streams, new_selection = runner(layer, streams, selection)
             if new_selection is not None:
                 selection = new_selection
-        self.last_indexer_loss = {
+        self.last_indexer_loss = {  # of the layers that ran: the others keep an earlier forward's
             layer.layer_idx: layer.self_attn.indexer_loss
-            for layer in self.layers
+            for layer in layers
             if isinstance(layer.self_attn, DSAAttention) and layer.self_attn.indexer_loss is not None
         }
         if not self._announced:

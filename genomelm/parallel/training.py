@@ -30,7 +30,7 @@ from .context import apply_context_parallel
 from .exchange import all_gather_slots
 from .expert import apply_expert_parallel, expert_parallel_parameters, received_tokens
 from .fsdp import shard_model
-from .layout import ZIGZAG, ContextLayout
+from .layout import ZIGZAG, ContextLayout, segments_of
 from .mesh import Mesh, ParallelDims
 
 
@@ -243,6 +243,8 @@ class ContextParallelScorer(nn.Module):
 
     `loss(input_ids [B, S], labels [B, S], reduction="none")` shards the window, runs this rank's part and
     all-gathers the per-token losses back into window order: [B, S] fp32, the same on every rank.
+    `hidden_states(input_ids [B, S], upto_layer)` gathers the per-token hidden states the same way, onto
+    rank 0 of the group only.
     """
 
     def __init__(self, model: nn.Module, context: ContextRun) -> None:
@@ -261,3 +263,32 @@ class ContextParallelScorer(nn.Module):
         parts = [torch.empty_like(nll) for _ in range(self.context.cp)]
         dist.all_gather(parts, nll, group=self.context.group)
         return layout.restore(torch.cat(parts, dim=1), dim=1)
+
+    def hidden_states(self, input_ids: Tensor, upto_layer: int | None = None) -> Tensor | None:
+        """The whole window's `GlmForCausalLM.hidden_states(input_ids, upto_layer=upto_layer)`: [B, S, D] fp32
+        in window order on rank 0 of the group, None on the other ranks (each runs its shard and sends it).
+
+        Gathered onto one rank rather than all-gathered, because a window's states are large (S x D x 4
+        bytes: 16 GiB at 1M tokens and the full model's D = 4096): only rank 0 holds them, received in place
+        in window order (one gather per local segment straight into its slice, no reordering copy); every
+        other rank holds its S/cp tokens' states only. Under FSDP2 the wrapped model's `hidden_states` must be
+        registered as a forward method (`torch.distributed.fsdp.register_fsdp_forward_method`), so that its
+        call gathers the root's parameters as `forward` does.
+        """
+        model = self.model
+        context = self.context
+        seq_len = input_ids.shape[1]
+        layout = context.layout(seq_len, model.options.kda_chunk_size, model.config.index_kpool)
+        (ids,) = context.shard(layout, input_ids)
+        local = model.hidden_states(ids, upto_layer=upto_layer)  # [B, S/cp, D], this rank's segments in order
+        width = layout.segment_len
+        # position-major [S, B, D]: every segment's slice is contiguous for any B, as the gather needs
+        whole = local.new_empty(seq_len, local.shape[0], local.shape[2]) if context.rank == 0 else None
+        for j in range(len(layout.segments)):  # every rank holds as many segments (1 or 2)
+            part = local[:, j * width : (j + 1) * width].transpose(0, 1).contiguous()
+            slices = None
+            if whole is not None:
+                starts = [segments_of(r, context.cp, context.kind)[j] * width for r in range(context.cp)]
+                slices = [whole[start : start + width] for start in starts]
+            dist.gather(part, slices, group=context.group, group_dst=0)
+        return None if whole is None else whole.transpose(0, 1)
