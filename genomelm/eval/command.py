@@ -26,7 +26,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import Subset
@@ -41,6 +40,7 @@ from genomelm.model.config import ConfigError
 from genomelm.parallel.launch import launch
 from genomelm.train.command import check_mesh
 from genomelm.train.config import TrainConfig
+from genomelm.train.heldout import pick_windows
 from genomelm.train.models import model_pair, run_device
 from genomelm.train.plan import PlanError, check_fits
 from genomelm.train.ray_launch import RayLaunchError, score_with_ray
@@ -70,13 +70,6 @@ def check_bucket(bucket: int, seq: int) -> int:
             f"1 bucket; use bucket<={seq}"
         )
     return -(-seq // bucket)
-
-
-def pick_windows(total: int, wanted: int) -> list[int]:
-    """Indices of `wanted` windows (0 = all) spread evenly over `total`, in order."""
-    if wanted <= 0 or wanted >= total:
-        return list(range(total))
-    return [int(i) for i in np.linspace(0, total - 1, wanted).round()]
 
 
 def context_cut_summary(before: Scores, after: Scores, bucket: int) -> dict:

@@ -5,7 +5,8 @@ One window per micro-batch, AdamW with warmup + cosine, gradient accumulation an
 around every layer, atomic checkpoints, exact resume, a guard against non-finite steps. Under a launcher
 (dp x cp processes, ep borrowing them) every rank runs this loop: `genomelm.parallel` splits the model over
 the mesh before the optimizer is made, each dp rank reads its own windows, checkpoints are sharded, and rank 0
-alone logs and prints.
+alone logs and prints. With `eval_every=N` every N-th step also scores held-out windows
+(`genomelm.train.heldout`) into that step's metrics row, without changing the training.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from genomelm.train.config import TrainConfig
 from genomelm.train.faults import inject_fault
 from genomelm.train.feed import TrainingData, Window
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
+from genomelm.train.heldout import HeldoutEval
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
-from genomelm.train.metrics import MetricsLog, device_peak_gb, host_memory_gb
+from genomelm.train.metrics import HELDOUT_LOSS, MetricsLog, device_peak_gb, host_memory_gb
 from genomelm.train.models import model_config_of, run_device
 from genomelm.train.precision import fsdp_param_dtype
 from genomelm.train.step import StepOutcome, TrainStep, device_rows, lr_factor, make_optimizer
@@ -59,6 +61,7 @@ class Run:
     checkpointer: Checkpointer
     identity: dict[str, Any]
     resume_from: Path | None = None
+    heldout: HeldoutEval | None = None  # with eval_every > 0
     start_step: int = 0
     bad_in_row: int = 0
     log: MetricsLog | None = None
@@ -103,6 +106,11 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         with StopRequest(exit_on_second=run.parallel is None, run_dir=config.run_dir) as stop:
             for step in bar:
                 record = train_one_step(run, step)
+                if progress and HELDOUT_LOSS in record:
+                    tqdm.write(
+                        f"step {step + 1}: held-out loss {record[HELDOUT_LOSS]:.4f} "
+                        f"({record['heldout/windows']} windows, {record['heldout/eval_s']:.1f} s)"
+                    )
                 bar.set_postfix(
                     loss=f"{record['loss']:.4f}",
                     tok_s=f"{record['tokens_per_s']:.0f}",
@@ -138,6 +146,7 @@ def build_run(config: TrainConfig) -> Run:
     np.random.seed(config.optim.seed)
     random.seed(config.optim.seed)
     data = TrainingData(config)
+    heldout = HeldoutEval.for_run(config, parallel, device)  # read now: a folder without any fails here
     if not config.model:
         raise RunMismatch(
             "no model: this run config trains from a released checkpoint; pass MODEL=/path/to/GLM-5.3-Flash "
@@ -158,7 +167,18 @@ def build_run(config: TrainConfig) -> Run:
     optimizer = make_optimizer(model, config.optim, device, sharded=parallel is not None and parallel.fsdp)
     step = TrainStep.for_run(config, model, optimizer, runner, parallel, device)
     run = Run(
-        config, device, parallel, data, model, optimizer, runner, step, checkpointer, identity, resume_from
+        config,
+        device,
+        parallel,
+        data,
+        model,
+        optimizer,
+        runner,
+        step,
+        checkpointer,
+        identity,
+        resume_from,
+        heldout=heldout,
     )
     if state is not None:
         resume(run, state)
@@ -269,7 +289,9 @@ def resume(run: Run, state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------------- one step
 def train_one_step(run: Run, step: int) -> dict[str, Any]:
     """Optimizer step `step` (0-based): this rank's windows through `TrainStep`, then its metrics row (logged
-    by rank 0); raises `NonFiniteLoss` on every rank alike after `max_bad_steps` non-finite steps in a row."""
+    by rank 0), with the held-out loss every `eval_every` steps (every rank scoring; the row then logged
+    whatever `log_every` says); raises `NonFiniteLoss` on every rank alike after `max_bad_steps` non-finite
+    steps in a row."""
     config = run.config
     started = time.perf_counter()
     tracker = memory_tracker(run.model, run.optimizer) if config.log.track_memory else None
@@ -285,7 +307,13 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     record = step_record(run, step, lr, outcome, seen, elapsed)
     if tracker is not None:
         record["peak_tracked_gb"] = tracked_peak_gb(tracker, run.device)
-    if run.log is not None and ((step + 1) % config.log.log_every == 0 or not outcome.finite):
+    evaluated = run.heldout is not None and run.heldout.due(step + 1)
+    if evaluated:
+        # the step's gradients are spent (the next step starts by dropping them): free their memory for the
+        # forward passes now
+        run.optimizer.zero_grad(set_to_none=True)
+        record |= run.heldout.run(run.model)
+    if run.log is not None and ((step + 1) % config.log.log_every == 0 or not outcome.finite or evaluated):
         run.log.log(record)
     run.summary["losses"].append(outcome.loss)
     if not outcome.finite:

@@ -1,18 +1,29 @@
-"""Per-step metrics: a JSONL file per run, Weights & Biases (offline by default), memory readings."""
+"""Per-step metrics: a JSONL file per run, Weights & Biases (offline by default), memory readings.
+
+A step that evaluated the held-out windows (`eval_every`) also holds `heldout/loss` (nats/base over every
+valid token) and one `heldout/bucket_<start>_<end>` per position bucket (positions [start, end) of the
+window); on W&B each is a series, and the row's loss-by-position figure is the image
+`heldout/loss_by_position`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 
 from genomelm.train.config import TrainConfig
+
+HELDOUT_LOSS = "heldout/loss"
+_BUCKET_KEY = re.compile(r"heldout/bucket_(\d+)_(\d+)")
 
 
 def host_memory_gb() -> tuple[float, float]:
@@ -50,6 +61,36 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def heldout_bucket_key(start: int, end: int) -> str:
+    """The metrics key of the held-out loss of positions [start, end)."""
+    return f"heldout/bucket_{start}_{end}"
+
+
+def heldout_buckets(record: dict[str, Any]) -> list[tuple[int, int, float]]:
+    """(start, end, loss) of each held-out bucket of a metrics row, by position; [] for a row without."""
+    found = [(_BUCKET_KEY.fullmatch(key), value) for key, value in record.items()]
+    return sorted((int(m[1]), int(m[2]), float(value)) for m, value in found if m is not None)
+
+
+def loss_by_position_image(buckets: list[tuple[int, int, float]], step: int) -> np.ndarray:
+    """The held-out loss per bucket (`heldout_buckets`) of step `step` against the bucket's midpoint (kb of
+    context), drawn small: RGBA uint8 [H, W, 4] (no pyplot, so nothing global to close)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # only with W&B on
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(5, 3), dpi=80, layout="constrained")
+    canvas = FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    axes.plot([(s + e) / 2000 for s, e, _ in buckets], [loss for *_, loss in buckets], marker="o", ms=3)
+    axes.set(
+        xlabel="context (kb, bucket midpoint)",
+        ylabel="held-out loss (nats/base)",
+        title=f"held-out loss by position, step {step}",
+    )
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba()).copy()
+
+
 class MetricsLog:
     """Appends one JSON object per step to `runs/<run>/metrics.jsonl` and mirrors it to wandb."""
 
@@ -81,6 +122,12 @@ class MetricsLog:
             handle.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float, bool))}
+            buckets = heldout_buckets(record)
+            if buckets:
+                import wandb
+
+                image = loss_by_position_image(buckets, record["step"])
+                flat["heldout/loss_by_position"] = wandb.Image(image)
             self.wandb_run.log(flat, step=record["step"])
 
     def close(self) -> None:

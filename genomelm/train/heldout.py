@@ -1,0 +1,170 @@
+"""Held-out loss during training (`eval_every=N`): every N optimizer steps the model being trained scores a
+fixed set of held-out windows, forward only, on the run's own mesh, and the loss per position bucket goes into
+that step's metrics row.
+
+The windows are `eval_windows` (0: all) of the held-out split of the run's (first) prepared folder, spread
+over it as `genomelm eval` picks them, and read once at the start. The scoring is `score_windows`, the one
+the evaluator runs (without its context cut): under context parallelism through a `ContextParallelScorer`,
+the dp replicas splitting the windows (`WindowShare`), every rank taking part so that FSDP's all-gathers and
+the expert exchange stay in step. Nothing of the training changes: the RNG streams are restored afterwards
+and the data order is not touched, so the per-step losses are those of a run without it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from genomelm.data import WindowDataset
+from genomelm.data.windows import Window
+from genomelm.parallel.expert import received_tokens
+from genomelm.parallel.training import ContextParallelScorer, ContextRun, ParallelRun
+from genomelm.train.config import TrainConfig
+from genomelm.train.guards import RunMismatch
+from genomelm.train.metrics import HELDOUT_LOSS, device_peak_gb, heldout_bucket_key
+from genomelm.train.precision import autocast_for
+from genomelm.train.scoring import WindowShare, score_windows
+
+
+def pick_windows(total: int, wanted: int) -> list[int]:
+    """Indices of `wanted` of `total` windows (0 = all) spread evenly, in order: the rule `genomelm eval`,
+    the read-outs and the evaluation during training share, so all score the same windows."""
+    if wanted <= 0 or wanted >= total:
+        return list(range(total))
+    return [int(i) for i in np.linspace(0, total - 1, wanted).round()]
+
+
+def bucket_means(
+    loss: np.ndarray, valid: np.ndarray, bucket: int
+) -> tuple[list[tuple[int, int]], np.ndarray, float]:
+    """Token-weighted mean loss per position bucket and over all positions.
+
+    loss: float [W, S] nats per position (any value where not valid); valid: bool [W, S]; bucket: positions
+    per bucket (the last holds the remaining S mod bucket). Returns the buckets' [start, end) positions, their
+    means [n_buckets] (NaN for a bucket without valid tokens) and the mean over every valid token, as
+    `genomelm.eval.buckets.bucketed_loss` computes its "loss" (float64 sums).
+    """
+    width = loss.shape[1]
+    starts = np.arange(0, width, bucket)
+    bounds = [(int(s), int(min(s + bucket, width))) for s in starts]
+    sums = np.add.reduceat(np.where(valid, loss.astype(np.float64), 0.0), starts, axis=1).sum(axis=0)
+    counts = np.add.reduceat(valid.astype(np.int64), starts, axis=1).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = sums / counts
+    overall = float(sums.sum() / counts.sum()) if counts.sum() else float("nan")
+    return bounds, means, overall
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch (CPU and every CUDA device), numpy and Python RNG states."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back the RNG states `rng_state` read."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class HeldoutEval:
+    """The held-out windows a run scores every `every` optimizer steps (held in memory: SEQ x 9 bytes each),
+    and how it scores them: `bucket` positions per bucket, the run's `precision` on `device`, this rank's
+    `share` of the windows and its context-parallel group (`context`, None at cp=1)."""
+
+    windows: list[Window]
+    every: int
+    bucket: int
+    precision: str
+    device: torch.device
+    share: WindowShare
+    context: ContextRun | None
+
+    @classmethod
+    def for_run(
+        cls, config: TrainConfig, parallel: ParallelRun | None, device: torch.device
+    ) -> HeldoutEval | None:
+        """The run's held-out evaluation (None with `eval_every=0`): its windows read now, so a folder
+        without held-out windows or a bucket longer than them stops the run before its first step."""
+        if not config.eval.eval_every:
+            return None
+        heldout = WindowDataset(config.data_dir, "heldout")
+        if not len(heldout):
+            raise RunMismatch(
+                f"eval_every={config.eval.eval_every} scores held-out windows, but {heldout.path} has none: "
+                "prepare it with a held-out region (genomelm data --heldout ..., make data HELDOUT=...), "
+                "give data= a folder that has one, or set eval_every=0"
+            )
+        if config.eval.bucket > heldout.seq_len:
+            raise RunMismatch(
+                f"eval_every={config.eval.eval_every}: bucket={config.eval.bucket} is larger than the "
+                f"held-out windows of {heldout.path} ({heldout.seq_len} tokens); use "
+                f"bucket<={heldout.seq_len}"
+            )
+        windows = [heldout[i] for i in pick_windows(len(heldout), config.eval.eval_windows)]
+        share, context = WindowShare(device=device), None
+        if parallel is not None:
+            share = WindowShare(
+                parallel.mesh.coordinates["dp"], parallel.dims.dp, parallel.mesh.dp_group, parallel.device
+            )
+            context = parallel.context
+        return cls(
+            windows,
+            config.eval.eval_every,
+            config.eval.bucket,
+            config.memory.precision,
+            device,
+            share,
+            context,
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after optimizer step `step` (1-based: steps done)."""
+        return step % self.every == 0
+
+    def run(self, model: nn.Module) -> dict[str, float | int]:
+        """Score the windows with `model` (in training mode on return, every RNG as it was); the metrics
+        row's held-out part, the same on every rank: the loss per bucket (nats/base) under
+        `heldout_bucket_key(start, end)`, over all buckets under `HELDOUT_LOSS`, the windows, the valid
+        tokens, the seconds it took and its peak device memory (GB)."""
+        state = rng_state()
+        started = time.perf_counter()
+        scorer = ContextParallelScorer(model, self.context) if self.context is not None else model
+        try:
+            # score_windows takes its device (and so its autocast) from the model's first parameter, which
+            # FSDP2's CPU offload keeps on the host; the run's autocast around it holds the training's
+            # numerics there too (FSDP's root moves the inputs to the GPU)
+            with autocast_for(self.precision, self.device):
+                scores = score_windows(
+                    scorer, self.windows, self.bucket, False, precision=self.precision, share=self.share
+                )
+        finally:
+            model.train()
+            set_rng_state(state)
+        received_tokens(model)  # under expert parallelism: the held-out rows are no training step's
+        bounds, means, overall = bucket_means(scores.loss, scores.valid, self.bucket)
+        record: dict[str, float | int] = {HELDOUT_LOSS: overall}
+        record |= {heldout_bucket_key(s, e): float(m) for (s, e), m in zip(bounds, means, strict=True)}
+        record |= {
+            "heldout/windows": len(self.windows),
+            "heldout/tokens": int(scores.valid.sum()),
+            "heldout/eval_s": time.perf_counter() - started,
+            "heldout/peak_device_mem_gb": device_peak_gb(),  # also restarts the peak for the next step
+        }
+        return record
