@@ -19,6 +19,7 @@ from test_eval_buckets import EmaUnigram
 from genomelm.cli import main as cli_main
 from genomelm.data import BUILTIN, WindowDataset
 from genomelm.data.faidx import region_index
+from genomelm.data.reference import read_reference
 from genomelm.data.vocab import CODE_MASK, CODE_TABLE, SOFT_BIT
 from genomelm.data.windows import Window
 from genomelm.eval.command import load_heldout
@@ -29,7 +30,6 @@ from genomelm.eval.tracks import (
     cut_tokens,
     parse_region,
     plan_tracks,
-    read_reference,
     region_windows,
     run_tracks,
     short_context_crops,

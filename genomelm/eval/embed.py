@@ -63,11 +63,10 @@ from torch import Tensor, nn
 
 from genomelm.data.dataset import WindowDataset
 from genomelm.data.errors import DataError
-from genomelm.data.faidx import IndexedFasta, region_index
-from genomelm.data.fasta import BLOCK_BYTES, INVALID_BYTE, open_stream
 from genomelm.data.prepare import MANIFEST, read_manifest
+from genomelm.data.reference import read_reference, source_files
 from genomelm.data.regions import Interval, is_bed, read_bed, static_interval
-from genomelm.data.vocab import CODE_MASK, SCAN_BYTES, N, Vocabulary
+from genomelm.data.vocab import CODE_MASK, N, Vocabulary
 from genomelm.eval.command import EvalError, parse_run_args, pick_windows, run_scoring
 from genomelm.eval.report import WriteError, write_atomic, write_error, write_result_set
 from genomelm.model.config import ConfigError
@@ -184,7 +183,7 @@ def region_items(spec: str, folder: Path) -> tuple[list[Item], list[np.ndarray],
     if manifest is None:
         raise DataError(f"{folder}: no {MANIFEST}, so not a complete prepared dataset; run `genomelm data`")
     intervals = read_bed(spec, "region").intervals if is_bed(spec) else [static_interval(spec, "region")]
-    codes, lengths = read_reference(manifest, folder, intervals)
+    codes, lengths = read_regions(manifest, folder, intervals)
     items = []
     for interval, bases in zip(intervals, codes, strict=True):
         end = lengths[interval.record] if interval.end is None else interval.end
@@ -193,129 +192,39 @@ def region_items(spec: str, folder: Path) -> tuple[list[Item], list[np.ndarray],
     return items, codes, Vocabulary.from_json(manifest["vocab"])
 
 
-def read_reference(
+def read_regions(
     manifest: dict, folder: Path, intervals: Sequence[Interval]
 ) -> tuple[list[np.ndarray], dict[str, int]]:
-    """The bases of each interval (end None: to the record's end) as codes (uint8, 1 byte per base) of the
-    reference files the prepared `folder`'s manifest names, and the length of every record read. Indexed
-    FASTA (samtools faidx) is read region by region, anything else streamed once. EmbedError for a region
-    outside its record, an unknown record, and a reference that is missing or not the one prepared."""
-    sources = manifest["sources"]
-    wanted = {interval.record for interval in intervals}
-    pieces: dict[int, list[np.ndarray]] = {i: [] for i in range(len(intervals))}
-    lengths: dict[str, int] = {}
-    for entry in sources:
-        path = Path(entry["path"])
-        _check_source(path, entry, folder)
-        index, _ = region_index(path)
-        if index is not None:
-            lengths.update(_read_indexed(path, index, intervals, pieces))
-        else:
-            lengths.update(_read_streamed(path, entry, wanted, intervals, pieces))
-    codes = []
-    for i, interval in enumerate(intervals):
+    """The bases of each interval (end None: to the record's end) as codes (uint8, 1 byte per base, no
+    soft-mask bit) of the reference files the prepared `folder`'s manifest names, and the length of every
+    record. EmbedError for a region outside its record or of an unknown record; DataError for a reference
+    that is missing or not the one prepared."""
+    paths = source_files(folder, manifest)
+    lengths, _ = read_reference(paths, {})
+    wanted: dict[str, dict[int, int]] = {}  # record -> first base -> the furthest end asked from it
+    for interval in intervals:
         if interval.record not in lengths:
-            names = ", ".join(str(entry["path"]) for entry in sources)
+            names = ", ".join(str(path) for path in paths)
             raise EmbedError(
                 f"region {interval.describe()}: no record {interval.record!r} in the run's reference "
                 f"{names} (from {folder / MANIFEST}); give a region of one of its records"
             )
-        _check_inside(interval, lengths[interval.record])
-        codes.append(np.concatenate(pieces[i]) if pieces[i] else np.empty(0, dtype=np.uint8))
-    return codes, lengths
-
-
-def _check_source(path: Path, entry: dict, folder: Path) -> None:
-    if not path.is_file():
-        raise EmbedError(
-            f"the run's reference {path} (named in {folder / MANIFEST}) is missing; put it back there "
-            "to embed regions, or embed the held-out windows (no region=)"
-        )
-    if path.stat().st_size != entry["bytes"]:
-        raise EmbedError(
-            f"the run's reference {path} has {path.stat().st_size:,} bytes, {entry['bytes']:,} when "
-            f"{folder} was prepared: it is another file now; restore it, or prepare the data again"
-        )
-
-
-def _check_inside(interval: Interval, length: int) -> None:
-    if interval.end is not None and interval.end > length:
-        raise EmbedError(
-            f"region {interval.describe()} ends at base {interval.end:,} but record {interval.record} has "
-            f"{length:,} bases; give an end <= {length:,}"
-        )
-
-
-def _codes(path: Path, record: str, offset: int, piece: bytes, invalid: tuple[int, str] | None) -> np.ndarray:
-    """Codes of `piece` (bases of `record` from `offset`, mapped through SCAN_BYTES); DataError naming the
-    first invalid character."""
-    if invalid is not None:
-        at, char = invalid
-        raise DataError(
-            f"{path}: record {record}, base {offset + at + 1:,} (1-based): invalid character {char!r}; only "
-            "A C G T N and IUPAC codes are allowed"
-        )
-    return np.frombuffer(piece, dtype=np.uint8) & CODE_MASK
-
-
-def _read_indexed(
-    path: Path, index: Path, intervals: Sequence[Interval], pieces: dict[int, list[np.ndarray]]
-) -> dict[str, int]:
-    fasta = IndexedFasta(path, index)
-    try:
-        lengths = dict(fasta.records())
-        for i, interval in enumerate(intervals):
-            if interval.record not in lengths:
-                continue
-            _check_inside(interval, lengths[interval.record])
-            end = lengths[interval.record] if interval.end is None else interval.end
-            offset = interval.start
-            for raw in fasta.bases(interval.record, interval.start, end, BLOCK_BYTES):
-                piece = raw.translate(SCAN_BYTES)
-                at = piece.find(INVALID_BYTE)
-                invalid = None if at < 0 else (at, chr(raw[at]))
-                pieces[i].append(_codes(path, interval.record, offset, piece, invalid))
-                offset += len(raw)
-    finally:
-        fasta.close()
-    return lengths
-
-
-def _read_streamed(
-    path: Path,
-    entry: dict,
-    wanted: set[str],
-    intervals: Sequence[Interval],
-    pieces: dict[int, list[np.ndarray]],
-) -> dict[str, int]:
-    stream = open_stream(path, table=SCAN_BYTES)  # FASTA (plain, gzip, BGZF), .2bit, GenBank, EMBL
-    lengths: dict[str, int] = {}
-    record, offset, here = "", 0, []
-    for event in stream:
-        if isinstance(event, str):
-            if record:
-                lengths[record] = offset
-            record, offset = event, 0
-            here = (
-                [(i, iv) for i, iv in enumerate(intervals) if iv.record == record] if record in wanted else []
+        length = lengths[interval.record]
+        if interval.end is not None and interval.end > length:
+            raise EmbedError(
+                f"region {interval.describe()} ends at base {interval.end:,} but record {interval.record} "
+                f"has {length:,} bases; give an end <= {length:,}"
             )
-            continue
-        if here:
-            codes = _codes(path, record, offset, event, stream.invalid)
-            end = offset + len(codes)
-            for i, interval in here:
-                lo, hi = max(interval.start, offset), end if interval.end is None else min(interval.end, end)
-                if lo < hi:  # a copy: a view would keep the whole block alive
-                    pieces[i].append(codes[lo - offset : hi - offset].copy())
-        offset += len(event)
-    if record:
-        lengths[record] = offset
-    if entry.get("md5") and stream.md5 != entry["md5"]:
-        raise EmbedError(
-            f"the run's reference {path} is not the file the data was prepared from (md5 {stream.md5}, "
-            f"{entry['md5']} then); restore it, or prepare the data again"
-        )
-    return lengths
+        end = length if interval.end is None else interval.end
+        starts = wanted.setdefault(interval.record, {})
+        starts[interval.start] = max(starts.get(interval.start, 0), end)
+    _, bases = read_reference(paths, {record: list(ends.items()) for record, ends in wanted.items()})
+    codes = []
+    for interval in intervals:
+        end = lengths[interval.record] if interval.end is None else interval.end
+        read = bases[interval.record, interval.start][: end - interval.start]
+        codes.append(read & CODE_MASK)
+    return codes, lengths
 
 
 def prepare_request(config: TrainConfig, model: str, role: str) -> Request:

@@ -57,12 +57,10 @@ import numpy as np
 import torch
 
 from genomelm.data.errors import DataError
-from genomelm.data.faidx import IndexedFasta, region_index
-from genomelm.data.fasta import BLOCK_BYTES, detect_format, open_stream
 from genomelm.data.prepare import read_manifest
+from genomelm.data.reference import read_reference, source_files
 from genomelm.data.regions import Interval, is_bed, read_bed, static_interval
-from genomelm.data.twobit import read_index
-from genomelm.data.vocab import CODE_MASK, IGNORE_INDEX, INVALID, SCAN_BYTES, SOFT_BIT, Vocabulary
+from genomelm.data.vocab import CODE_MASK, IGNORE_INDEX, SOFT_BIT, Vocabulary
 from genomelm.data.windows import Window
 from genomelm.eval.command import EvalError, load_heldout, parse_run_args, run_scoring
 from genomelm.eval.report import WriteError, format_number, jsonable, write_result_set
@@ -231,86 +229,6 @@ def _named(interval: Interval) -> str:
     return f"{interval.origin} ({interval.spec})" if interval.origin else f"region={interval.spec}"
 
 
-def read_reference(
-    paths: Sequence[Path], wanted: dict[str, list[tuple[int, int]]]
-) -> tuple[dict[str, int], dict[tuple[str, int], np.ndarray]]:
-    """Every record's length, in file order over `paths`, and the scan codes (uint8) of the `wanted` bases
-    (record -> [(first, end)], 0-based half-open), by (record, first). A file with a samtools index is read
-    only where wanted, a .2bit without wanted records only for its index; anything else is streamed once."""
-    sizes: dict[str, int] = {}
-    bases: dict[tuple[str, int], np.ndarray] = {}
-    for path in paths:
-        index, _ = region_index(path)
-        if index is not None:
-            fasta = IndexedFasta(path, index)
-            try:
-                for record, length in fasta.records():
-                    sizes[record] = length
-                    for first, end in wanted.get(record, []):
-                        raw = b"".join(fasta.bases(record, first, min(end, length), BLOCK_BYTES))
-                        bases[record, first] = _scan(path, record, first, raw.translate(SCAN_BYTES))
-            finally:
-                fasta.close()
-            continue
-        if detect_format(path) == "2bit":
-            records = [(r.name, r.size) for r in read_index(path)]
-            if not any(name in wanted for name, _ in records):
-                sizes.update(records)
-                continue
-        parts: dict[tuple[str, int], list[bytes]] = {}
-        record, offset, spans = "", 0, []
-        for event in open_stream(path, table=SCAN_BYTES):
-            if isinstance(event, str):
-                if record:
-                    sizes[record] = offset
-                record, offset, spans = event, 0, wanted.get(event, [])
-                continue
-            end = offset + len(event)
-            for first, last in spans:
-                lo, hi = max(first, offset), min(last, end)
-                if lo < hi:
-                    parts.setdefault((record, first), []).append(event[lo - offset : hi - offset])
-            offset = end
-        if record:
-            sizes[record] = offset
-        for (name, first), pieces in parts.items():
-            bases[name, first] = _scan(path, name, first, b"".join(pieces))
-    return sizes, bases
-
-
-def _scan(path: Path, record: str, first: int, scan: bytes) -> np.ndarray:
-    """`scan` as uint8; TrackError naming the file, record and base for a character that is no base."""
-    codes = np.frombuffer(scan, dtype=np.uint8)
-    bad = np.flatnonzero(codes == INVALID)
-    if len(bad):
-        raise TrackError(
-            f"{path}: record {record}, base {first + int(bad[0]) + 1:,} (1-based) is no base letter; only "
-            "A C G T N and the IUPAC codes R Y K M S W B D H V (either case) are allowed: fix the file"
-        )
-    return codes
-
-
-def check_sources(folder: Path, manifest: dict) -> list[Path]:
-    """The source files of the prepared `folder`, each as it was when the data was prepared (same size);
-    TrackError naming the file and the fix otherwise."""
-    paths = []
-    for entry in manifest["sources"]:
-        path = Path(entry["path"])
-        if not path.is_file():
-            raise TrackError(
-                f"{path}: the source reference of {folder} is missing; the tracks read the record lengths "
-                "(and a region's bases) from it: put it back there, or prepare the data again from where it "
-                f"is now ({manifest['command']} --force, with --fasta changed)"
-            )
-        if path.stat().st_size != entry["bytes"]:
-            raise TrackError(
-                f"{path}: {path.stat().st_size:,} bytes, not the {entry['bytes']:,} it had when {folder} was "
-                f"prepared from it; prepare the data again ({manifest['command']} --force)"
-            )
-        paths.append(path)
-    return paths
-
-
 def plan_tracks(config: TrainConfig) -> TrackPlan:
     """The run's source reference (from the prepared folder's manifest) read for the tracks: record lengths
     and, with `region`, its bases. TrackError (or DataError) for a bad region, a missing or changed source, or
@@ -321,7 +239,7 @@ def plan_tracks(config: TrainConfig) -> TrackPlan:
         raise TrackError(
             f"{folder}: not a prepared data folder (no manifest.json); run `genomelm data` first"
         )
-    paths = check_sources(folder, manifest)
+    paths = source_files(folder, manifest)
     seq, vocab = int(manifest["seq_len"]), Vocabulary.from_json(manifest["vocab"])
     sizes, _ = read_reference(paths, {})
     if not config.region:
