@@ -60,6 +60,18 @@ class EvalError(Exception):
     """Bad settings or missing inputs for `genomelm eval`; the message says how to fix it."""
 
 
+# what a scoring command (eval, probe, track, variants, embed) reports as one line `genomelm <command>: ...`
+SCORING_ERRORS: tuple[type[Exception], ...] = (
+    EvalError,
+    DataError,
+    ConfigError,
+    FileNotFoundError,
+    ValueError,
+    PlanError,
+    RayLaunchError,
+)
+
+
 def check_bucket(bucket: int, seq: int) -> int:
     """Number of buckets in a window of `seq` tokens; EvalError unless 1 <= bucket <= seq."""
     if bucket < 1:
@@ -278,15 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         before, after = model_pair(config, args.before, args.after)
         result = run_scoring(evaluate_config, config, before, after)
-    except (
-        EvalError,
-        DataError,
-        ConfigError,
-        FileNotFoundError,
-        ValueError,
-        PlanError,
-        RayLaunchError,
-    ) as exc:
+    except SCORING_ERRORS as exc:
         print(f"genomelm eval: {exc}", file=sys.stderr)
         return 1
     return print_written(

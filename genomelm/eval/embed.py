@@ -67,15 +67,12 @@ from genomelm.data.prepare import MANIFEST, read_manifest
 from genomelm.data.reference import read_reference, source_files
 from genomelm.data.regions import Interval, is_bed, read_bed, static_interval
 from genomelm.data.vocab import CODE_MASK, N, Vocabulary
-from genomelm.eval.command import EvalError, parse_run_args, pick_windows, run_scoring
+from genomelm.eval.command import SCORING_ERRORS, parse_run_args, pick_windows, run_scoring
 from genomelm.eval.report import WriteError, write_atomic, write_error, write_result_set
-from genomelm.model.config import ConfigError
 from genomelm.parallel.training import ContextParallelScorer
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_config_of, model_pair
-from genomelm.train.plan import PlanError
 from genomelm.train.precision import autocast_for
-from genomelm.train.ray_launch import RayLaunchError
 from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source
 from genomelm.train.step import device_rows
 
@@ -621,17 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         role = "before" if args.before else "after"
         model = args.before or args.after or model_pair(config)[1]
         request, paths = embed(config, model, role)
-    except (
-        WriteError,
-        EmbedError,
-        EvalError,
-        DataError,
-        ConfigError,
-        FileNotFoundError,
-        ValueError,
-        PlanError,
-        RayLaunchError,
-    ) as exc:
+    except (WriteError, EmbedError, *SCORING_ERRORS) as exc:
         print(f"genomelm embed: {exc}", file=sys.stderr)
         return 1
     pool = config.embed.embed_pool

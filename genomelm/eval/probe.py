@@ -36,14 +36,17 @@ from genomelm.data.regions import parse_seq
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import window_stats
-from genomelm.eval.command import EvalError, load_heldout, parse_run_args, print_written, run_scoring
+from genomelm.eval.command import (
+    SCORING_ERRORS,
+    load_heldout,
+    parse_run_args,
+    print_written,
+    run_scoring,
+)
 from genomelm.eval.plot import save_probe_figure
 from genomelm.eval.report import format_number, jsonable, write_atomic, write_result_set
-from genomelm.model.config import ConfigError
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_pair
-from genomelm.train.plan import PlanError
-from genomelm.train.ray_launch import RayLaunchError
 from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
 
 if TYPE_CHECKING:
@@ -377,16 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         before, after = model_pair(config, args.before, args.after)
         result = run_scoring(probe_config, config, before, after)
-    except (
-        ProbeError,
-        EvalError,
-        DataError,
-        ConfigError,
-        FileNotFoundError,
-        ValueError,
-        PlanError,
-        RayLaunchError,
-    ) as exc:
+    except (ProbeError, *SCORING_ERRORS) as exc:
         print(f"genomelm probe: {exc}", file=sys.stderr)
         return 1
     table = format_probe_table(result)

@@ -56,20 +56,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from genomelm.data.errors import DataError
 from genomelm.data.prepare import read_manifest
 from genomelm.data.reference import read_reference, source_files
 from genomelm.data.regions import Interval, is_bed, read_bed, static_interval
 from genomelm.data.vocab import CODE_MASK, IGNORE_INDEX, SOFT_BIT, Vocabulary
 from genomelm.data.windows import Window
-from genomelm.eval.command import EvalError, load_heldout, parse_run_args, run_scoring
+from genomelm.eval.command import SCORING_ERRORS, load_heldout, parse_run_args, run_scoring
 from genomelm.eval.report import WriteError, format_number, jsonable, write_result_set
-from genomelm.model.config import ConfigError
 from genomelm.train.command import check_mesh
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_pair
-from genomelm.train.plan import PlanError
-from genomelm.train.ray_launch import RayLaunchError
 from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
 
 MODELS = ("before", "after")
@@ -610,16 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             ) from None
         # the tracks run their own short context (checked above), not the evaluator's context cut
         result = run_scoring(track_config, config.replace(context_cut=False), before, after, plan)
-    except (
-        TrackError,
-        EvalError,
-        DataError,
-        ConfigError,
-        FileNotFoundError,
-        ValueError,
-        PlanError,
-        RayLaunchError,
-    ) as exc:
+    except (TrackError, *SCORING_ERRORS) as exc:
         print(f"genomelm track: {exc}", file=sys.stderr)
         return 1
     print()

@@ -75,14 +75,11 @@ from genomelm.data.vocab import (
     SOFT_BIT,
 )
 from genomelm.data.windows import Window
-from genomelm.eval.command import EvalError, parse_run_args, run_scoring
+from genomelm.eval.command import SCORING_ERRORS, parse_run_args, run_scoring
 from genomelm.eval.report import WriteError, write_result_set
-from genomelm.model.config import ConfigError
 from genomelm.train.command import check_mesh
 from genomelm.train.config import TrainConfig
 from genomelm.train.models import model_pair
-from genomelm.train.plan import PlanError
-from genomelm.train.ray_launch import RayLaunchError
 from genomelm.train.scoring import (
     ScoringRun,
     WindowShare,
@@ -981,16 +978,7 @@ def main(argv: list[str] | None = None) -> int:
             # the passes are `tokens` long: the mesh and (on GPUs) the plan are checked for those
             scoring = config.replace(seq=str(tokens), data=str(config.data_dir), context_cut=False)
             scores = allele_scores(run_scoring(score_variants, scoring, variants.plan, before, after))
-    except (
-        VariantError,
-        EvalError,
-        DataError,
-        ConfigError,
-        FileNotFoundError,
-        ValueError,
-        PlanError,
-        RayLaunchError,
-    ) as exc:
+    except (VariantError, *SCORING_ERRORS) as exc:
         print(f"genomelm variants: {exc}", file=sys.stderr)
         return 1
     rows = result_rows(variants, scores)

@@ -12,10 +12,8 @@ and the data order is not touched, so the per-step losses are those of a run wit
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +21,7 @@ from torch import nn
 
 from genomelm.data import WindowDataset
 from genomelm.data.windows import Window
+from genomelm.parallel.checkpoint import rng_state, set_rng_state
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.training import ContextParallelScorer, ContextRun, ParallelRun
 from genomelm.train.config import TrainConfig
@@ -59,27 +58,6 @@ def bucket_means(
         means = sums / counts
     overall = float(sums.sum() / counts.sum()) if counts.sum() else float("nan")
     return bounds, means, overall
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch (CPU and every CUDA device), numpy and Python RNG states."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Put back the RNG states `rng_state` read."""
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass
