@@ -144,7 +144,16 @@ def test_interrupted_run_leaves_nothing_complete(tmp_path: Path, sig: signal.Sig
         f"{DMEL_RECORD}:1000001-1348131",
     ]
     cmd = [sys.executable, "-m", "genomelm.data.command", *slow, "--out", str(out), "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it: a shell that starts the suite in the background (`cmd &` without job
+    # control) leaves it ignored, and a child would inherit that
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 60
     while not any(p.stat().st_size > 1 << 20 for p in tmp_path.glob(".out.tmp-*/*.bin")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
