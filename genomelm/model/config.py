@@ -248,7 +248,11 @@ class RunOptions:
 
     kda_chunk_size: int = 64  # delta-rule chunk (tokens)
     kda_backend: str = "auto"  # "auto" (fla-core chunk_kda on CUDA when installed), "torch", "recurrent"
-    dsa_backend: str = "sparse"  # "sparse" (gathered tokens) or "dense" (readable S x S reference)
+    kda_gate_in_kernel: bool = False  # fla computes KDA's bounded gate inside chunk_kda (checked on a GPU)
+    dsa_backend: str = "auto"  # "auto" (triton on CUDA, else sparse), "triton", "sparse" (gather), "dense"
+    indexer_backend: str = "auto"  # "auto" (Triton kernel on CUDA, else torch), "triton", "torch"
+    indexer_precision: str = "bf16"  # "bf16" or "fp8" (e4m3 scores, per-row scales; Hopper and newer)
+    mhc_backend: str = "auto"  # "auto" (Triton kernels on CUDA, else torch), "triton", "torch"
     moe_backend: str = "grouped"  # "grouped" (tokens sorted by expert) or "loop" (readable reference)
     indexer_query_block: int = 128  # queries scored against all pools at once
     attention_query_block: int = 128  # queries attending over their gathered tokens at once

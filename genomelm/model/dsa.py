@@ -74,14 +74,16 @@ class DSAAttention(nn.Module):
         self.indexer_loss: Tensor | None = None
         if self.options.dsa_backend == "dense":
             self.route = "dsa: dense S x S reference"
-        elif self.options.dsa_backend == "sparse":
+        elif self.options.dsa_backend in ("sparse", "auto"):
             self.route = (
                 f"dsa: sparse gather ({self.slots} slots), "
                 f"indexer blocks of {self.options.indexer_query_block} queries, "
                 f"attention blocks of {self.options.attention_query_block} queries"
             )
         else:
-            raise ValueError(f"dsa_backend must be 'sparse' or 'dense', got {self.options.dsa_backend!r}")
+            raise ValueError(
+                f"dsa_backend must be 'auto', 'sparse' or 'dense', got {self.options.dsa_backend!r}"
+            )
         if shared:
             self.route += ", shared selection"
 

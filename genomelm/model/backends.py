@@ -1,0 +1,63 @@
+"""Which implementation a block runs: the kernel switches' one rule.
+
+Each switch (`RunOptions.indexer_backend`, `dsa_backend`, `mhc_backend`) names a torch path (the readable
+reference, which runs anywhere) and a Triton kernel. "auto" takes the kernel on CUDA and the torch path
+elsewhere; asking for the kernel where it cannot run is an error, never a quiet fall back to the torch path.
+A Triton kernel runs on CPU tensors only under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the
+tests hold each kernel to its reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+TRITON = "triton"
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Whether the `triton` package can be imported (CUDA builds of torch ship it; the CPU build does not)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (`TRITON_INTERPRET=1`): on CPU tensors, slowly."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether a Triton kernel can run on tensors of `device`: CUDA with triton installed, or any device
+    under the interpreter."""
+    return triton_installed() and (device.type == "cuda" or triton_interpreted())
+
+
+def resolve_backend(
+    switch: str, requested: str, choices: tuple[str, ...], torch_path: str, device: torch.device
+) -> str:
+    """Resolve one kernel switch for inputs on `device`.
+
+    `switch` names the setting in messages (e.g. "dsa_backend"); `choices` its values besides "auto"; the
+    Triton value is `TRITON`, `torch_path` the value "auto" takes off CUDA. Raises ValueError for an unknown
+    value, for "auto" on CUDA without triton, and for "triton" where it cannot run.
+    """
+    if requested != "auto" and requested not in choices:
+        raise ValueError(f"{switch} must be 'auto' or one of {choices}, got {requested!r}")
+    if requested == "auto":
+        if device.type != "cuda":
+            return torch_path
+        requested = TRITON
+    if requested == TRITON and not triton_runs_on(device):
+        if not triton_installed():
+            raise ValueError(
+                f"{switch}={TRITON} needs the triton package, which is not installed: pip install triton "
+                f"(CUDA builds of torch ship it), or set {switch}={torch_path} to run the torch path"
+            )
+        raise ValueError(
+            f"{switch}={TRITON} runs on CUDA tensors, or on the CPU under TRITON_INTERPRET=1; "
+            f"the inputs are on {device.type}: set {switch}={torch_path} or auto"
+        )
+    return requested
