@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+# The Triton kernels' tests run them on CPU tensors in Triton's interpreter, which is chosen when triton is
+# first imported: so before the imports below (torch._dynamo, via genomelm.train, imports triton)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from genomelm.data.command import main as data_main
-from genomelm.eval.command import main as eval_main
-from genomelm.train.command import main as train_main
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from genomelm.data.command import main as data_main  # noqa: E402
+from genomelm.eval.command import main as eval_main  # noqa: E402
+from genomelm.train.command import main as train_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

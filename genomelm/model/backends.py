@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -29,10 +31,26 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_TRACING_KERNELS = False
+
+
+@contextmanager
+def tracing_kernels() -> Iterator[None]:
+    """Inside, a Triton kernel counts as runnable on any device when triton is installed: for traces on fake
+    tensors (the planner's), which call each kernel's custom op through its fake implementation and never run
+    it, so a CPU trace can hold what the GPU step holds."""
+    global _TRACING_KERNELS
+    saved, _TRACING_KERNELS = _TRACING_KERNELS, True
+    try:
+        yield
+    finally:
+        _TRACING_KERNELS = saved
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether a Triton kernel can run on tensors of `device`: CUDA with triton installed, or any device
-    under the interpreter."""
-    return triton_installed() and (device.type == "cuda" or triton_interpreted())
+    under the interpreter (or inside `tracing_kernels`)."""
+    return triton_installed() and (device.type == "cuda" or triton_interpreted() or _TRACING_KERNELS)
 
 
 def resolve_backend(

@@ -19,17 +19,29 @@ of the queries, by block or by rank, selects the same pools.
 
 Precision: the projections (wq_b, wk, weights_proj, the pool gate) follow the caller's autocast; the
 scores, their ReLU and head-weighted sum, the causal mask, the top-k and the KL term run in fp32 with
-autocast off (the KL term in fp64 when its inputs are fp64).
+autocast off (the KL term in fp64 when its inputs are fp64). `RunOptions.indexer_precision="fp8"` scores
+as DeepSeek-V3.2 does: q (per query and head) and the pooled keys (per pool) quantised to e4m3 with
+per-row scales (`quantize_fp8_rows`), the key scale applied to the dot product before the ReLU and the
+query scale folded into the head weights; the torch path emulates it on the fp8 values in fp32.
+
+Two paths (`RunOptions.indexer_backend`, resolved at the first `select` from the input's device and named
+in `route`): the torch path above, and the Triton kernel of `indexer_triton` (the scores fused so the
+[B, block, H, P] tensor never exists), whose query blocks are sized from `KERNEL_SCORE_BYTES`, not
+`indexer_query_block`. Both take torch.topk of [B, block, P] fp32 rows scored under the same rule, so on the
+CPU they select the same pools, ties included. On CUDA, torch.topk's own tie order applies to both; the
+kernel path's rows may be longer (bigger blocks), so pools tied at the K-th place may differ there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genomelm.model.backends import TRITON, resolve_backend
 from genomelm.model.chunking import ChunkRunner, run_directly
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.precision import at_least_fp32, compute_dtype, fp32_region
@@ -39,6 +51,14 @@ from genomelm.model.precision import at_least_fp32, compute_dtype, fp32_region
 # whose tie order depends on the whole row: rows are scored in full below this many times k pools, never cut
 # below it
 TOPK_SORT_RATIO = 64
+
+# the kernel path's [B, block, P] fp32 scores per query block are kept under this many bytes (at 1M tokens,
+# 262,144 pools: blocks of 256 queries, 1/16 of the torch path's [B, 128, 32 heads, P] fp32 at 128)
+KERNEL_SCORE_BYTES = 256 * 2**20
+# e4m3's largest finite value: per-row fp8 scales map each row's absolute maximum onto it
+FP8_MAX = 448.0
+PRECISIONS = ("bf16", "fp8")
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 # (first global position, length) of each run of consecutive query positions, in local order
 Spans = tuple[tuple[int, int], ...]
@@ -52,6 +72,14 @@ def whole_window(seq_len: int) -> Spans:
 def span_positions(spans: Spans, device: torch.device | None = None) -> Tensor:
     """Global positions of the queries the spans describe, in local order: [sum of lengths] long."""
     return torch.cat([torch.arange(start, start + length, device=device) for start, length in spans])
+
+
+def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., D] -> (e4m3 values [..., D], fp32 scales [...]) with x ~= values * scale per row: each row's
+    absolute maximum maps to FP8_MAX (a zero row gets a tiny scale and zero values)."""
+    wide = x.float()
+    scale = wide.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return (wide / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
 @dataclass
@@ -115,6 +143,41 @@ class Indexer(nn.Module):
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, config.hidden_size))
         self.chunk_runner: ChunkRunner = run_directly  # runs each query block of the KL term
+        if self.options.indexer_precision not in PRECISIONS:
+            raise ValueError(
+                f"indexer_precision must be one of {PRECISIONS}, got {self.options.indexer_precision!r}"
+            )
+        self.fp8 = self.options.indexer_precision == "fp8"
+        self.kernel_score_bytes = KERNEL_SCORE_BYTES
+        self.backend: str | None = None  # resolved at the first `select`, on the input's device
+        self.route = f"indexer: {self.options.indexer_backend} (resolved at the first forward)"
+
+    def resolve_backend(self, device: torch.device) -> str:
+        """The scoring path for inputs on `device` ("triton" or "torch"), chosen at the first call; fp8 with
+        the kernel needs a Hopper or newer GPU. Names the path in `route`."""
+        if self.backend is None:
+            backend = resolve_backend(
+                "indexer_backend", self.options.indexer_backend, (TRITON, "torch"), "torch", device
+            )
+            if backend == TRITON and self.fp8 and device.type == "cuda":
+                capability = torch.cuda.get_device_capability(device)
+                if capability < (9, 0):
+                    raise ValueError(
+                        f"indexer_precision=fp8 with the Triton kernel needs a Hopper or newer GPU (compute "
+                        f"capability 9.0+), this one is {capability[0]}.{capability[1]}: set "
+                        "indexer_precision=bf16"
+                    )
+            self.backend = backend
+            fp8 = ", fp8 e4m3 emulated" if self.fp8 else ""
+            self.route = f"indexer: torch blocks of {self.options.indexer_query_block} queries{fp8}"
+        return self.backend
+
+    def kernel_block(self, batch: int, queries: int, n_pools: int, tile: int) -> int:
+        """Queries per block of the kernel path: the most whose fp32 scores against every pool fit
+        `kernel_score_bytes`, a multiple of the kernel's query tile, at least one tile, at most the queries
+        (rounded up to a tile)."""
+        rows = self.kernel_score_bytes // (4 * batch * max(n_pools, 1))
+        return max(tile, min(rows, queries + tile - 1) // tile * tile)
 
     def pool_keys(self, x: Tensor) -> Tensor:
         """Keys of the complete pools: x [B, S, D] -> [B, S // kpool, head_dim] in the compute dtype (bf16
@@ -124,10 +187,11 @@ class Indexer(nn.Module):
         batch, seq_len, _ = x.shape
         n_pools = seq_len // self.kpool
         keys = self.k_norm(self.wk(x)).to(compute_dtype(x))
-        keys = keys[:, : n_pools * self.kpool].view(batch, n_pools, self.kpool, -1)
+        keys = keys[:, : n_pools * self.kpool].view(batch, n_pools, self.kpool, self.head_dim)
         gate = F.linear(x, self.index_kpool_compress_gate)[:, : n_pools * self.kpool]
         wide = at_least_fp32(gate.dtype)
-        logits = gate.view(batch, n_pools, self.kpool, -1).to(wide) + self.index_kpool_compress_ape.to(wide)
+        logits = gate.view(batch, n_pools, self.kpool, self.head_dim).to(wide)
+        logits = logits + self.index_kpool_compress_ape.to(wide)
         return (logits.softmax(dim=2).to(keys.dtype) * keys).sum(dim=2).to(keys.dtype)
 
     def _block_scores(self, x: Tensor, q_resid: Tensor, pool_keys: Tensor, start: int) -> Tensor:
@@ -141,19 +205,32 @@ class Indexer(nn.Module):
         """
         batch, block, _ = x.shape
         n_pools = pool_keys.shape[1]
-        q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
-        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype))
+        q, weights = self._block_queries(x, q_resid)
         with fp32_region(q):
+            if self.fp8:
+                q, query_scale = quantize_fp8_rows(q)
+                pool_keys, key_scale = quantize_fp8_rows(pool_keys)
+                weights = weights * query_scale
             scores = torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1))
-            scores.mul_(self.softmax_scale).relu_()
-            index_scores = torch.matmul(weights.float().unsqueeze(-2) * (self.n_heads**-0.5), scores).squeeze(
-                -2
-            )
+            if self.fp8:
+                scores.mul_((key_scale * self.softmax_scale)[:, None, None, :])
+            else:
+                scores.mul_(self.softmax_scale)
+            index_scores = torch.matmul(weights.unsqueeze(-2), scores.relu_()).squeeze(-2)
         first = min((start + 1) // self.kpool, n_pools)  # pools before this one are visible to every query
         index_scores[..., first:].masked_fill_(
             ~self._visible(start, block, first, n_pools, x.device), torch.finfo(torch.float32).min
         )
         return index_scores
+
+    def _block_queries(self, x: Tensor, q_resid: Tensor) -> tuple[Tensor, Tensor]:
+        """The block's index queries [B, b, H, head_dim] in the compute dtype and head weights [B, b, H] fp32
+        (times heads^-0.5)."""
+        batch, block, _ = x.shape
+        q = self.wq_b(q_resid).view(batch, block, self.n_heads, self.head_dim)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype))
+        with fp32_region(q):
+            return q, weights.float() * (self.n_heads**-0.5)
 
     def _visible(self, start: int, block: int, first: int, end: int, device: torch.device) -> Tensor:
         """[b, end - first] bool: whether pool p (first <= p < end) is selectable by query t (start <= t <
@@ -174,7 +251,8 @@ class Indexer(nn.Module):
         (causality halves the work), but never against fewer than `TOPK_SORT_RATIO * K` pools when more exist:
         torch.topk then ranks every row with the same algorithm whatever its length (partial sort), and
         trailing invisible pools never displace a visible one, so the selection, ties included, equals scoring
-        every pool, for any blocking and any split of the queries over ranks.
+        every pool, for any blocking and any split of the queries over ranks. The Triton path selects the
+        same pools (module docstring).
         """
         x, q_resid = x.detach(), q_resid.detach()  # (views of grad-requiring inputs confuse module hooks)
         batch, seq_len, _ = x.shape
@@ -182,10 +260,13 @@ class Indexer(nn.Module):
         if sum(length for _, length in spans) != seq_len:
             raise ValueError(f"spans {spans} do not describe the {seq_len} queries given")
         pool_keys = self.pool_keys(x) if pool_keys is None else pool_keys.detach()
+        pools = torch.full((batch, seq_len, self.pools_per_query), -1, dtype=torch.int32, device=x.device)
+        if self.resolve_backend(x.device) == TRITON:
+            block, score = self._kernel_scorer(batch, seq_len, pool_keys)
+        else:
+            block, score = max(1, self.options.indexer_query_block), self._block_scores
         n_pools = pool_keys.shape[1]
         take = min(self.pools_per_query, n_pools)
-        pools = torch.full((batch, seq_len, self.pools_per_query), -1, dtype=torch.int32, device=x.device)
-        block = max(1, self.options.indexer_query_block)
         least = min(n_pools, TOPK_SORT_RATIO * take)
         local = 0
         for first_position, length in spans:
@@ -196,7 +277,7 @@ class Indexer(nn.Module):
                 if visible == 0:
                     continue
                 scored = max(least, visible)
-                scores = self._block_scores(x[:, rows], q_resid[:, rows], pool_keys[:, :scored], start)
+                scores = score(x[:, rows], q_resid[:, rows], pool_keys[:, :scored], start)
                 chosen = scores.topk(take, dim=-1).indices
                 position = torch.arange(start, start + size, device=x.device)[:, None]
                 selectable = chosen * self.kpool + (self.kpool - 1) <= position
@@ -204,6 +285,32 @@ class Indexer(nn.Module):
             local += length
         positions = None if spans == whole_window(seq_len) else span_positions(spans, x.device)
         return Selection(pools=pools, kpool=self.kpool, select_tail=self.select_tail, positions=positions)
+
+    def _kernel_scorer(
+        self, batch: int, queries: int, pool_keys: Tensor
+    ) -> tuple[int, Callable[[Tensor, Tensor, Tensor, int], Tensor]]:
+        """(queries per block, a `_block_scores` twin running the fused kernel) for `select` on the Triton
+        path; names the block and operand precision in `route`. With fp8 the pooled keys are quantised once
+        here, the queries per block."""
+        from genomelm.model.indexer_triton import indexer_scores, tile_config
+
+        block = self.kernel_block(batch, queries, pool_keys.shape[1], tile_config()[0])
+        fp8_keys, key_scale = quantize_fp8_rows(pool_keys) if self.fp8 else (pool_keys, None)
+        precision = "fp8 e4m3" if self.fp8 else DTYPE_NAMES.get(pool_keys.dtype, str(pool_keys.dtype))
+        self.route = f"indexer: triton fused scores, blocks of {block} queries, {precision}"
+
+        def score(x: Tensor, q_resid: Tensor, keys: Tensor, start: int) -> Tensor:
+            q, weights = self._block_queries(x, q_resid)
+            scale = None
+            if key_scale is not None:
+                q, query_scale = quantize_fp8_rows(q)
+                weights = weights * query_scale
+                keys, scale = fp8_keys[:, : keys.shape[1]], key_scale[:, : keys.shape[1]]
+            return indexer_scores(
+                q.to(keys.dtype), keys, weights, scale, start, self.kpool, self.softmax_scale
+            )
+
+        return block, score
 
     def kl_sum(
         self, x: Tensor, q_resid: Tensor, selection: Selection, pool_mass: Tensor, pool_keys: Tensor
