@@ -27,7 +27,7 @@ from .dsa import DSAAttention
 from .indexer import Indexer, Selection
 from .kda import ForgetGate, KDAttention
 from .loss import LMHead, reduce_nll
-from .mhc import HyperConnection, hc_combine, hc_head
+from .mhc import HyperConnection, hc_head
 from .mlp import MLP
 from .moe import Experts, MoE, TopkRouter
 from .norms import GatedRMSNorm, RMSNorm
@@ -45,14 +45,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = config.layer_types[layer_idx]
-        self.attn_hc = HyperConnection(config)
+        self.attn_hc = HyperConnection(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn: KDAttention | DSAAttention = (
             KDAttention(config, layer_idx, options)
             if self.layer_type == KDA
             else DSAAttention(config, layer_idx, options)
         )
-        self.ffn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config, options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: MoE | MLP = (
             MoE(config, options)
@@ -75,15 +75,15 @@ class DecoderLayer(nn.Module):
             x, selection = self.self_attn(x, shared_selection, selection_cache)
         else:
             x, _ = self.self_attn(x)
-        streams = hc_combine(post, comb, x, streams)
+        streams = self.attn_hc.combine(post, comb, x, streams)
         post, comb, x = self.ffn_hc(streams)
         x = self.mlp(self.post_attention_layernorm(x))
-        return hc_combine(post, comb, x, streams), selection
+        return self.ffn_hc.combine(post, comb, x, streams), selection
 
     @property
     def route(self) -> str:
-        """The compute route this layer took (or will take): attention route | feed-forward route."""
-        return f"{self.self_attn.route} | {self.mlp.route}"
+        """The compute route this layer took (or will take): attention | feed-forward | mHC route."""
+        return f"{self.self_attn.route} | {self.mlp.route} | {self.attn_hc.route}"
 
 
 def _call_layer(
