@@ -1,7 +1,9 @@
 """The Kimi delta rule (KDA's sequence mixing) in chunked form, and the choice of the backend that runs it.
 
 `kda_core` runs the delta rule in one of three backends:
-- "fla": flash-linear-attention's `chunk_kda` (CUDA only, when the package is installed);
+- "fla": flash-linear-attention's `chunk_kda` (CUDA only, when the package is installed), fed q/k/v/beta in
+  the compute dtype (bf16 under autocast) and the state in fp32 (`fla_kda`), optionally with its in-kernel
+  gate (`FlaGate`);
 - "torch": `chunk_kda_torch`, the chunked (WY) form in vectorised fp32 torch, O(S) memory;
 - "recurrent": `kda_naive.recurrent_kda`, the token loop (reference, slow).
 `select_kda_backend` resolves "auto": "fla" on CUDA, "torch" elsewhere.
@@ -9,7 +11,8 @@
 The delta rule is affine in its incoming state: a segment maps S_in to S_out = M S_in + S_ext.
 `kda_segment_summary` gives [M | S_ext] from the same chunk transforms (`kda_chunk_transforms`) that the
 output path (`kda_chunk_outputs`) uses, so a segment can be summarised before its incoming state is known
-(context parallelism, `genomelm.parallel`).
+(context parallelism, `genomelm.parallel`); on fla the same summary is one `chunk_kda` call on packed values
+(`fla_segment_summary`), with no fp64 solve.
 
 Math runs in fp32, or in fp64 for fp64 inputs (`precision.at_least_fp32`). The layer around it (projections,
 short conv, gates, output norm) is `kda.KDAttention`.
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kda_naive import l2_normalise, recurrent_kda
-from .precision import at_least_fp32, fp32_region
+from .precision import at_least_fp32, compute_dtype, fp32_region
 
 KDA_BACKENDS = ("auto", "fla", "torch", "recurrent")
 SUB_CHUNK = 16  # rows of a chunk sharing one decay reference point in the intra-chunk scores
@@ -44,6 +47,16 @@ def fla_chunk_kda() -> Callable[..., tuple[Tensor, Tensor]] | None:
     except ImportError:
         return None
     return chunk_kda
+
+
+@functools.cache
+def fla_causal_conv1d() -> Callable[..., tuple[Tensor, Tensor | None]] | None:
+    """flash-linear-attention's `causal_conv1d`, or None when the package is not installed."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
 
 
 def select_kda_backend(requested: str, device_type: str, fla_available: bool) -> str:
@@ -329,6 +342,132 @@ def chunk_kda_torch(
     return out.to(v.dtype), state
 
 
+FLA_SAFE_BOUND = 5.0  # fla's `safe_gate` takes lower bounds in [-5, 0)
+
+
+class FlaGate(NamedTuple):
+    """KDA's forget gate as fla computes it inside `chunk_kda` (`use_gate_in_kernel=True`): `g` handed to the
+    kernel is then the raw low-rank projection f [B, S, H, Dk], and the kernel forms
+    g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) (fla's `kda_gate_chunk_cumsum`,
+    `naive_kda_lowerbound_gate`), which is `kda.ForgetGate` term for term (`fla_gate_reference`)."""
+
+    A_log: Tensor  # [H] fp32
+    dt_bias: Tensor  # [H*Dk] fp32
+    lower_bound: float  # in [-5, 0) (fla's safe_gate range)
+
+
+def fla_gate_reference(raw: Tensor, gate: FlaGate) -> Tensor:
+    """The gate formula fla's kernel applies, written in torch from fla's source (`fla/ops/kda/gate.py`,
+    `naive_kda_lowerbound_gate`): raw [B, S, H, Dk] -> g [B, S, H, Dk] fp32. Steps as fla orders them: the
+    input in fp32, plus dt_bias viewed [H, Dk], times exp(A_log) per head, then lower_bound * sigmoid."""
+    heads = raw.shape[-2]
+    g = raw.float() + gate.dt_bias.view(heads, -1)
+    g = gate.A_log.view(heads, 1).float().exp() * g
+    return gate.lower_bound * torch.sigmoid(g)
+
+
+def fla_safe_gate(gate_bound: float | None) -> bool:
+    """Whether fla's `safe_gate` (sub-chunks of 16 on tensor cores, for gates bounded below) may be used: a
+    bound of at most 5 on |g| per token, which also keeps a sub-chunk's summed decay under SAFE_EXPONENT."""
+    return gate_bound is not None and gate_bound <= FLA_SAFE_BOUND
+
+
+def fla_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    gate_bound: float | None,
+    gate: FlaGate | None = None,
+) -> tuple[Tensor, Tensor]:
+    """fla's `chunk_kda` with the inputs it runs natively: q, k, v, beta in the compute dtype (bf16 under
+    autocast; `precision.compute_dtype`), the log decay g in fp32 (or, with `gate`, the raw gate input in the
+    compute dtype: the kernel applies the gate), the state in fp32. Shapes as `chunk_kda_torch`; returns out
+    [B, S, H, Dv] in v's dtype and the final state [B, H, Dk, Dv] fp32 (the contract of `kda_core`)."""
+    if gate is not None and not -FLA_SAFE_BOUND <= gate.lower_bound < 0:
+        raise ValueError(f"fla's in-kernel gate takes a lower bound in [-5, 0), got {gate.lower_bound}")
+    chunk_kda = fla_chunk_kda()
+    assert chunk_kda is not None, "select_kda_backend returns 'fla' only when it is installed"
+    dtype = compute_dtype(q)
+    options: dict = {}
+    if fla_safe_gate(gate_bound):
+        options.update(safe_gate=True, lower_bound=-gate_bound)
+    if gate is not None:
+        options.update(
+            use_gate_in_kernel=True,
+            safe_gate=True,
+            lower_bound=gate.lower_bound,
+            A_log=gate.A_log,
+            dt_bias=gate.dt_bias,
+        )
+        g = g.to(dtype)
+    else:
+        g = g.float()
+    with fp32_region(q):  # the dtypes are chosen here; fla's autocast decorators would recast them
+        out, state = chunk_kda(
+            q.to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+            g=g,
+            beta=beta.to(dtype),
+            initial_state=None if initial_state is None else initial_state.float(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            **options,
+        )
+    return out.to(v.dtype), state.float()
+
+
+def chunk_kda_flops(batch: int, seq: int, heads: int, dk: int, dv: int, chunk: int = 64) -> int:
+    """FLOPs of one chunked delta-rule forward (2 per multiply-add), as fla's `chunk_kda` runs it, per chunk
+    and head: the q.k and k.k scores (2 C^2 Dk), the unit-lower solve applied to [beta v | beta k exp(G)]
+    (C^2 (Dk+Dv)), the state recurrence's w S and k^T v' (2 C Dk Dv), the output's q S (C Dk Dv) and scores
+    times v' (C^2 Dv). A backward is about twice this."""
+    chunks = -(-seq // chunk)
+    per_chunk = 2 * chunk * chunk * dk + chunk * chunk * (dk + dv) + 3 * chunk * dk * dv + chunk * chunk * dv
+    return 2 * batch * heads * chunks * per_chunk
+
+
+def chunk_kda_bytes(
+    batch: int, seq: int, heads: int, dk: int, dv: int, input_bytes: int = 2, chunk: int = 64
+) -> int:
+    """HBM bytes one `chunk_kda` forward reads and writes, an estimate from shapes: q, k, v and the output
+    in the input dtype, g in fp32, beta, the fp32 states in and out, and fla's saved per-chunk score blocks
+    (Aqk, Akk [B, S, H, C] fp32) written once and read once."""
+    tokens = batch * seq * heads
+    activations = tokens * ((2 * dk + 2 * dv + 1) * input_bytes + 4 * dk)
+    scores = 2 * 2 * tokens * chunk * 4
+    states = 2 * batch * heads * dk * dv * 4
+    return activations + scores + states
+
+
+def fla_segment_summary(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, gate_bound: float | None, gate: FlaGate | None
+) -> Tensor:
+    """The segment's state map [M | S_ext] [B, H, Dk, Dk+Dv] fp32 (as `kda_segment_summary`) from one fla
+    `chunk_kda` call: the delta rule is linear in (state, values) jointly, so the final state of a run on the
+    packed values [0 | v] [B, S, H, Dk+Dv] started from [I | 0] is [M I + 0 | M 0 + S_ext]. Its output (the
+    packed values' attention output) is not used; the gradient of the summary goes back through fla's own
+    backward (its final-state gradient input). Inputs as `fla_kda`.
+
+    fla's own context parallelism (`fla.ops.cp`) computes the same map: `chunk_cp_fwd_kernel_h` writes each
+    rank's last local sequence as [h_local | M] (the zero-start final state, then the product of the chunk
+    transitions diag(exp(G_last)) - k_to_end^T w, composed in fp32 with TF32x3 dots), all-gathers them inside
+    `chunk_kda` and merges the chain (zigzag: fronts ascending, then backs descending, as our `ZIGZAG`); in
+    backward it all-gathers the adjoint chain (`chunk_cp_bwd_dh`). It is taken only whole, through
+    `chunk_kda(cp_context=...)`: its forward pre-process has no autograd of its own, it owns the collectives,
+    takes batch 1 (varlen) and refuses an initial state and the final state, both of which `KDAState` carries
+    across windows. So the summary runs on fla's `chunk_kda` here and the hand-over stays ours
+    (`genomelm.parallel.exchange.hand_over_states`)."""
+    batch, _, heads, dk = k.shape
+    packed = F.pad(v, (dk, 0))  # [0 | v]
+    identity = torch.eye(dk, dtype=torch.float32, device=k.device).expand(batch, heads, dk, dk)
+    start = F.pad(identity, (0, v.shape[-1]))  # [I | 0]
+    return fla_kda(q, k, packed, g, beta, start, gate_bound, gate)[1]
+
+
 def kda_core(
     backend: str,
     q: Tensor,
@@ -340,28 +479,21 @@ def kda_core(
     chunk_size: int,
     gate_bound: float | None,
     transforms: ChunkTransforms | None = None,
+    gate: FlaGate | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The delta rule in a resolved backend ("fla", "torch", "recurrent"). Shapes as `chunk_kda_torch`.
 
     The torch and recurrent backends run in fp32 (fp64 for fp64 inputs) with autocast off (autocast would
-    otherwise run their matmuls, and so the carried state, in bf16); fla's kernel takes bf16 q/k/v and keeps
-    its state in fp32 itself. `transforms`: the torch backend's chunk transforms if already built for these
-    inputs (with queries, e.g. by `KDAttention.summarise`); the other backends do not use them.
+    otherwise run their matmuls, and so the carried state, in bf16); fla's kernel takes q/k/v in the compute
+    dtype and keeps its state in fp32 (`fla_kda`). `transforms`: the torch backend's chunk transforms if
+    already built for these inputs (with queries, e.g. by `KDAttention.summarise`); the other backends do not
+    use them. `gate` (fla only): g is the raw gate input and fla's kernel applies the gate. Returns out
+    [B, S, H, Dv] in v's dtype and the final state (fp32, fp64 for fp64 inputs).
     """
     if backend == "fla":
-        chunk_kda = fla_chunk_kda()
-        assert chunk_kda is not None, "select_kda_backend returns 'fla' only when it is installed"
-        out, state = chunk_kda(
-            q,
-            k,
-            v,
-            g=g,
-            beta=beta,
-            initial_state=initial_state,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        return out, state.float()
+        return fla_kda(q, k, v, g, beta, initial_state, gate_bound, gate)
+    if gate is not None:
+        raise ValueError(f"the in-kernel gate runs on the fla backend only, not {backend!r}")
     with fp32_region(q):
         if backend == "recurrent":
             return recurrent_kda(q, k, v, g, beta, initial_state)

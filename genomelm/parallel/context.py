@@ -32,6 +32,7 @@ from .exchange import exchange_conv_halos, gather_window, hand_over_states, sum_
 from .layout import ZIGZAG, ContextLayout, segments_per_rank
 
 ROUTE_NOTE = " + context parallel"  # appended to a KDA or DSA module's `route` while the override is on
+SUMMARY_NOTE = ", cp summaries on "  # before it on a KDA module: where its segment summaries run
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ def kda_context_parallel_forward(
     exchange, conv, gates, each segment's summary [M | S_ext], the state hand-over, then the delta rule from
     each segment's incoming state and the output projection. Returns y [B, S/cp, D] and the state after the
     window's last token (the same on every rank; a loss term using it would be counted once per rank).
+
+    On the fla backend the conv, each segment's summary (`fla_segment_summary`: one `chunk_kda` call on packed
+    values, no fp64 solve) and the delta rule from the handed-over state run in fla's kernels; the exchanges
+    stay these two collectives (fla's own context parallelism is not used: see `fla_segment_summary`).
     """
     seq_len = x.shape[1] * context.cp  # KDA needs segments of whole chunks only (k-pools are DSA's concern)
     layout = ContextLayout(
@@ -80,8 +85,9 @@ def kda_context_parallel_forward(
     )
     n, batch = segments_per_rank(layout.kind), x.shape[0]
     layer.resolve_backend(x.device)
-    if not layer.route.endswith(context.route_note):
-        layer.route += context.route_note
+    note = f"{SUMMARY_NOTE}{layer.summary_route}{context.route_note}"
+    if not layer.route.endswith(note):
+        layer.route = layer.route.split(ROUTE_NOTE)[0].split(SUMMARY_NOTE)[0] + note
     if state is None:
         state = layer.initial_state(batch, x.dtype, x.device)
     rows = _segments_as_batch(layer.project(x), n)  # [n*B, L, 3W]
@@ -178,5 +184,5 @@ def _drop_override(module: KDAttention | DSAAttention) -> bool:
     one."""
     if module.__dict__.pop("forward", None) is None:
         return False
-    module.route = module.route.split(ROUTE_NOTE)[0]
+    module.route = module.route.split(ROUTE_NOTE)[0].split(SUMMARY_NOTE)[0]
     return True
