@@ -5,18 +5,23 @@
 kind at the real widths, then scales by the layer counts (`plan_memory`):
 - activations: the traced forward/backward peak + what each untraced layer leaves live until its backward
   (measured per kind: its saved input, and anything else the layer keeps);
-- when the rank's tokens exceed `trace_tokens`, the step is traced at trace_tokens/2 and trace_tokens and the
-  bytes are extrapolated linearly in tokens (what a layer keeps is linear in the rank's tokens), the
+- when the rank's tokens exceed `trace_tokens` (raised for DSA models until the lower trace's window holds
+  index_topk tokens: `plan_search.traced_assumptions`), the step is traced at trace_tokens/2 and trace_tokens
+  and the bytes are extrapolated linearly in tokens (what a layer keeps is linear in the rank's tokens), the
   transients of the chunked modules (feed-forward: moe_chunk_tokens, loss head: loss_chunk_tokens) only up to
   their chunk, but for what a layer's recompute holds of every feed-forward chunk at once without
   `recompute_chunks` (`MOE_RULE`), the FLOPs as a*t + b*t^2 (the indexer scores every earlier pool);
 - parameters, gradients, AdamW state, FSDP2's gathered layers, expert parallelism, optimizer offload and
   offload=false are computed from the model's parameter count and the traced layer inputs (`SHARDING_RULE`,
   `MOE_RULE`, `OFFLOAD_RULE`, written into plan.json): one pair of traces per cp serves every layout.
-Time (`plan_time`): FLOPs of the busiest rank / (achieved fraction of the GPU's bf16 peak) plus the
-collectives at the link of their group plus the offload copies over PCIe (no overlap assumed), all printed
-and settable. Every layout of the GPUs, ranked: `plan_search`; the tables and plan.json: `plan_report`; the
-types and the assumptions: `plan_types`.
+Time (`plan_time`, `roofline`): every kernel of the traced step at the roofline of the unit it runs on
+(max of FLOPs / unit peak and bytes / HBM bandwidth, plus a launch; the rules in `roofline.RULES`), the
+collectives at the link of their group with their ring factor, the offload copies over PCIe; FSDP2's
+collectives and the layer-input offload copies hide under the compute (`roofline.OVERLAP_RULE`), everything
+else adds up. Printed: step time, tokens/s, MFU, the ten costliest op classes (mean and busiest
+expert-parallel rank), and the flat estimate (FLOPs at `mfu` of the bf16 peak) beside for comparison.
+Every layout of the GPUs, ranked: `plan_search`; the tables and plan.json: `plan_report`; the types and the
+assumptions: `plan_types`.
 
 With stage=eval the plan is the evaluator's instead: its forward of one window traced the same way
 (`genomelm.train.plan_trace.trace_forward`: no_grad, the parameters as the evaluator stores them, the

@@ -81,13 +81,37 @@ def describe(plan: Plan) -> str:
     lines.append("  bytes communicated per step per rank:")
     lines += [f"    {k:<58} {v / 1e9:>10,.2f} GB" for k, v in plan.comm_bytes_per_step.items()]
     lines.append(
-        f"  projected: {plan.step_s:,.1f} s per step, {plan.tokens_per_s_projected:,.0f} tokens/s "
-        f"(compute {a['compute_s']:.2f} s + communication {a['comm_s']:.2f} s + offload copies "
-        f"{a['host_copy_s']:.2f} s per window, no overlap)"
+        f"  projected: {plan.step_s:,.1f} s per step, {plan.tokens_per_s_projected:,.0f} tokens/s, "
+        f"MFU {plan.roofline['mfu']:.1%} (per window: compute {a['compute_s']:.2f} s + communication "
+        f"{a['comm_s']:.2f} s + side-stream work not hidden {a['exposed_overlap_s']:.2f} s of "
+        f"{a['overlapped_s']:.2f} s + host {a['host_copy_s']:.2f} s)"
     )
+    lines += roofline_lines(plan)
     lines.append(_assumed(a))
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def roofline_lines(plan: Plan) -> list[str]:
+    """The op classes that cost most (at the mean rank and, with expert parallelism, the busiest one) and
+    the flat estimate beside the roofline's."""
+    r, a = plan.roofline, plan.assumptions
+    lines = [
+        f"  flat estimate (FLOPs at mfu={a['mfu']} of the bf16 peak, communication as above): "
+        f"{r['flat_tokens_per_s']:,.0f} tokens/s"
+    ]
+    tables = [("op classes that cost most, one rank (share of the window's time)", r["top"])]
+    if plan.ep > 1:
+        tables.append(("the same at the busiest expert-parallel rank", r["busiest_top"]))
+    for title, rows in tables:
+        lines.append(f"  {title}:")
+        lines.append(f"    {'share':>6} {'seconds':>9} {'bound':<8} {'TFLOP':>9} {'GB':>9}  class")
+        lines += [
+            f"    {row['share']:>6.1%} {row['seconds']:>9.3f} {row['bound']:<8} {row['tflop']:>9.2f} "
+            f"{row['gb']:>9.1f}  {row['class']}"
+            for row in rows
+        ]
+    return lines
 
 
 def _assumed(a: dict) -> str:
@@ -130,9 +154,10 @@ def describe_eval(plan: Plan) -> str:
     lines += [f"    {k:<64} {v / 1e9:>10,.2f} GB" for k, v in plan.comm_bytes_per_step.items()]
     lines.append(
         f"  projected per window: {_s(e.window_s)} (compute {_s(a['compute_s'])} + communication "
-        f"{_s(a['comm_s'])}, no overlap)"
+        f"{_s(a['comm_s'])} + side-stream work not hidden {_s(a['exposed_overlap_s'])})"
         + (f"; context cut ({e.cut_tokens:,} tokens): {_s(e.cut_s)}" if e.cut_tokens else "; no context cut")
     )
+    lines += roofline_lines(plan)
     lines.append(
         f"  held-out windows: {e.windows if e.windows is not None else 'unknown'} ({e.windows_source})"
     )

@@ -9,6 +9,7 @@ import math
 import torch
 
 from genomelm.model import ModelConfig
+from genomelm.model.config import DSA
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan_memory import (
     EVAL_RULE,
@@ -32,10 +33,24 @@ from genomelm.train.plan_time import (
     context_cut_tokens,
     evaluation_time,
     forward_time,
+    roofline_summary,
     step_time,
 )
 from genomelm.train.plan_trace import eval_param_dtype, eval_precision, reduced_layers
 from genomelm.train.plan_types import GIB, Assumptions, EvalTime, Layout, Plan, load_assumptions
+from genomelm.train.roofline import OVERLAP_RULE
+
+
+def traced_assumptions(a: Assumptions, model_config: ModelConfig, cp: int) -> Assumptions:
+    """`a` as the traces of a cp-way split take it: trace_tokens raised, where the model has DSA layers, so
+    that even the lower trace (trace_tokens/2 per rank, cp ranks) holds index_topk tokens: from there the
+    indexer takes its full K pools per query (its top-k and the selection's filled slots stop growing),
+    which a line through two traces below would keep growing. (The selection itself is always K pools
+    wide, empty slots masked, so the sparse attention's per-query work does not depend on the window.)"""
+    if DSA not in model_config.layer_types:
+        return a
+    saturated = 2 * math.ceil(model_config.index_topk / cp)
+    return a if a.trace_tokens >= saturated else dataclasses.replace(a, trace_tokens=saturated)
 
 
 def check_layout(config: TrainConfig, model_config: ModelConfig, dp: int, cp: int, ep: int) -> Layout:
@@ -92,7 +107,8 @@ def plan_layout(
         stored = stored or model_bytes(model_config, config.model_options, eval_param_dtype(config))
         return eval_plan(config, model_config, layout, a, stored, traces)
     numel = numel or model_numel(model_config)
-    steps = scaled_traces(config, model_config, cp, a, traces, optimizer=not layout.sharded)
+    traced = traced_assumptions(a, model_config, cp)
+    steps = scaled_traces(config, model_config, cp, traced, traces, optimizer=not layout.sharded)
     params = ParameterShare.of(numel, layout)
     memory = rank_memory(config, model_config, layout, params, steps, a)
     time = step_time(config, model_config, layout, params, steps, memory.host_inputs, a)
@@ -132,13 +148,17 @@ def _plan(
             "compute_s": time.compute_s,
             "comm_s": time.comm_s,
             "host_copy_s": time.host_s,
+            "overlapped_s": time.overlapped_s,
+            "exposed_overlap_s": time.exposed_s,
+            "flat_compute_s": time.flat_compute_s,
             "busiest_rank_flops_per_token": time.busiest_flops / tokens,
-            "overlap": "none: compute, every collective and the offload copies add up",
+            "overlap": OVERLAP_RULE,
             "sharding": SHARDING_RULE,
             "moe": MOE_RULE,
             "offload": OFFLOAD_RULE,
         },
         notes=notes,
+        roofline=roofline_summary(time, layout, seq, a, config.plan.gpu),
     )
 
 
@@ -152,16 +172,17 @@ def eval_plan(
 ) -> Plan:
     """The evaluation's plan of `layout`: the traced forward's peak per rank (`eval_rank_memory`), one
     window's forward, the context cut's and the whole before/after evaluation (`evaluation_time`)."""
-    steps = scaled_traces(config, model_config, layout.cp, a, traces, optimizer=False)
+    traced = traced_assumptions(a, model_config, layout.cp)
+    steps = scaled_traces(config, model_config, layout.cp, traced, traces, optimizer=False)
     weights = ParameterShare.of(stored, layout)
     memory = eval_rank_memory(config, model_config, layout, weights, steps, a)
     bf16 = eval_param_dtype(config) == torch.bfloat16
-    window = forward_time(model_config, layout, weights, steps, a, bf16)
+    window = forward_time(model_config, layout, weights, steps, a, bf16, config.plan.gpu)
     cut_tokens, cut = context_cut_tokens(config), None
     if cut_tokens:  # a forward of its own, traced (or read off the window's traces) at its tokens per rank
         cut_run = config.replace(seq=str(cut_tokens))
-        cut_steps = scaled_traces(cut_run, model_config, layout.cp, a, traces, optimizer=False)
-        cut = forward_time(model_config, layout, weights, cut_steps, a, bf16)
+        cut_steps = scaled_traces(cut_run, model_config, layout.cp, traced, traces, optimizer=False)
+        cut = forward_time(model_config, layout, weights, cut_steps, a, bf16, config.plan.gpu)
     evaluation = evaluation_time(config, layout, window, cut, cut_tokens)
     notes = _notes(config, model_config, layout, steps)
     notes.append(
@@ -211,14 +232,18 @@ def _eval_plan(
             "compute_s": window.compute_s,
             "comm_s": window.comm_s,
             "host_copy_s": 0.0,
+            "overlapped_s": window.overlapped_s,
+            "exposed_overlap_s": window.exposed_s,
+            "flat_compute_s": window.flat_compute_s,
             "busiest_rank_flops_per_token": window.busiest_flops / tokens,
             "precision": eval_precision(config),
-            "overlap": "none: compute and every collective add up",
+            "overlap": OVERLAP_RULE,
             "eval": EVAL_RULE,
         },
         notes=notes,
         stage="eval",
         evaluation=evaluation,
+        roofline=roofline_summary(window, layout, seq, a, config.plan.gpu),
     )
 
 
@@ -232,6 +257,12 @@ def _notes(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps
         notes.append(
             f"{traced} at {steps.t1:,} and {steps.t2:,} tokens per rank; bytes extrapolated "
             f"linearly to {steps.tokens:,}, FLOPs as a*t + b*t^2"
+            + (
+                f" (past trace_tokens={config.plan.trace_tokens:,}: both traces select at the full DSA "
+                f"width of {model_config.index_topk:,} tokens)"
+                if steps.t2 > config.plan.trace_tokens
+                else ""
+            )
         )
     else:
         notes.append(f"{traced} at {steps.tokens:,} tokens per rank, scaled by the layer counts")
@@ -269,11 +300,11 @@ def search(
     cut = context_cut_tokens(config) if evaluating else 0
     requests = []
     for cp in cps:
-        run = config.replace(cp=cp, dp=1, ep=1)
-        t1, t2 = trace_token_counts(config.seq_len // cp, a)
+        run, traced = config.replace(cp=cp, dp=1, ep=1), traced_assumptions(a, model_config, cp)
+        t1, t2 = trace_token_counts(config.seq_len // cp, traced)
         requests += [(run, t1, t1 == t2 and traced_optimizer), (run, t2, traced_optimizer)]
         if cut:  # the context cut's forward (mostly the window's traces again)
-            requests += [(run, t, False) for t in trace_token_counts(cut // cp, a)]
+            requests += [(run, t, False) for t in trace_token_counts(cut // cp, traced)]
     traces.prefetch(requests, model_config, reduced_layers(model_config))
     plans = []
     for cp in cps:

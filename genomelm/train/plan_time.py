@@ -1,17 +1,23 @@
-"""Time per window: FLOPs of the busiest rank / (achieved fraction of the GPU's bf16 peak), plus the
-collectives at the link of their group, plus the offload copies over PCIe, added without overlap. For the
-evaluation (stage=eval): the forward's FLOPs and collectives of a window and of its context cut, and the
-whole before/after evaluation of the held-out set (`evaluation_time`, `held_out_windows`)."""
+"""Time per window, op by op (`genomelm.train.roofline`): every kernel of the traced step at the roofline of
+the unit it runs on (each traced layer standing for the layers of its kind; the busiest expert-parallel
+rank's grouped GEMMs x `imbalance`), plus the collectives at the link of their group with their ring factor,
+plus the offload copies over PCIe; FSDP2's collectives and the layer-input offload copies run on side streams
+and hide under the compute (`roofline.OVERLAP_RULE`), everything else adds up. The flat estimate (FLOPs at
+`mfu` of the bf16 peak) is kept beside it for comparison. For the evaluation (stage=eval): the forward's
+kernels and collectives of a window and of its context cut, and the whole before/after evaluation of the
+held-out set (`evaluation_time`, `held_out_windows`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from genomelm.data import read_manifest
 from genomelm.model import ModelConfig
-from genomelm.train import scoring
+from genomelm.train import roofline, scoring
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan_memory import ParameterShare, ScaledTraces
 from genomelm.train.plan_types import Assumptions, EvalTime, Layout
@@ -20,29 +26,78 @@ from genomelm.train.plan_types import Assumptions, EvalTime, Layout
 # FSDP2's DTensors on two meshes, the experts' and the rest's, cannot share a foreach kernel): about seven
 # passes over the fp32 parameter, its gradient and the two moments, read and written, ~100 B per parameter,
 # at a share of the node's memory bandwidth (a two-socket node's ~200 GB/s over its 8 GPUs). On the GPU the
-# same per-tensor loop costs launches only (~10 kernels per parameter tensor, 5 us each: well under 0.1 s).
+# same per-tensor loop moves the same bytes through HBM (its launches, ~10 per parameter tensor, are well
+# under 0.1 s).
 HOST_ADAMW_BYTES_PER_PARAMETER = 100
+ADAMW_BYTES_PER_PARAMETER = 100
 HOST_MEMORY_GBS_PER_GPU = 25.0
 # Held-out sets sized without their prepared folder: genome -> (held-out record (configs/data/<genome>.yaml),
 # its length, its bases other than N; GRCh38 chr22, whose N are mostly the short arm's first ~10.5 Mb).
 HELD_OUT_ESTIMATES = {"hg38": ("chr22", 50_818_468, 39_159_782)}
 EVAL_MODELS = 2  # the evaluation scores the model before training and after
+TOP_CLASSES = 10  # op classes listed in the plan
 
 
 @dataclass
 class StepTime:
-    """One window of one rank: its FLOPs, its bytes per collective, and the seconds of each part."""
+    """One window of one rank: its FLOPs, its bytes per collective, and the seconds of each part (the compute
+    and the op classes: the busiest expert-parallel rank's, which the step waits for)."""
 
     rank_flops: float  # FLOPs of one rank (recompute included)
     busiest_flops: float  # of the busiest expert-parallel rank (`imbalance` x the mean routed rows)
     comm: dict[str, float]  # bytes one rank moves, by collective
-    compute_s: float
-    comm_s: float
-    host_s: float  # offload copies over PCIe and, with optimizer offload, the AdamW step on the host
+    compute_s: float  # the busiest rank's kernels at their roofline
+    comm_s: float  # collectives that block the compute
+    host_s: float  # what adds up on the host side: optimizer offload's copies and its AdamW step
+    overlapped_s: float = 0.0  # side-stream work (FSDP2's collectives, layer-input offload copies)
+    model_flops: float = 0.0  # the busiest rank's FLOPs less its recompute (MFU's numerator)
+    flat_compute_s: float = 0.0  # busiest_flops at `mfu` of the bf16 peak (the flat estimate)
+    top: list[dict[str, Any]] = field(default_factory=list)  # the costliest op classes, mean rank
+    busiest_top: list[dict[str, Any]] = field(default_factory=list)  # the same at the busiest EP rank
+    mean_compute_s: float = 0.0  # the mean rank's kernels
+
+    @property
+    def exposed_s(self) -> float:
+        """The side-stream work the compute does not hide."""
+        return max(0.0, self.overlapped_s - self.compute_s)
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.host_s
+        return self.compute_s + self.comm_s + self.exposed_s + self.host_s
+
+
+def device_peaks(a: Assumptions, gpu: str) -> roofline.Peaks:
+    """The roofline's peaks of `gpu` (`roofline.RULES`), the links and the bf16 peak as `a` resolved them."""
+    p = roofline.peaks(gpu, a.nvlink_gbs, a.ib_gbs, a.gpus_per_node)
+    return dataclasses.replace(p, flops=p.flops | {"bf16": a.tflops * 1e12})
+
+
+def kernel_time(
+    model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions, gpu: str
+) -> tuple[float, float, float, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The traced kernels of one window at the rank's tokens, every layer by its kind's (the update phase
+    apart: it is costed from the parameters): (busiest rank's seconds, the mean rank's, the busiest rank's
+    model FLOPs, the top op classes of the mean rank, of the busiest)."""
+    p = device_peaks(a, gpu)
+    times: dict[str, float] = {"rest": 1.0}
+    for i in range(model_config.num_hidden_layers):
+        part = f"layers.{steps.rep_of[i]}"
+        times[part] = times.get(part, 0.0) + 1.0
+    lo, hi, t1, t2 = steps.lo.ops, steps.hi.ops, steps.t1, steps.t2
+    mean = roofline.project(lo, hi, t1, t2, steps.tokens, times, p)
+    scale = a.imbalance if layout.ep > 1 else 1.0
+    busiest = (
+        roofline.project(lo, hi, t1, t2, steps.tokens, times, p, expert_scale=scale) if scale != 1 else mean
+    )
+    mean_s, busiest_s = sum(c.seconds for c in mean), sum(c.seconds for c in busiest)
+    model_flops = sum(c.model_flops for c in busiest)
+    return (
+        busiest_s,
+        mean_s,
+        model_flops,
+        roofline.top_classes(mean, mean_s, TOP_CLASSES),
+        roofline.top_classes(busiest, busiest_s, TOP_CLASSES),
+    )
 
 
 def step_time(
@@ -56,17 +111,42 @@ def step_time(
 ) -> StepTime:
     """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
-    comm, comm_s = comm_bytes(model_config, layout, params, steps, a)
-    compute_s = busiest_flops / (a.tflops * 1e12 * a.mfu)
-    host_s = 0.0  # offload copies over PCIe
-    if config.memory.offload:  # the layer inputs out and back, per window
-        host_s += 2 * host_inputs / (a.pcie_gbs * 1e9)
+    comm, comm_s, overlapped_s = comm_bytes(model_config, layout, params, steps, a)
+    compute_s, mean_s, model_flops, top, busiest_top = kernel_time(
+        model_config, layout, steps, a, config.plan.gpu
+    )
+    host_s = 0.0
+    if config.memory.offload:  # the layer inputs out and back, per window, on the copier's own stream
+        overlapped_s += 2 * host_inputs / (a.pcie_gbs * 1e9)
     if layout.optimizer_offload:  # the fp32 gradients down and the fp32 parameters up, per optimizer step
         host_s += 2 * 4 * params.local / config.optim.grad_accum / (a.pcie_gbs * 1e9)
         # and the AdamW step itself on the host
         adamw_bytes = HOST_ADAMW_BYTES_PER_PARAMETER * params.local / config.optim.grad_accum
         host_s += adamw_bytes / (HOST_MEMORY_GBS_PER_GPU * 1e9)
-    return StepTime(rank_flops, busiest_flops, comm, compute_s, comm_s, host_s)
+    else:  # the AdamW step on the GPU, per window
+        p = device_peaks(a, config.plan.gpu)
+        adamw_s = (
+            ADAMW_BYTES_PER_PARAMETER
+            * params.local
+            / config.optim.grad_accum
+            / (p.memory * p.memory_efficiency)
+        )
+        compute_s, mean_s = compute_s + adamw_s, mean_s + adamw_s
+    flat_s = busiest_flops / (a.tflops * 1e12 * a.mfu)
+    return StepTime(
+        rank_flops,
+        busiest_flops,
+        comm,
+        compute_s,
+        comm_s,
+        host_s,
+        overlapped_s,
+        model_flops,
+        flat_s,
+        top,
+        busiest_top,
+        mean_s,
+    )
 
 
 def forward_time(
@@ -76,13 +156,29 @@ def forward_time(
     steps: ScaledTraces,
     a: Assumptions,
     stored_in_bf16: bool,
+    gpu: str,
 ) -> StepTime:
-    """The evaluator's forward of the traced window on one rank of `layout`: its FLOPs at the assumed mfu
-    plus its collectives (`forward_comm_bytes`); `stored`: the parameters' bytes as stored (bf16, with the
-    fp32-declared ones fp32, when `stored_in_bf16`). No host copies."""
+    """The evaluator's forward of the traced window on one rank of `layout`: its kernels at their roofline
+    plus its collectives (`forward_comm_bytes`; FSDP2's gathers overlapped); `stored`: the parameters' bytes
+    as stored (bf16, with the fp32-declared ones fp32, when `stored_in_bf16`). No host copies."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
-    comm, comm_s = forward_comm_bytes(model_config, layout, stored, steps, a, stored_in_bf16)
-    return StepTime(rank_flops, busiest_flops, comm, busiest_flops / (a.tflops * 1e12 * a.mfu), comm_s, 0.0)
+    comm, comm_s, overlapped_s = forward_comm_bytes(model_config, layout, stored, steps, a, stored_in_bf16)
+    compute_s, mean_s, model_flops, top, busiest_top = kernel_time(model_config, layout, steps, a, gpu)
+    flat_s = busiest_flops / (a.tflops * 1e12 * a.mfu)
+    return StepTime(
+        rank_flops,
+        busiest_flops,
+        comm,
+        compute_s,
+        comm_s,
+        0.0,
+        overlapped_s,
+        model_flops,
+        flat_s,
+        top,
+        busiest_top,
+        mean_s,
+    )
 
 
 def _flops(
@@ -105,6 +201,34 @@ def _flops(
     return rank_flops, busiest_flops
 
 
+def roofline_summary(time: StepTime, layout: Layout, seq: int, a: Assumptions, gpu: str) -> dict[str, Any]:
+    """plan.json's "roofline": the window's seconds by part, tokens/s and MFU (the busiest rank's FLOPs less
+    recompute / step time / bf16 peak), the flat estimate beside, the top op classes (mean and busiest
+    expert-parallel rank) and the rules they were costed by."""
+    p = device_peaks(a, gpu)
+    step = max(time.step_s, 1e-12)
+    flat_step = time.flat_compute_s + time.comm_s + time.exposed_s + time.host_s
+    return {
+        "step_s": time.step_s,
+        "tokens_per_s": layout.dp * seq / step,
+        "mfu": time.model_flops / step / p.flops["bf16"],
+        "compute_s": time.compute_s,
+        "mean_compute_s": time.mean_compute_s,
+        "comm_s": time.comm_s,
+        "overlapped_s": time.overlapped_s,
+        "exposed_overlap_s": time.exposed_s,
+        "host_s": time.host_s,
+        "model_flops": time.model_flops,
+        "flat_compute_s": time.flat_compute_s,
+        "flat_tokens_per_s": layout.dp * seq / max(flat_step, 1e-12),
+        "top": [row | {"share": row["seconds"] / step} for row in time.top],  # share of the window's time
+        "busiest_top": [row | {"share": row["seconds"] / step} for row in time.busiest_top],
+        "rules": [dict(zip(("rule", "b200", "h200", "h100", "unit", "source"), r)) for r in roofline.RULES],
+        "collectives": roofline.COLLECTIVE_FACTORS | {"source": roofline.COLLECTIVE_SOURCE},
+        "overlap": roofline.OVERLAP_RULE,
+    }
+
+
 def link_bytes_per_s(a: Assumptions, ranks: int) -> float:
     """Bytes per second of a collective over `ranks` consecutive ranks: NVLink inside a node, else the
     NICs."""
@@ -113,15 +237,26 @@ def link_bytes_per_s(a: Assumptions, ranks: int) -> float:
 
 @dataclass
 class _Tally:
-    """Bytes one rank moves, by collective, and their seconds at the link of each collective's group."""
+    """Bytes one rank moves, by collective, and their seconds at the link of each collective's group: those
+    that block the compute, and those on a side stream (`overlapped`)."""
 
     a: Assumptions
     bytes: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    overlapped_seconds: float = 0.0
 
-    def add(self, name: str, value: float, ranks: int) -> None:
+    def add(self, name: str, value: float, ranks: int, overlapped: bool = False) -> None:
+        """`value`: the bytes one rank moves over its link."""
         self.bytes[name] = self.bytes.get(name, 0.0) + value
-        self.seconds += value / link_bytes_per_s(self.a, ranks)
+        if overlapped:
+            self.overlapped_seconds += value / link_bytes_per_s(self.a, ranks)
+        else:
+            self.seconds += value / link_bytes_per_s(self.a, ranks)
+
+    def traced(self, kind: str, payload: float, ranks: int) -> None:
+        """A traced context-parallel collective of `payload` bytes (its full tensor): the bytes one rank moves
+        are its ring factor's share (`roofline.ring_factor`)."""
+        self.add(f"cp {kind}", payload * roofline.ring_factor(kind, ranks), ranks)
 
     def traced_layers(self, model_config: ModelConfig, steps: ScaledTraces, cp: int) -> None:
         """The decoder layers' context-parallel collectives as traced, each layer by its kind's, on the line
@@ -130,7 +265,7 @@ class _Tally:
         for i in range(model_config.num_hidden_layers):
             part = f"layers.{steps.rep_of[i]}"
             for kind, size in hi.comm.get(part, {}).items():
-                self.add(f"cp {kind}", steps.line(lo.comm.get(part, {}).get(kind, 0), size), cp)
+                self.traced(kind, steps.line(lo.comm.get(part, {}).get(kind, 0), size), cp)
 
     def expert_exchange(
         self, model_config: ModelConfig, layout: Layout, tokens: int, passes: int, width: int, label: str
@@ -156,24 +291,25 @@ def _gathered(layout: Layout, params: ParameterShare) -> float:
 
 def comm_bytes(
     model_config: ModelConfig, layout: Layout, params: ParameterShare, steps: ScaledTraces, a: Assumptions
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], float, float]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
-    computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over."""
+    computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over:
+    those that block the compute, and FSDP2's (overlapped)."""
     hi, cp, world = steps.hi, layout.cp, layout.world
     tally = _Tally(a)
     tally.traced_layers(model_config, steps, cp)
     for kind, size in hi.comm.get("rest", {}).items():
         if not (kind == "all_reduce" and size > 1024):  # not the packed gradient sum (computed below)
-            tally.add(f"cp {kind}", size, cp)
-    if layout.sharded:
+            tally.traced(kind, size, cp)
+    if layout.sharded:  # on FSDP2's own streams
         gathered = _gathered(layout, params)
-        tally.add("fsdp all_gather (bf16, forward + recompute)", 2 * 2 * gathered, world)
-        tally.add("fsdp reduce_scatter (fp32 gradients)", 4 * gathered, world)
+        tally.add("fsdp all_gather (bf16, forward + recompute)", 2 * 2 * gathered, world, overlapped=True)
+        tally.add("fsdp reduce_scatter (fp32 gradients)", 4 * gathered, world, overlapped=True)
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
         tally.add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
     label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
     tally.expert_exchange(model_config, layout, steps.tokens, 3, 2, label)  # bf16 rows
-    return tally.bytes, tally.seconds
+    return tally.bytes, tally.seconds, tally.overlapped_seconds
 
 
 def forward_comm_bytes(
@@ -183,7 +319,7 @@ def forward_comm_bytes(
     steps: ScaledTraces,
     a: Assumptions,
     stored_in_bf16: bool,
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], float, float]:
     """Bytes one rank moves in the evaluator's forward at `steps.tokens` per rank (the traced
     context-parallel collectives, the losses' all-gather among them; every FSDP unit gathered once, as
     stored; the expert all-to-all once, in bf16 with `stored_in_bf16`, else fp32), and their seconds."""
@@ -191,13 +327,14 @@ def forward_comm_bytes(
     tally = _Tally(a)
     tally.traced_layers(model_config, steps, layout.cp)
     for kind, size in hi.comm.get("rest", {}).items():  # the per-token losses: linear in the tokens
-        tally.add(f"cp {kind}", steps.line(lo.comm.get("rest", {}).get(kind, 0), size), layout.cp)
-    if layout.sharded:
-        tally.add("fsdp all_gather (as stored, forward)", _gathered(layout, stored), layout.world)
+        tally.traced(kind, steps.line(lo.comm.get("rest", {}).get(kind, 0), size), layout.cp)
+    if layout.sharded:  # on FSDP2's own streams
+        gathered = _gathered(layout, stored)
+        tally.add("fsdp all_gather (as stored, forward)", gathered, layout.world, overlapped=True)
     width = 2 if stored_in_bf16 else 4  # the rows in the compute dtype
     label = "ep all_to_all (dispatch + combine; forward)"
     tally.expert_exchange(model_config, layout, steps.tokens, 1, width, label)
-    return tally.bytes, tally.seconds
+    return tally.bytes, tally.seconds, tally.overlapped_seconds
 
 
 def context_cut_tokens(config: TrainConfig) -> int:

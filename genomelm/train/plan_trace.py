@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ from genomelm.parallel.training import ContextParallelScorer, ParallelRun
 from genomelm.train.config import OptimConfig, TrainConfig
 from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
 from genomelm.train.precision import autocast_for, resolve_precision
+from genomelm.train.roofline import OpClass, OpLog, SourceTags
 from genomelm.train.step import StepPhases, TrainStep, make_optimizer
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
@@ -95,6 +97,9 @@ class StepTrace:
     starts: dict[str, int] = field(
         default_factory=dict
     )  # module (as in `transients`) -> activation, temporary and other bytes live as its first forward starts
+    ops: dict[str, dict[str, OpClass]] = field(
+        default_factory=dict
+    )  # "layers.<i>"/"rest"/"update" -> op class key -> its kernels (`genomelm.train.roofline.OpLog`)
 
     @property
     def step_peak_total(self) -> int:
@@ -151,17 +156,22 @@ class _Counter(TorchDispatchMode):
         self.bytes: dict[str, dict[str, int]] = {}
         self.flops: dict[str, int] = {}
         self.expert_flops: dict[str, int] = {}  # of them, the routed experts' grouped GEMMs
-        self.formulas = {**flop_registry, torch.ops.aten._grouped_mm: shape_wrapper(_grouped_mm_flops)}
+        self.ops = OpLog()  # every kernel by op class, for the roofline (`genomelm.train.roofline`)
+        self.updating = False  # the update phase: its kernels go to the part "update"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = self.formulas.get(func._overloadpacket)
+        packet = func._overloadpacket
+        # looked up at each op: a kernel module imported during the step registers its formula then
+        formula = _GROUPED_MM_FLOPS if packet is torch.ops.aten._grouped_mm else flop_registry.get(packet)
+        part, flops = self.where(), 0
         if formula is not None:
-            part, flops = self.where(), formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
             self.flops[part] = self.flops.get(part, 0) + flops
-            if func._overloadpacket is torch.ops.aten._grouped_mm:
+            if packet is torch.ops.aten._grouped_mm:
                 self.expert_flops[part] = self.expert_flops.get(part, 0) + flops
+        self.ops.record("update" if self.updating else part, func, args, kwargs, out, flops)
         kind = _COLLECTIVES.get(func._opname) if func.namespace == "c10d" else None
         if kind is not None:
             tensors = [
@@ -209,6 +219,9 @@ def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = N
     if len(out_shape) == 3 and len(a_shape) == 2 and len(b_shape) == 2:
         return 2 * out_shape[1] * out_shape[2] * a_shape[-1]
     return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+_GROUPED_MM_FLOPS = shape_wrapper(_grouped_mm_flops)
 
 
 def reduced_layers(config: ModelConfig) -> list[int]:
@@ -448,7 +461,7 @@ class _StepProbe:
     @contextmanager
     def tracked(self) -> Iterator[None]:
         """The forward (and backward) under the memory tracker and the counter."""
-        with self.tracker, self.counter:
+        with self.tracker, self.counter, SourceTags():
             yield
 
     @contextmanager
@@ -459,8 +472,12 @@ class _StepProbe:
             yield
             return
         self.update_tracker.track_external(self.model, self.optimizer)  # after the backward: gradients exist
-        with self.update_tracker, self.counter:
-            yield
+        self.counter.updating = True
+        try:
+            with self.update_tracker, self.counter:
+                yield
+        finally:
+            self.counter.updating = False
 
     def trace(self, tokens_per_rank: int, cp: int) -> StepTrace:
         """What the step held and did, once it has run."""
@@ -486,6 +503,7 @@ class _StepProbe:
             flops=_flops_by_part(self.counter, names),
             comm=self.counter.bytes,
             expert_flops=self.counter.expert_flops,
+            ops=self.counter.ops.parts,
             host_bytes=host,
             recomputed=_recomputed(self.tracker, device, names),
             expert_rows={
@@ -600,3 +618,32 @@ def _states(stats: Any, name: str) -> list[dict]:
         if str(getattr(state, "value", state)) == name:
             return snaps
     return []
+
+
+@contextmanager
+def real_step(run: TrainConfig, model_config: ModelConfig, tokens: int) -> Iterator[Callable[[], float]]:
+    """A function that runs one real training step of one rank (`trace_step`'s step, fake=False, in one
+    process) with no instrument around it and returns its seconds: what a roofline of `trace_step`'s op
+    list is checked against on this machine. Its first call warms up."""
+    with _traced_model(run, model_config, tokens, False, torch.float32, run.memory.recompute_chunks) as (
+        model,
+        parallel,
+        rows,
+    ):
+        model.train()
+        step = TrainStep(
+            model,
+            make_optimizer(model, run.optim, torch.device("cpu")),
+            LayerRunner.for_memory(run.memory),
+            parallel,
+            run.optim,
+            lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+            run.optim.grad_accum,
+        )
+
+        def timed() -> float:
+            start = time.perf_counter()
+            step.run(run.optim.lr, [rows])
+            return time.perf_counter() - start
+
+        yield timed

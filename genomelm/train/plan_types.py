@@ -130,6 +130,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     stage: str = "train"  # "train" (the training step) or "eval" (the evaluator's forward)
     evaluation: EvalTime | None = None  # stage="eval"
+    roofline: dict[str, Any] = field(default_factory=dict)  # `plan_time.roofline_summary`: op by op
 
     @property
     def host_gib_total(self) -> float:

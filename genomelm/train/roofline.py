@@ -1,0 +1,492 @@
+"""The roofline projection of a traced step, op by op.
+
+Every kernel the traced step dispatches (aten ops and the project's `genomelm::` custom ops) is recorded by
+op class (`OpClass`: op, dtype, the unit it runs on, the source line inside genomelm/ that issued it) with
+its count, FLOPs and bytes, and costed as
+    time = max(FLOPs / (unit peak x GEMM efficiency), bytes / (HBM bandwidth x memory efficiency)) + launch,
+by the rules of `RULES` (one table, each rule with its source). Collectives run on the link of their group
+with the ring factor of their kind (`collective_seconds`). `project` reads the op classes of two traces
+(t1, t2 tokens per rank) at the rank's tokens: each class's count and its per-op FLOPs and bytes on the line
+through the two traces, so a Python loop over query blocks (count ~ t, size ~ t) grows as t^2 and a weight
+matmul (count fixed, size ~ t) as t.
+
+FLOPs come from torch's `FlopCounterMode` formulas (`flop_registry`: a custom op registered with
+`register_flop_formula` is found there), bytes from a custom op's own `<name>_bytes(*args, **kwargs)` in the
+module that defines it (called with the op's own arguments), else from the sizes of every tensor the op reads
+and writes (broadcast dimensions counted once). Views and allocations launch no kernel and cost nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+# The one table: (rule, B200, H200, H100, unit, source). `peaks` reads the GPUs' numbers off it.
+RULES: tuple[tuple[str, float, float, float, str, str], ...] = (
+    ("bf16/fp16 tensor cores, dense", 2250, 989, 989, "TFLOP/s", "NVIDIA B200 / H200 / H100 SXM datasheets"),
+    ("fp8 tensor cores, dense", 4500, 1979, 1979, "TFLOP/s", "NVIDIA datasheets (dense, no sparsity)"),
+    (
+        "tf32 tensor cores, dense (an fp32 matmul only where the code enables TF32)",
+        1100,
+        494,
+        494,
+        "TFLOP/s",
+        "NVIDIA datasheets; genomelm never sets torch.backends.cuda.matmul.allow_tf32",
+    ),
+    (
+        "fp32 CUDA cores (an fp32 matmul without TF32)",
+        75,
+        67,
+        67,
+        "TFLOP/s",
+        "NVIDIA datasheets (non-tensor fp32)",
+    ),
+    ("HBM bandwidth", 8.0, 4.8, 3.35, "TB/s", "NVIDIA datasheets (HBM3e / HBM3e / HBM3)"),
+    (
+        "NVLink per GPU per direction (a group within one node)",
+        900,
+        450,
+        450,
+        "GB/s",
+        "NVLink 5 (1.8 TB/s bidirectional) / NVLink 4 (900 GB/s bidirectional)",
+    ),
+    (
+        "InfiniBand per GPU per direction (a group across nodes)",
+        50,
+        50,
+        50,
+        "GB/s",
+        "one 400 Gb/s ConnectX-7 NIC per GPU (DGX B200 / H200 / H100)",
+    ),
+    (
+        "GEMM efficiency: share of the unit's peak a matmul or kernel reaches",
+        0.70,
+        0.70,
+        0.70,
+        "",
+        "cuBLAS / CUTLASS large bf16 GEMMs reach 70-80% of dense peak; 70% taken as the ceiling",
+    ),
+    (
+        "memory efficiency: share of HBM bandwidth an elementwise op or copy reaches",
+        0.80,
+        0.80,
+        0.80,
+        "",
+        "STREAM-like copies reach ~80-90% of HBM bandwidth; 80% taken as the ceiling",
+    ),
+    (
+        "kernel launch (each op of a Python loop pays its own)",
+        5,
+        5,
+        5,
+        "us",
+        "CUDA launch + PyTorch eager dispatch, ~5 us per kernel",
+    ),
+)
+GPU_COLUMNS = {"b200": 1, "h200": 2, "h100": 3}
+COLLECTIVE_FACTORS = {  # bytes one rank moves over its link per byte of the collective's full tensor, n ranks
+    "all_gather": "(n-1)/n of the gathered output",
+    "reduce_scatter": "(n-1)/n of the input",
+    "all_to_all": "(n-1)/n of the exchanged tensor",
+    "all_reduce": "2(n-1)/n of the tensor (ring: a reduce-scatter then an all-gather; NCCL's tree as much)",
+}
+COLLECTIVE_SOURCE = "NCCL's bus bandwidth factors (nccl-tests doc/PERFORMANCE.md)"
+OVERLAP_RULE = (
+    "overlap only where the code runs work on a side stream or an async collective: FSDP2's all-gathers and "
+    "reduce-scatters (its own streams) and the layer-input offload copies (`HostCopier`'s stream) hide "
+    "under the compute; the context-parallel and expert-parallel collectives, the host AdamW step and "
+    "everything else add up"
+)
+# Matmul-like ops: they run on the matmul unit of their dtype (the other ops are costed by their bytes).
+MATMULS = {
+    "aten.mm",
+    "aten.bmm",
+    "aten.addmm",
+    "aten.baddbmm",
+    "aten._grouped_mm",
+    "aten._scaled_mm",
+    "aten._scaled_grouped_mm",
+    "aten.convolution",
+    "aten.convolution_backward",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._flash_attention_forward",
+    "aten._flash_attention_backward",
+}
+# Ops that launch no kernel: allocations and metadata (views are found from their schema).
+NO_KERNEL = {
+    "aten.empty",
+    "aten.empty_strided",
+    "aten.new_empty",
+    "aten.new_empty_strided",
+    "aten.empty_like",
+    "aten.lift_fresh",
+    "aten._unsafe_view",
+    "aten._reshape_alias",
+    "aten.alias",
+    "aten.sym_size",
+    "aten.sym_stride",
+    "aten.sym_numel",
+    "aten.sym_storage_offset",
+    "aten.is_same_size",
+    "aten._local_scalar_dense",
+    "aten.set_",
+    "aten.record_stream",
+    "aten.resize_",
+}
+FP8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+_ROOT = Path(__file__).resolve().parents[1]  # genomelm/
+_SKIPPED = {str(_ROOT / "train" / name) for name in ("roofline.py", "plan_trace.py")}
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """What one device does per second: FLOP/s by unit ("bf16", "fp8", "tf32", "fp32"), HBM bytes/s, the
+    efficiencies, the launch cost (s) and the links (bytes/s per direction)."""
+
+    name: str
+    flops: dict[str, float]
+    memory: float
+    gemm_efficiency: float
+    memory_efficiency: float
+    launch_s: float
+    nvlink: float
+    ib: float
+    gpus_per_node: int = 8
+
+
+def peaks(gpu: str, nvlink_gbs: float = 0.0, ib_gbs: float = 0.0, gpus_per_node: int = 8) -> Peaks:
+    """The peaks of `gpu` ("b200", "h200", "h100") from `RULES`; links overridden where given (GB/s)."""
+    if gpu not in GPU_COLUMNS:
+        raise ValueError(f"gpu must be one of {sorted(GPU_COLUMNS)}, not {gpu!r}")
+    v = [row[GPU_COLUMNS[gpu]] for row in RULES]
+    return Peaks(
+        name=gpu,
+        flops={"bf16": v[0] * 1e12, "fp8": v[1] * 1e12, "tf32": v[2] * 1e12, "fp32": v[3] * 1e12},
+        memory=v[4] * 1e12,
+        nvlink=(nvlink_gbs or v[5]) * 1e9,
+        ib=(ib_gbs or v[6]) * 1e9,
+        gemm_efficiency=v[7],
+        memory_efficiency=v[8],
+        launch_s=v[9] * 1e-6,
+        gpus_per_node=gpus_per_node,
+    )
+
+
+def rules_table() -> str:
+    """`RULES` as a markdown table (the README's)."""
+    rows = ["| rule | B200 | H200 | H100 | unit | source |", "|---|---|---|---|---|---|"]
+    rows += [f"| {r} | {b:g} | {h2:g} | {h1:g} | {u} | {s} |" for r, b, h2, h1, u, s in RULES]
+    return "\n".join(rows)
+
+
+@dataclass
+class OpClass:
+    """Ops of one kind (op, dtype, unit) issued by one source line, in one part of the step: their count and
+    their summed FLOPs and bytes (`recompute_flops`: of them, those the backward's recompute ran)."""
+
+    op: str  # "aten.mm", "genomelm.sparse_mla"
+    dtype: str  # of the first floating tensor it reads ("bf16", "fp32", ...)
+    unit: str  # "bf16" | "fp8" | "tf32" | "fp32" (matmul units) | "memory" (bound by bytes alone)
+    where: str  # "genomelm/model/moe.py:123" (a backward op: its forward's line, "backward of ...")
+    count: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+    recompute_flops: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.op} {self.dtype} @ {self.where}"
+
+    @property
+    def expert(self) -> bool:
+        """The routed experts' grouped GEMMs (the busiest expert-parallel rank runs `imbalance` x them)."""
+        return self.op == "aten._grouped_mm"
+
+
+_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8",
+    torch.float8_e5m2: "fp8e5",
+}
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's distinct elements (a broadcast, stride-0 dimension counted once)."""
+    n = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0 or size == 1)
+    return n * t.element_size()
+
+
+def _unit(op: str, dtype: torch.dtype | None, custom: bool) -> str:
+    if not custom and op not in MATMULS or dtype is None:
+        return "memory"
+    if dtype in FP8:
+        return "fp8"
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def _custom_bytes(func: Any, args: tuple, kwargs: dict) -> float | None:
+    """A `genomelm::<name>` op's own byte estimate: `<name>_bytes(*args, **kwargs)` of the module that defines
+    the op, or None when it has none."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(f"{func.namespace}::{func._opname}")
+    module = sys.modules.get(getattr(getattr(opdef, "_init_fn", None), "__module__", ""), None)
+    if module is None:
+        return None
+    estimate = getattr(module, f"{func._opname}_bytes", None)
+    if estimate is None:
+        return None
+    try:
+        inspect.signature(estimate).bind(*args, **kwargs)
+    except TypeError as error:
+        raise ValueError(
+            f"{module.__name__}.{func._opname}_bytes must take the op's own arguments {func._schema}: {error}"
+        ) from None
+    moved = estimate(*args, **kwargs)
+    if not isinstance(moved, (int, float)):
+        raise ValueError(f"{module.__name__}.{func._opname}_bytes must return one number, not {moved!r}")
+    return float(moved)
+
+
+def is_kernel(func: Any) -> bool:
+    """Whether an op launches a kernel: not a view (an aliasing, non-writing return), an allocation, metadata
+    or a collective (costed on its link)."""
+    if func.namespace in ("c10d", "_c10d_functional", "prim", "profiler"):
+        return False
+    name = f"{func.namespace}.{func._opname}"
+    if name in NO_KERNEL:
+        return False
+    returns = func._schema.returns
+    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
+
+
+def op_record(func: Any, args: tuple, kwargs: dict, out: Any, flops: float) -> tuple[str, str, str, float]:
+    """(op name, dtype, unit, bytes) of one dispatched kernel with its `flops` (0 without a formula)."""
+    name = f"{func.namespace}.{func._opname}"
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dtype = next((t.dtype for t in inputs if t.is_floating_point()), None)
+    custom = func.namespace == "genomelm"
+    moved = _custom_bytes(func, args, kwargs) if custom else None
+    if moved is None:
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        moved = float(sum(_tensor_bytes(t) for t in inputs + outputs))
+    unit = _unit(name, dtype, custom) if flops > 0 or name in MATMULS else "memory"
+    return name, _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")), unit, moved
+
+
+_FRAME_FILES: dict[Any, str | None] = {}  # code object -> its file relative to the repository, or None
+
+
+def source_line() -> tuple[str | None, str]:
+    """The first frame of the Python stack inside genomelm/ (the recording modules skipped), as
+    ("genomelm/model/moe.py:123", its function's name), or (None, "") when no frame is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        where = _FRAME_FILES.get(code, "")
+        if where == "":
+            path = code.co_filename
+            inside = path.startswith(str(_ROOT)) and path not in _SKIPPED
+            where = _FRAME_FILES[code] = str(Path(path).relative_to(_ROOT.parent)) if inside else None
+        if where is not None:
+            return f"{where}:{frame.f_lineno}", code.co_name
+        frame = frame.f_back
+    return None, ""
+
+
+class SourceTags(torch.overrides.TorchFunctionMode):
+    """Tags each autograd node with the source line of the forward op that made it (`node.metadata`), so the
+    backward's kernels (run by the autograd engine, with no genomelm frame of their own) are named by it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        nodes = [
+            t.grad_fn
+            for t in (tree_leaves(out) if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
+        where = None
+        while nodes:  # the nodes this call made (a composite op makes several): those not tagged yet
+            node = nodes.pop()
+            if node is None or "genomelm_where" in node.metadata:
+                continue
+            where = where or source_line()[0]
+            node.metadata["genomelm_where"] = where
+            nodes += [n for n, _ in node.next_functions]
+        return out
+
+
+@dataclass
+class OpLog:
+    """The op classes of a traced step, by part ("layers.<i>", "rest", "update")."""
+
+    parts: dict[str, dict[str, OpClass]] = field(default_factory=dict)
+
+    def record(self, part: str, func: Any, args: tuple, kwargs: dict, out: Any, flops: float) -> None:
+        if not is_kernel(func):
+            return
+        name, dtype, unit, moved = op_record(func, args, kwargs, out, flops)
+        where, function = source_line()
+        node = torch._C._current_autograd_node()
+        recompute = False
+        if node is not None:  # the backward: a Python backward or a recompute has its own model frame
+            in_model = where is not None and where.startswith(("genomelm/model", "genomelm/parallel"))
+            if in_model:
+                recompute = function != "backward"
+            else:
+                forward = node.metadata.get("genomelm_where")
+                where = f"backward of {forward or node.name()}"
+        where = where or "outside genomelm"
+        key = f"{name} {dtype} @ {where}"
+        slot = self.parts.setdefault(part, {}).get(key)
+        if slot is None:
+            slot = self.parts[part][key] = OpClass(name, dtype, unit, where)
+        slot.count += 1
+        slot.flops += flops
+        slot.bytes += moved
+        slot.recompute_flops += flops if recompute else 0.0
+
+
+def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float, str]:
+    """Seconds of `count` (default: op.count) ops of the class, each with the class's mean FLOPs and bytes,
+    and what bounds them ("compute", "memory" or "launch")."""
+    n = op.count if count is None else count
+    if n <= 0:
+        return 0.0, "memory"
+    compute = op.flops / op.count / (p.flops[op.unit] * p.gemm_efficiency) if op.unit != "memory" else 0.0
+    memory = op.bytes / op.count / (p.memory * p.memory_efficiency)
+    body = max(compute, memory)
+    bound = "launch" if p.launch_s > body else ("compute" if compute > memory else "memory")
+    return n * (body + p.launch_s), bound
+
+
+def ring_factor(kind: str, ranks: int) -> float:
+    """Bytes one rank moves per byte of the collective's full tensor (`COLLECTIVE_FACTORS`)."""
+    if ranks <= 1:
+        return 0.0
+    share = (ranks - 1) / ranks
+    if kind not in COLLECTIVE_FACTORS:
+        raise ValueError(f"no ring factor for collective {kind!r}: one of {sorted(COLLECTIVE_FACTORS)}")
+    return 2 * share if kind == "all_reduce" else share
+
+
+def link_bytes_per_s(p: Peaks, ranks: int) -> float:
+    """The link of a group of `ranks` consecutive ranks: NVLink within a node, else InfiniBand."""
+    return p.nvlink if ranks <= p.gpus_per_node else p.ib
+
+
+def collective_seconds(kind: str, payload: float, ranks: int, p: Peaks) -> float:
+    """Seconds of one collective over `ranks` ranks on `payload` bytes (its full tensor: the gathered output,
+    the scattered input, the reduced or exchanged tensor), plus one launch."""
+    if ranks <= 1:
+        return 0.0
+    return payload * ring_factor(kind, ranks) / link_bytes_per_s(p, ranks) + p.launch_s
+
+
+@dataclass
+class CostedClass:
+    """One op class read at the rank's tokens, over every layer it stands for: count, FLOPs, bytes,
+    seconds."""
+
+    key: str
+    op: str
+    unit: str
+    where: str
+    count: float
+    flops: float
+    bytes: float
+    seconds: float
+    bound: str
+    model_flops: float  # FLOPs but the recompute's
+
+
+def _line(a: float, b: float, t1: int, t2: int, t: int) -> float:
+    return b if t1 == t2 or t == t2 else max(0.0, b + (b - a) * (t - t2) / (t2 - t1))
+
+
+def project(
+    lo: dict[str, dict[str, OpClass]],
+    hi: dict[str, dict[str, OpClass]],
+    t1: int,
+    t2: int,
+    tokens: int,
+    multiplicity: dict[str, float],
+    p: Peaks,
+    expert_scale: float = 1.0,
+) -> list[CostedClass]:
+    """The op classes of two traces (at t1 and t2 tokens per rank; the same when t1 == t2) read at `tokens`:
+    count and per-op FLOPs and bytes on the line through the two, each part x `multiplicity[part]` (the
+    layers a traced layer stands for; parts not named are left out), the routed experts' grouped GEMMs x
+    `expert_scale` (the busiest expert-parallel rank's rows over the mean). Classes of the same key summed
+    over the parts, the costliest first."""
+    merged: dict[str, CostedClass] = {}
+    for part, times in multiplicity.items():
+        for key, op in hi.get(part, {}).items():
+            low = lo.get(part, {}).get(key)
+            count = _line(low.count if low else 0, op.count, t1, t2, tokens)
+            per_flops = _line(
+                low.flops / low.count if low else op.flops / op.count, op.flops / op.count, t1, t2, tokens
+            )
+            per_bytes = _line(
+                low.bytes / low.count if low else op.bytes / op.count, op.bytes / op.count, t1, t2, tokens
+            )
+            scale = times * (expert_scale if op.expert else 1.0)
+            read = dataclasses.replace(op, count=1, flops=per_flops, bytes=per_bytes)
+            seconds, bound = op_seconds(read, p, count * scale)
+            recompute_share = op.recompute_flops / op.flops if op.flops else 0.0
+            flops = per_flops * count * scale
+            slot = merged.get(op.key)
+            if slot is None:
+                merged[op.key] = CostedClass(
+                    op.key,
+                    op.op,
+                    op.unit,
+                    op.where,
+                    count * scale,
+                    flops,
+                    per_bytes * count * scale,
+                    seconds,
+                    bound,
+                    flops * (1 - recompute_share),
+                )
+            else:
+                slot.count += count * scale
+                slot.flops += flops
+                slot.bytes += per_bytes * count * scale
+                slot.seconds += seconds
+                slot.model_flops += flops * (1 - recompute_share)
+    return sorted(merged.values(), key=lambda c: -c.seconds)
+
+
+def top_classes(classes: Iterable[CostedClass], total_s: float, n: int = 10) -> list[dict[str, Any]]:
+    """The `n` costliest classes as plan.json rows: share of the step, bound, count, seconds, where."""
+    rows = []
+    for c in list(classes)[:n]:
+        rows.append(
+            {
+                "class": c.key,
+                "share": c.seconds / total_s if total_s > 0 else 0.0,
+                "seconds": c.seconds,
+                "bound": c.bound,
+                "unit": c.unit,
+                "count": c.count,
+                "tflop": c.flops / 1e12,
+                "gb": c.bytes / 1e9,
+            }
+        )
+    return rows

@@ -1,0 +1,204 @@
+"""The roofline projection (`genomelm.train.roofline`): its rules table, ops costed by hand, the collectives'
+ring factors, the op log of a traced step (source lines, the backward named by its forward, recompute),
+the two-trace extrapolation, the planner's report and plan.json, and (slow) the CPU check: the roofline of
+`tiny`'s traced step at 4k tokens with this machine's measured peaks within 30% of the measured step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from genomelm.model import ModelConfig
+from genomelm.model.norms import RMSNorm
+from genomelm.train import roofline
+from genomelm.train.config import TrainConfig
+from genomelm.train.plan import make_plan
+from genomelm.train.plan_report import describe
+from genomelm.train.plan_trace import trace_step
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rules_table_holds_the_issue_peaks_with_sources():
+    b200, h200, h100 = roofline.peaks("b200"), roofline.peaks("h200"), roofline.peaks("h100")
+    assert b200.flops == {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1100e12, "fp32": 75e12}
+    assert h200.flops["bf16"] == h100.flops["bf16"] == 989e12 and h200.flops["fp8"] == 1979e12
+    assert (b200.memory, h200.memory, h100.memory) == (8e12, 4.8e12, 3.35e12)
+    assert (b200.nvlink, h200.nvlink, b200.ib) == (900e9, 450e9, 50e9)
+    assert (
+        b200.gemm_efficiency == 0.7 and b200.memory_efficiency == 0.8 and b200.launch_s == pytest.approx(5e-6)
+    )
+    assert all(source for *_, source in roofline.RULES)
+    assert roofline.rules_table().count("\n") == len(roofline.RULES) + 1
+    assert roofline.peaks("b200", nvlink_gbs=100).nvlink == 100e9
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        roofline.peaks("a100")
+
+
+def test_ops_costed_by_hand():
+    p = roofline.peaks("b200")
+    n = 8192
+    gemm = roofline.OpClass("aten.mm", "bf16", "bf16", "x.py:1", 1, 2 * n**3, 3 * n * n * 2)
+    seconds, bound = roofline.op_seconds(gemm, p)
+    assert bound == "compute" and seconds == pytest.approx(2 * n**3 / (2250e12 * 0.7) + 5e-6)
+    fp32 = roofline.OpClass("aten.mm", "fp32", "fp32", "x.py:1", 1, 2 * n**3, 3 * n * n * 4)
+    assert roofline.op_seconds(fp32, p)[0] == pytest.approx(2 * n**3 / (75e12 * 0.7) + 5e-6)
+    copy = roofline.OpClass("aten.add", "fp32", "memory", "x.py:2", 10, 0.0, 10 * 3 * 2**30)
+    seconds, bound = roofline.op_seconds(copy, p)
+    assert bound == "memory" and seconds == pytest.approx(10 * (3 * 2**30 / (8e12 * 0.8) + 5e-6))
+    tiny = roofline.OpClass("aten.add", "fp32", "memory", "x.py:3", 1000, 0.0, 1000 * 12.0)
+    seconds, bound = roofline.op_seconds(tiny, p)  # a Python loop of tiny ops: its launches
+    assert bound == "launch" and seconds == pytest.approx(1000 * (12 / 6.4e12 + 5e-6))
+
+
+def test_collectives_ring_factors_and_links():
+    assert roofline.ring_factor("all_gather", 8) == roofline.ring_factor("reduce_scatter", 8) == 7 / 8
+    assert roofline.ring_factor("all_to_all", 4) == 3 / 4 and roofline.ring_factor("all_reduce", 8) == 14 / 8
+    assert roofline.ring_factor("all_reduce", 1) == 0
+    with pytest.raises(ValueError, match="no ring factor"):
+        roofline.ring_factor("broadcast", 2)
+    p = roofline.peaks("b200")
+    inside = roofline.collective_seconds("all_gather", 8e9, 8, p)
+    across = roofline.collective_seconds("all_gather", 8e9, 16, p)
+    assert inside == pytest.approx(8e9 * 7 / 8 / 900e9 + 5e-6)
+    assert across == pytest.approx(8e9 * 15 / 16 / 50e9 + 5e-6)
+
+
+class _Log(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = roofline.OpLog()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.log.record("rest", func, args, kwargs, out, 0)
+        return out
+
+
+def test_op_log_names_source_lines_units_and_the_backward_by_its_forward():
+    norm = RMSNorm(16, 1e-5)
+    x = torch.randn(4, 16, requires_grad=True)
+    logger = _Log()
+    with logger, roofline.SourceTags():
+        norm(x).sum().backward()
+        a, b = torch.randn(8, 8), torch.randn(8, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a @ b
+        a @ b
+        a.view(64)  # a view launches nothing
+    classes = logger.log.parts["rest"].values()
+    forward = [c for c in classes if c.where.startswith("genomelm/model/norms.py:")]
+    backward = [c for c in classes if c.where.startswith("backward of genomelm/model/norms.py:")]
+    assert forward and backward
+    units = {(c.op, c.dtype): c.unit for c in classes if c.op == "aten.mm"}
+    assert units == {("aten.mm", "bf16"): "bf16", ("aten.mm", "fp32"): "fp32"}  # TF32 is never enabled
+    assert not any(c.op == "aten.view" for c in classes)
+    mm = next(c for c in classes if c.op == "aten.mm" and c.dtype == "fp32")
+    assert mm.bytes == 3 * 64 * 4 and mm.count == 1
+
+
+def test_project_reads_counts_and_sizes_on_their_lines():
+    """A loop over query blocks (count ~ t, size ~ t) grows as t^2; a weight matmul (count fixed) as t."""
+    loop = roofline.OpClass("aten.bmm", "bf16", "bf16", "a.py:1", 2, 2 * 1e9, 2 * 1e6)
+    weight = roofline.OpClass("aten.mm", "bf16", "bf16", "a.py:2", 3, 3 * 1e9, 3 * 1e6)
+    lo = {"layers.0": {"l": loop, "w": weight}}
+    hi = {
+        "layers.0": {
+            "l": roofline.OpClass("aten.bmm", "bf16", "bf16", "a.py:1", 4, 4 * 2e9, 4 * 2e6),
+            "w": roofline.OpClass("aten.mm", "bf16", "bf16", "a.py:2", 3, 3 * 2e9, 3 * 1.5e6),
+        }
+    }
+    p = roofline.peaks("b200")
+    classes = {c.key: c for c in roofline.project(lo, hi, 1024, 2048, 8192, {"layers.0": 5.0}, p)}
+    grown = classes["aten.bmm bf16 @ a.py:1"]
+    assert grown.count == pytest.approx(16 * 5) and grown.flops == pytest.approx(16 * 8e9 * 5)
+    fixed = classes["aten.mm bf16 @ a.py:2"]
+    assert fixed.count == pytest.approx(3 * 5) and fixed.flops == pytest.approx(3 * 8e9 * 5)
+    assert fixed.bytes == pytest.approx(3 * 4.5e6 * 5)  # weight + rows: 1e6 + 0.5e6 per 1,024 tokens
+
+
+def test_traced_step_logs_every_kernel_with_its_flops():
+    run = TrainConfig.from_args(["model=tiny", "offload=false"])
+    trace = trace_step(run, ModelConfig.preset("tiny"), 256, fake=True)
+    classes = [c for part in trace.ops.values() for c in part.values()]
+    assert set(trace.ops) == {"layers.0", "layers.1", "layers.2", "layers.3", "rest", "update"}
+    assert sum(c.flops for c in classes) == pytest.approx(sum(trace.flops.values()))
+    recomputed = sum(c.recompute_flops for c in classes)
+    assert 0 < recomputed < sum(c.flops for c in classes) / 3  # recompute reruns the forward once
+    assert any(c.where.startswith("backward of genomelm/model/") for c in classes)
+    assert all(c.where != "outside genomelm" for c in classes if c.flops)
+
+
+def test_plan_reports_the_roofline_op_by_op(tmp_path):
+    config = TrainConfig.from_args(["model=tiny", "seq=1024", "dp=2", "cp=2", "ep=2", f"runs_dir={tmp_path}"])
+    plan = make_plan(config)
+    r = plan.roofline
+    assert r["step_s"] == pytest.approx(plan.step_s) and r["tokens_per_s"] == pytest.approx(
+        plan.tokens_per_s_projected
+    )
+    assert 0 < r["mfu"] < 1 and len(r["top"]) == 10 and len(r["busiest_top"]) == 10
+    assert r["compute_s"] > r["mean_compute_s"] > 0  # the busiest rank's grouped GEMMs x imbalance
+    assert all(row["bound"] in ("compute", "memory", "launch") and "@" in row["class"] for row in r["top"])
+    assert len(r["rules"]) == len(roofline.RULES) and "side stream" in r["overlap"]
+    text = describe(plan)
+    assert "op classes that cost most" in text and "busiest expert-parallel rank:" in text and "MFU" in text
+    json.dumps(plan.to_json())
+
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (registered, so its dataclasses resolve their module)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.slow
+def test_cpu_roofline_predicts_the_measured_step_of_tiny_at_4k():
+    bench = _benchmark("roofline_cpu")
+    torch.set_num_threads(1)
+    result = bench.check("tiny", 4096, repeats=3)
+    assert result.ok, (result.predicted_s, result.measured_s, result.ratio)
+
+
+def test_projected_vs_measured_by_part_on_the_cpu():
+    """benchmarks/roofline_gpu.py on the CPU: every part projected and measured, the parts adding up."""
+    from genomelm.model import GlmForCausalLM
+    from genomelm.train.memory import LayerRunner
+
+    bench = _benchmark("roofline_gpu")
+    torch.manual_seed(0)
+    model = GlmForCausalLM.from_config(ModelConfig.preset("tiny"))
+    ids = torch.randint(1, 5, (1, 256))
+    peaks = _benchmark("roofline_cpu").cpu_peaks(matmul=256, copy_mib=8, repeats=2)
+    rows = bench.projected_vs_measured(model, ids, LayerRunner(recompute=True, offload=False), peaks, 1)
+    parts = {r["part"]: r for r in rows}
+    kinds = {"KDA layer (dense MLP)": 1, "KDA layer (MoE)": 2, "DSA layer (MoE)": 1}  # tiny's 4 layers
+    assert parts.keys() == kinds.keys() | {bench.REST, "step"}
+    assert all(parts[kind]["layers"] == n for kind, n in kinds.items())
+    assert all(r["projected_ms"] > 0 and r["measured_ms"] > 0 for r in rows)
+    layer_ms = sum(r["measured_ms"] for r in rows[:-1] if r["part"] != bench.REST)
+    assert layer_ms > parts[bench.REST]["measured_ms"]  # the layers' backward is inside their parts
+    assert "@ genomelm/" in parts["DSA layer (MoE)"]["top_class"]
+    assert "| step |" in bench.table(rows)
+
+
+def test_traces_past_the_dsa_selection_saturation():
+    """The indexer's top-k stops growing once a window holds index_topk tokens (K pools to take): the planner
+    traces past that (`traced_assumptions`), so that a line through its two traces does not keep growing
+    it."""
+    from genomelm.train.plan_search import traced_assumptions
+    from genomelm.train.plan_types import Assumptions
+
+    config = ModelConfig.preset("tiny")  # index_topk 16
+    assert traced_assumptions(Assumptions(trace_tokens=8), config, 1).trace_tokens == 32
+    assert traced_assumptions(Assumptions(trace_tokens=8), config, 2).trace_tokens == 16
+    assert traced_assumptions(Assumptions(trace_tokens=8), config, 4).trace_tokens == 8
