@@ -3,7 +3,10 @@
 The layer works in absorbed-latent form: W_uk is folded into the query (`absorbed_queries`), the sparse core
 (`dsa_sparse.sparse_latent_attention`) attends over each query's selected tokens in the kv_lora_rank-wide
 latent, and W_uv then o_proj map its output back (`project_out`); both projections run once over the whole
-sequence (autograd), around the core. `dsa_backend="dense"` runs the S x S reference (`dsa_naive`) instead.
+sequence (autograd), around the core. `dsa_backend` picks the core: "sparse" (the torch gather, the readable
+reference), "triton" (`dsa_triton`: the same maths fused into kernels), "auto" (triton on CUDA, sparse
+elsewhere; resolved at the first forward from the input's device and named in `route`), or "dense" (the
+S x S reference, `dsa_naive`).
 
 The forward is two seams, so that context parallelism (`genomelm.parallel`) can run between them without
 the model knowing about processes: `project` (the local projections: queries, normalised latent, the
@@ -20,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from genomelm.model.backends import TRITON, resolve_backend
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.dsa_naive import check_dense_allowed, dense_dsa_attention
 from genomelm.model.dsa_sparse import (
@@ -27,11 +31,14 @@ from genomelm.model.dsa_sparse import (
     gather_indices,
     gather_latents,
     pool_mass_of,
+    query_positions,
     sparse_latent_attention,
 )
 from genomelm.model.indexer import Indexer, Selection, Spans, whole_window
 from genomelm.model.norms import RMSNorm
 from genomelm.model.precision import compute_dtype
+
+BACKENDS = ("auto", TRITON, "sparse", "dense")  # values of RunOptions.dsa_backend
 
 
 class DSAAttention(nn.Module):
@@ -72,20 +79,14 @@ class DSAAttention(nn.Module):
         self.indexer = None if shared else Indexer(config, self.options)
         self.slots = config.index_topk + config.index_kpool - 1
         self.indexer_loss: Tensor | None = None
-        if self.options.dsa_backend == "dense":
-            self.route = "dsa: dense S x S reference"
-        elif self.options.dsa_backend in ("sparse", "auto"):
-            self.route = (
-                f"dsa: sparse gather ({self.slots} slots), "
-                f"indexer blocks of {self.options.indexer_query_block} queries, "
-                f"attention blocks of {self.options.attention_query_block} queries"
-            )
-        else:
-            raise ValueError(
-                f"dsa_backend must be 'auto', 'sparse' or 'dense', got {self.options.dsa_backend!r}"
-            )
-        if shared:
-            self.route += ", shared selection"
+        if self.options.dsa_backend not in BACKENDS:
+            raise ValueError(f"dsa_backend must be one of {BACKENDS}, got {self.options.dsa_backend!r}")
+        # "auto" and "triton" resolve at the first forward, from the input's device (`resolve_backend`)
+        self.backend: str | None = (
+            self.options.dsa_backend if self.options.dsa_backend in ("sparse", "dense") else None
+        )
+        self.route = self._route_base = ""
+        self._refresh_route()
 
     def forward(
         self, x: Tensor, shared_selection: Selection | None = None, selection_cache: dict | None = None
@@ -148,7 +149,8 @@ class DSAAttention(nn.Module):
         these queries are the whole window).
         """
         batch, queries, _ = x.shape
-        if self.options.dsa_backend == "dense":
+        backend = self.resolve_backend(latent.device)
+        if backend == "dense":
             check_dense_allowed(latent.shape[1], self.options.forbid_dense_above)
         train_indexer = self.options.train_indexer and self.indexer is not None
         if self.indexer is not None:
@@ -170,7 +172,7 @@ class DSAAttention(nn.Module):
                     f"shared selection is for {tuple(selection.pools.shape[:2])}, input is {(batch, queries)}"
                 )
 
-        if self.options.dsa_backend == "dense":
+        if backend == "dense":
             out = dense_dsa_attention(
                 q_resid,
                 latent,
@@ -187,21 +189,82 @@ class DSAAttention(nn.Module):
             pool_mass = self._pool_mass_dense(q_resid, latent, selection) if train_indexer else None
         else:
             q_lat = self.absorbed_queries(q_resid)
-            out_lat, pool_mass = sparse_latent_attention(
-                q_lat,
-                latent.to(q_lat.dtype),
-                selection,
-                self.scaling,
-                self.options.attention_query_block,
-                train_indexer,
-            )
+            out_lat, pool_mass = self._core(backend, q_lat, latent.to(q_lat.dtype), selection, train_indexer)
             out = self.project_out(out_lat)
+        self._refresh_route()
         self.indexer_loss = None
         if train_indexer:
             total, counted = self.indexer.kl_sum(x, q_resid, selection, pool_mass, pool_keys)
             counted = counted if window_sum is None else window_sum(counted)
             self.indexer_loss = total / counted.clamp(min=1)
         return out, selection
+
+    def resolve_backend(self, device: torch.device) -> str:
+        """The core's backend for inputs on `device`, chosen at the first call ("auto": the Triton kernel on
+        CUDA, the sparse gather elsewhere); names it in `route`."""
+        if self.backend is None:
+            self.backend = resolve_backend(
+                "dsa_backend", self.options.dsa_backend, BACKENDS[1:], "sparse", device
+            )
+            self._refresh_route()
+        return self.backend
+
+    def _core(
+        self, backend: str, q_lat: Tensor, latent: Tensor, selection: Selection, want_pool_mass: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The sparse core on `backend`: q_lat [B, n, H, L], latent [B, S, L] -> (out_lat [B, n, H, L],
+        the head-summed mass per selected pool [B, n, K] fp32 when `want_pool_mass`, else None)."""
+        if backend != TRITON:
+            return sparse_latent_attention(
+                q_lat, latent, selection, self.scaling, self.options.attention_query_block, want_pool_mass
+            )
+        from genomelm.model.dsa_triton import sparse_mla  # imports triton: only on this backend
+
+        return sparse_mla(
+            q_lat,
+            latent,
+            selection.pools,
+            query_positions(selection, q_lat.device),
+            selection.kpool,
+            selection.select_tail,
+            self.scaling,
+            want_pool_mass,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
+
+    def _route_name(self) -> str:
+        """This layer's path: the core's backend (with its tiling), then the indexer's (or the shared
+        selection)."""
+        if self.backend is None:
+            name = f"dsa: {self.options.dsa_backend} (resolved at the first forward)"
+        elif self.backend == "dense":
+            name = "dsa: dense S x S reference"
+        elif self.backend == "sparse":
+            name = (
+                f"dsa: sparse gather ({self.slots} slots), "
+                f"attention blocks of {self.options.attention_query_block} queries"
+            )
+        else:
+            from genomelm.model.dsa_triton import tiles
+
+            # the backward's d latent reduction follows torch.use_deterministic_algorithms at each call
+            reduction = "fixed-order" if torch.are_deterministic_algorithms_enabled() else "fp32 atomic"
+            tile = tiles().block_w
+            name = f"dsa: triton sparse MLA ({self.slots} slots, tiles of {tile}, {reduction} d latent)"
+        if self.indexer is None:
+            return name + ", shared selection"
+        indexer_route = getattr(self.indexer, "route", None)
+        if indexer_route is None:
+            return name + f", indexer blocks of {self.options.indexer_query_block} queries"
+        return f"{name}, {indexer_route}"
+
+    def _refresh_route(self) -> None:
+        """Name the current path in `route`, keeping what a wrapper (context parallelism) appended after the
+        previous name."""
+        name = self._route_name()
+        note = self.route[len(self._route_base) :] if self.route.startswith(self._route_base) else ""
+        self._route_base = name
+        self.route = name + note
 
     # ------------------------------------------------------------ absorbed-latent pieces
     def absorbed_queries(self, q_resid: Tensor) -> Tensor:

@@ -12,6 +12,9 @@ regathers each block, recomputes its probabilities and scatter-adds the gathered
 Precision: the queries and the latent come in one dtype (bf16 under bf16 autocast), the matmuls run in it in
 forward and backward alike; the softmax is fp32 and the latent's gradient is accumulated in fp32 across query
 blocks (both fp64 when the inputs are fp64).
+
+This is the readable reference and the path off CUDA; `dsa_triton` runs the same maths as fused Triton
+kernels (`dsa_backend="triton"`, the default on CUDA) and is held to this path by tests/test_kernel_dsa.py.
 """
 
 from __future__ import annotations
@@ -142,3 +145,10 @@ class _BlockedSparseMLA(torch.autograd.Function):
             )  # [n, W, L]
             grad_latent.index_add_(0, (index + row_offset).flatten(), grad_gathered.flatten(0, 1).to(wide))
         return None, None, None, None, grad_q_lat, grad_latent.to(latent.dtype).view(batch, keys, width)
+
+
+def query_positions(selection: Selection, device: torch.device) -> Tensor:
+    """The selection's queries' global positions [n] int64 on `device` (0..n-1 when it has none)."""
+    if selection.positions is None:
+        return torch.arange(selection.pools.shape[1], device=device)
+    return selection.positions.to(device=device, dtype=torch.int64)
