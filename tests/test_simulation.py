@@ -46,7 +46,7 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
     kinds = Counter(c.kind for c in simulation.ranks[0].collectives)
     assert kinds["all_reduce"] and kinds["all_gather"] and kinds["reduce_scatter"]
     assert all(c.dtype for rank in simulation.ranks for c in rank.collectives)
-    assert "kda: fla chunk_kda (cuda) + context parallel" in simulation.ranks[0].routes  # the GPU's route
+    _assert_gpu_routes(simulation.ranks[0].routes)
 
 
 @pytest.mark.slow
@@ -164,19 +164,30 @@ def test_simulated_collectives_equal_a_real_two_rank_gloo_step(tmp_path: Path) -
         ]
 
 
+def _assert_gpu_routes(routes: str) -> None:
+    """The simulated step took the GPU's kernels in every block (no silent torch path): fla's KDA (its
+    context-parallel summaries too), the Triton indexer, sparse attention and mHC."""
+    assert "kda: fla chunk_kda (cuda, bf16 q/k/v" in routes and "cp summaries on fla chunk_kda" in routes
+    assert "indexer: triton fused scores" in routes and "dsa: triton sparse MLA" in routes
+    assert "mhc: triton fused (bf16 streams)" in routes and "mhc: torch" not in routes
+    assert "sparse gather" not in routes and "indexer: torch" not in routes, routes
+
+
 def _tracked_peak(device_type: str) -> int:
     """Peak bytes MemTracker sees in one forward + backward of `small` (2,048 tokens, recompute, bf16
-    autocast, torch KDA) on fake tensors of `device_type`, in a fake-CUDA process."""
+    autocast, torch KDA, the Triton kernels' fakes elsewhere) on fake tensors of `device_type`, in a fake-CUDA
+    process."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from genomelm.model import GlmForCausalLM
+    from genomelm.model.backends import as_on_gpu, tracing_kernels
     from genomelm.model.config import RunOptions
     from genomelm.train.memory import LayerRunner
     from genomelm.train.simulate import simulated_gpu
 
-    options = RunOptions(kda_backend="torch", moe_chunk_tokens=512)
-    with simulated_gpu("h200"), FakeTensorMode(), SimulationMode(device_type):
+    options = as_on_gpu(RunOptions(kda_backend="torch", moe_chunk_tokens=512))[0]  # as the planner traces
+    with simulated_gpu("h200"), tracing_kernels(), FakeTensorMode(), SimulationMode(device_type):
         device = torch.device(device_type)
         model = GlmForCausalLM.from_config(ModelConfig.preset("small"), options, device=device)
         ids = torch.zeros(1, 2048, dtype=torch.long, device=device)
@@ -236,7 +247,7 @@ def test_dp2_cp2_ep2_eval_step_is_forward_only_with_syncs_at_the_exchange_and_th
         dp_group = tuple(r for r in range(4) if r % 2 == rank.rank % 2)
         issued = [(c.dtype, c.ranks, c.site.split(" in ")[-1]) for c in reduces]
         assert issued == [("int64", dp_group, "_sum")]  # the pass counter only
-        assert "kda: fla chunk_kda (cuda) + context parallel" in rank.routes  # the GPU's route
+        _assert_gpu_routes(rank.routes)
     syncs = simulation.syncs_per_window()
     exchanges = simulation.moe_calls_per_window(config, model_config)
     assert exchanges == 3 * (512 // 128 + 256 // 128)  # MoE layers x chunks of both forwards

@@ -9,6 +9,7 @@ tests hold each kernel to its reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from genomelm.model.config import RunOptions
 
 TRITON = "triton"
 
@@ -79,3 +82,26 @@ def resolve_backend(
             f"the inputs are on {device.type}: set {switch}={torch_path} or auto"
         )
     return requested
+
+
+# the kernel switches of `RunOptions`, with the torch path each takes when the kernel is not wanted
+KERNEL_SWITCHES = {"indexer_backend": "torch", "dsa_backend": "sparse", "mhc_backend": "torch"}
+
+
+def as_on_gpu(options: RunOptions) -> tuple[RunOptions, str | None]:
+    """`options` with each kernel switch left at "auto" set as a CUDA device resolves it ("triton"), for a
+    trace of the GPU's step on fake tensors of any device (inside `tracing_kernels`: each kernel's custom op
+    runs its fake implementation). Without triton installed they take their torch paths instead, and the
+    returned note says so (None otherwise)."""
+    auto = [name for name in KERNEL_SWITCHES if getattr(options, name) == "auto"]
+    if not auto:
+        return options, None
+    if triton_installed():
+        return dataclasses.replace(options, **dict.fromkeys(auto, TRITON)), None
+    torch_paths = {name: KERNEL_SWITCHES[name] for name in auto}
+    note = (
+        "triton is not installed here, so the GPU's Triton kernels were traced as their torch paths ("
+        + ", ".join(f"{k}={v}" for k, v in torch_paths.items())
+        + "): pip install triton to trace them"
+    )
+    return dataclasses.replace(options, **torch_paths), note

@@ -9,6 +9,7 @@ import math
 import torch
 
 from genomelm.model import ModelConfig
+from genomelm.model.backends import as_on_gpu
 from genomelm.model.config import DSA
 from genomelm.train.config import TrainConfig
 from genomelm.train.plan_memory import (
@@ -250,6 +251,9 @@ def _eval_plan(
 def _notes(config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces) -> list[str]:
     """What the plan ignored, and how it was traced and scaled."""
     notes = []
+    kernels_note = as_on_gpu(config.model_options)[1]
+    if kernels_note is not None:
+        notes.append(kernels_note)
     if config.parallel.optimizer_offload and not layout.sharded and config.plan.stage == "train":
         notes.append("optimizer_offload needs FSDP over more than one rank (fsdp=true, dp*cp > 1): ignored")
     traced = f"traced {len(steps.layers)} of {model_config.num_hidden_layers} layers"

@@ -17,12 +17,15 @@ records:
 window's per-token losses under `torch.no_grad()`, the parameters stored in the run's precision
 (`eval_param_dtype`), through the context-parallel scorer (`ContextParallelScorer.loss`: shard, forward,
 all-gather of the losses) when cp > 1; no `LayerRunner`, no optimizer.
-The KDA core runs its torch path (`kda_backend="torch"`): fla's Triton kernels cannot run on fake tensors, and
-the torch path holds more (per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper
-bound. With `fake=True` everything runs on `FakeTensorMode` tensors (no data, no compute) and, under context
-parallelism, on torch's fake process group ("fake" backend, `FakeStore`): collectives trace without peers.
-With `fake=False` the same code runs on real tensors, on the run's own dp x cp x ep mesh (the tests compare
-the plan of a layout with it).
+On fake tensors each kernel switch left at "auto" (indexer, sparse attention, mHC) takes the GPU's Triton
+kernel (`backends.as_on_gpu`): its custom op's fake implementation is traced, so the plan holds the kernel's
+outputs and what it saves, not the torch path's transients (the torch paths when triton is not installed, with
+a note). The KDA core runs its torch path (`kda_backend="torch"`): fla's stand-ins (`simulate.fla_stand_in`)
+know fla's outputs but not its workspace, and the torch path holds more (per-chunk pairwise gate decays), so a
+plan of a GPU run's KDA layers is an upper bound. With `fake=True` everything runs on `FakeTensorMode` tensors
+(no data, no compute) and, under context parallelism, on torch's fake process group ("fake" backend,
+`FakeStore`): collectives trace without peers. With `fake=False` the same code runs on real tensors, on the
+run's own dp x cp x ep mesh (the tests compare the plan of a layout with it).
 
 Two substitutions, both exact for the trace: `torch.bincount` of expert ids (whose output length fake tensors
 cannot know) returns its `minlength` (the ids are < n_routed_experts, so that is its length), and the host
@@ -48,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from genomelm.model import GlmForCausalLM, ModelConfig
+from genomelm.model.backends import as_on_gpu, tracing_kernels
 from genomelm.model.moe import Experts
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.mesh import ParallelDims
@@ -310,10 +314,12 @@ def _traced_model(
             dims = ParallelDims(run.parallel.dp, cp, run.parallel.ep)
         # the mesh is built from real rank numbers, before any fake tensor exists
         parallel = ParallelRun.from_environment(dims, run.parallel.cp_layout, False, "cpu")
+        options = dataclasses.replace(run.model_options, kda_backend="torch")
         if fake:
             stack.enter_context(FakeTensorMode())
             stack.enter_context(_ExpertCountShape())
-        options = dataclasses.replace(run.model_options, kda_backend="torch")
+            stack.enter_context(tracing_kernels())
+            options = as_on_gpu(options)[0]
         model = GlmForCausalLM.from_config(config, options, dtype)
         set_chunk_recompute(model, recompute_chunks)
         if parallel is not None:

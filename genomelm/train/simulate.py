@@ -37,6 +37,7 @@ What the simulation cannot see, and what stands in for it:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections import Counter
@@ -53,6 +54,7 @@ from torch.utils.flop_counter import register_flop_formula
 from genomelm.data.vocab import BUILTIN, A
 from genomelm.data.windows import Window
 from genomelm.model import GlmForCausalLM, ModelConfig
+from genomelm.model.backends import as_on_gpu
 from genomelm.model.config import MOE
 from genomelm.model.kda_chunk import chunk_kda_flops
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
@@ -335,9 +337,17 @@ def fla_stand_in() -> Iterator[None]:
         yield
 
 
+def on_gpu_kernels(config: TrainConfig) -> TrainConfig:
+    """`config` with its kernel switches as a GPU resolves them (`backends.as_on_gpu`): the Triton kernels'
+    custom ops (their fake implementations) where triton is installed, else their torch paths (the plan's
+    notes say so)."""
+    return dataclasses.replace(config, model_options=as_on_gpu(config.model_options)[0])
+
+
 def _simulate_ranks(config: TrainConfig, model_config: ModelConfig, ranks: list[int], gpu: str) -> Simulation:
     dims = ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep)
     simulation = Simulation(dims, config.seq_len)
+    config = on_gpu_kernels(config)
     with simulated_gpu(gpu), fla_stand_in():
         for rank in ranks:
             simulation.ranks.append(_simulate_rank(config, model_config, dims, rank))
@@ -430,6 +440,7 @@ def _simulate_eval_ranks(
     dims = ParallelDims(config.parallel.dp, config.parallel.cp, config.parallel.ep)
     cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
     simulation = Simulation(dims, config.seq_len, stage="eval", cut_tokens=cut)
+    config = on_gpu_kernels(config)
     with simulated_gpu(gpu), fla_stand_in():
         for rank in ranks:
             simulation.ranks.append(_simulate_eval_rank(config, model_config, dims, rank, cut > 0))
