@@ -50,6 +50,7 @@ import dataclasses
 import functools
 import gc
 import gzip
+import importlib
 import json
 import math
 import os
@@ -62,18 +63,22 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.flop_counter import FlopCounterMode
+if "--cpu-smoke" in sys.argv:  # the kernels run on CPU tensors in Triton's interpreter, set before its import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
-from genomelm.model.config import DSA, KDA, MOE
-from genomelm.model.indexer import TOPK_SORT_RATIO
-from genomelm.model.kda_chunk import SUB_CHUNK, fla_chunk_kda
-from genomelm.parallel.training import ParallelRun
-from genomelm.train.config import OptimConfig
-from genomelm.train.memory import LayerRunner
-from genomelm.train.plan_trace import _grouped_mm_flops
-from genomelm.train.step import StepOutcome, TrainStep, make_optimizer
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions  # noqa: E402
+from genomelm.model.backends import triton_installed  # noqa: E402
+from genomelm.model.config import DSA, KDA, MOE  # noqa: E402
+from genomelm.model.indexer import TOPK_SORT_RATIO  # noqa: E402
+from genomelm.model.kda_chunk import SUB_CHUNK, fla_chunk_kda  # noqa: E402
+from genomelm.parallel.training import ParallelRun  # noqa: E402
+from genomelm.train.config import OptimConfig  # noqa: E402
+from genomelm.train.memory import LayerRunner  # noqa: E402
+from genomelm.train.plan_trace import _grouped_mm_flops  # noqa: E402
+from genomelm.train.step import StepOutcome, TrainStep, make_optimizer  # noqa: E402
 
 U = 2.0**-8
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}  # dense, per GPU
@@ -97,11 +102,16 @@ def step_flops(config: ModelConfig, options: RunOptions, seq_len: int, recompute
 
     Left out (under 0.5% from 512 tokens on): the KDA recurrence's first and last chunk have fewer gradients
     (the initial state is a constant zero, the final state unused), and non-reentrant checkpoint does not
-    recompute a layer's last residual mix. Assumes dsa_backend "sparse", train_indexer off and a KDA gate
-    lower bound (the factorised diagonal blocks of `kda_chunk._intra_chunk_scores`).
+    recompute a layer's last residual mix. Assumes the torch paths of DSA (dsa_backend "sparse",
+    indexer_backend "torch"), train_indexer off and a KDA gate lower bound (the factorised diagonal blocks of
+    `kda_chunk._intra_chunk_scores`); mHC's FLOPs are the same on either of its paths.
     """
-    if options.dsa_backend != "sparse" or options.train_indexer:
-        raise ValueError("step_flops counts the sparse DSA path without the indexer's KL term")
+    torch_paths = (options.dsa_backend, options.indexer_backend) == ("sparse", "torch")
+    if not torch_paths or options.train_indexer:
+        raise ValueError(
+            "step_flops counts the torch paths of DSA (dsa_backend=sparse, indexer_backend=torch) without "
+            "the indexer's KL term"
+        )
     t, d, n = seq_len, config.hidden_size, config.hc_mult
     trained = 4 if recompute else 3  # passes of a matmul with gradients: forward, 2 backward, recompute
     flops = dict.fromkeys(
@@ -446,13 +456,22 @@ def check_offload(setup: Setup, length: int) -> Row:
     return Row("ok" if ok else "mismatch", note, details=details)
 
 
+# the kernel switches of a slice with its kernels off: the torch paths
+TORCH_PATHS = {"indexer_backend": "torch", "dsa_backend": "sparse", "mhc_backend": "torch"}
+
+
 class SliceModel:
     """The full-width slice (3 KDA + 1 DSA layers at the real widths, 8 experts, DNA vocabulary; small widths
-    for the CPU smoke), built at its first use and shared by the slice checks."""
+    for the CPU smoke), built at its first use and shared by the slice checks. `kernels`: the Triton kernels
+    of the indexer, sparse attention and mHC where they run ("auto": on CUDA), else their torch paths. The
+    last `measure_slice` keeps its loss and gradients (`reference`) for the comparison of the two."""
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, kernels: bool = False) -> None:
         self.setup = setup
+        self.kernels = kernels
         self.kda_backend = "fla" if setup.fla else "torch"
+        self.reference: tuple[float, dict[str, torch.Tensor]] | None = None
+        self.seconds: float | None = None  # the last measured step
         base = ModelConfig.preset("small" if setup.smoke else "glm-5.3-flash")
         self.config = dataclasses.replace(
             base,
@@ -472,8 +491,13 @@ class SliceModel:
             attention_query_block=128,
             loss_chunk_tokens=2048,
             kda_backend=self.kda_backend,
+            **({} if kernels else TORCH_PATHS),
         )
         self.model: GlmForCausalLM | None = None
+
+    @property
+    def label(self) -> str:
+        return f"KDA {self.kda_backend}, {'kernels' if self.kernels else 'torch paths'}"
 
     def get(self) -> GlmForCausalLM:
         if self.model is None:
@@ -492,9 +516,10 @@ def measure_slice(setup: Setup, slice_model: SliceModel, length: int) -> Row:
         forward_backward(model, ids, runner, bf16=True)
     setup.synchronize()
     start = time.perf_counter()
-    forward_backward(model, ids, runner, bf16=True)
+    loss = forward_backward(model, ids, runner, bf16=True)
     setup.synchronize()
     seconds = time.perf_counter() - start
+    slice_model.reference, slice_model.seconds = (loss, gradients(model)), seconds
     model.zero_grad(set_to_none=True)
     parts = step_flops(slice_model.config, slice_model.options, length, recompute=True)
     analytic = sum(parts.values())
@@ -522,6 +547,107 @@ def measure_slice(setup: Setup, slice_model: SliceModel, length: int) -> Row:
         mfu_flop_counter=setup.mfu(counted, seconds),
         details=details,
     )
+
+
+def compare_kernel_slice(setup: Setup, kernels: SliceModel, torch_paths: SliceModel, length: int) -> Row:
+    """The slice with its Triton kernels against the same weights on the torch paths (whose measured step,
+    `torch_paths.reference`, ran just before): two steps (the first warms up: Triton compiles), the second
+    timed; loss within 4 bf16 ulps relative, gradient cosine >= 0.99 (mHC base vectors >= 0.95, as the bf16
+    check), and the time against the torch paths' step."""
+    if torch_paths.reference is None:
+        raise RuntimeError("the slice on the torch paths did not run: nothing to compare with")
+    loss_ref, grads_ref = torch_paths.reference
+    torch_seconds = torch_paths.seconds
+    torch_paths.model = None  # free its weights (the reference holds copies of its gradients)
+    gc.collect()
+    model = kernels.get()
+    ids = dna(length, setup.device, seed=length)
+    runner = LayerRunner(recompute=True, offload=False)
+    forward_backward(model, ids, runner, bf16=True)
+    setup.synchronize()
+    start = time.perf_counter()
+    loss = forward_backward(model, ids, runner, bf16=True)
+    setup.synchronize()
+    seconds = time.perf_counter() - start
+    grads = gradients(model)
+    model.zero_grad(set_to_none=True)
+    cosine = {
+        n: float(torch.nn.functional.cosine_similarity(grads[n].flatten().double(), g.flatten().double(), 0))
+        for n, g in grads_ref.items()
+    }
+    worst = min((c, n) for n, c in cosine.items() if not n.endswith("hc.base"))
+    worst_base = min((c, n) for n, c in cosine.items() if n.endswith("hc.base"))
+    loss_ok = abs(loss - loss_ref) <= 4 * U * abs(loss_ref)
+    ok = loss_ok and worst[0] >= 0.99 and worst_base[0] >= 0.95
+    speedup = torch_seconds / seconds if torch_seconds else float("nan")
+    note = (
+        f"loss {loss:.5f} vs {loss_ref:.5f} on the torch paths (limit {4 * U:.1e} relative), worst gradient "
+        f"cosine {worst[0]:.4f} ({worst[1]}), mHC base {worst_base[0]:.4f}; step {seconds:.2f} s vs "
+        f"{torch_seconds:.2f} s: {speedup:.2f}x"
+    )
+    details = {"loss": loss, "loss_torch_paths": loss_ref, "cosine": cosine, "speedup": speedup}
+    return Row(
+        "ok" if ok else "mismatch", note, seconds=seconds, tokens_per_s=length / seconds, details=details
+    )
+
+
+# (row name, module in benchmarks/): each module's `check(tokens, device, smoke)` runs one kernel against its
+# torch path at GLM-5.3-Flash's width and returns its errors, times and rate
+KERNEL_CHECKS = (
+    ("Triton indexer vs torch (32 heads x 128, top-2048)", "kernel_indexer"),
+    ("Triton sparse MLA vs torch gather (64 heads, latent 512, 2,051 slots)", "kernel_dsa"),
+    ("Triton mHC vs torch (4 streams x 4096)", "kernel_mhc"),
+    ("fla KDA: bf16, gate in kernel, conv, cp=2 segments vs torch (64 heads x 128)", "kernel_kda"),
+)
+KERNEL_SPEEDUP_TARGET = 3.0  # issue 18: each kernel at least 3x its torch path at 64k tokens
+
+
+def check_kernel(setup: Setup, module_name: str, tokens: int) -> Row:
+    """One kernel's `check` as a row: ok when its errors are within the module's bf16 tolerance; the speed
+    against the 3x target is stated (a kernel slower than that is a finding, not a mismatch)."""
+    module = importlib.import_module(module_name)
+    result = module.check(tokens, setup.device, smoke=setup.smoke)
+    parts = [f"max relative error {result['max_rel_error']:.2e}"]
+    if "kernel_ms" in result:
+        speedup = result["speedup"]
+        target = "meets" if speedup >= KERNEL_SPEEDUP_TARGET else "below"
+        parts.append(
+            f"torch {result['torch_ms']:.2f} ms, kernel {result['kernel_ms']:.2f} ms: {speedup:.2f}x "
+            f"({target} the {KERNEL_SPEEDUP_TARGET:.0f}x target), {result['kernel_tflops']:.1f} TFLOP/s"
+        )
+    for key in ("torch_peak_gib", "kernel_peak_gib"):
+        if result.get(key) is not None:
+            parts.append(f"{key.removesuffix('_gib').replace('_', ' ')} {result[key]:.2f} GiB")
+    seconds = result["kernel_ms"] / 1e3 if "kernel_ms" in result else None
+    return Row("ok" if result["ok"] else "mismatch", "; ".join(parts), seconds=seconds, details=result)
+
+
+def check_roofline(setup: Setup, slice_model: SliceModel, length: int) -> Row:
+    """The roofline's projection of the slice's step beside its measured time, part by part
+    (`roofline_gpu.projected_vs_measured`; the table is printed): the first GPU contact's calibration of the
+    model. Ok when it ran; the ratios are the finding."""
+    import roofline_gpu
+
+    model = slice_model.get()
+    ids = dna(length, setup.device, seed=length)
+    runner = LayerRunner(recompute=True, offload=False)
+    if setup.cuda:
+        name = torch.cuda.get_device_name(setup.device)
+        gpu = next((g for g in ("B200", "H200", "H100") if g in name), "H200").lower()
+    else:
+        import roofline_cpu
+
+        gpu = roofline_cpu.cpu_peaks()
+    rows = roofline_gpu.projected_vs_measured(model, ids, runner, gpu, repeats=1 if setup.smoke else 3)
+    print(roofline_gpu.table(rows), flush=True)
+    step = rows[-1]
+    ratios = {r["part"]: r["ratio"] for r in rows}
+    note = (
+        f"step projected {step['projected_ms']:,.1f} ms, measured {step['measured_ms']:,.1f} ms (ratio "
+        f"{step['ratio']:.2f}); by part: "
+        + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items() if p != "step")
+    )
+    return Row("ok", note, seconds=step["measured_ms"] / 1e3, details={"parts": rows})
 
 
 def check_routes(slice_model: SliceModel) -> Row:
@@ -674,18 +800,31 @@ def run_check(setup: Setup, check: Check, budget: Budget) -> Row:
 
 
 def plan(setup: Setup, long: bool) -> list[Check]:
-    """The checks in running order (sizes for the GPU, or tiny ones for the CPU smoke)."""
+    """The checks in running order (sizes for the GPU, or tiny ones for the CPU smoke): what only a GPU can
+    tell first (fla, the kernels at 32k then 64k, the slice with and without them), then the rest."""
     smoke = setup.smoke
     step_tokens = 1024 if smoke else 16384
     slice_lengths = [512] if smoke else [32768]
     long_lengths = [1024, 2048] if smoke else [131072, 524288]
+    kernel_lengths = [64] if smoke else [32768, 65536]
     rank_tokens = 256 if smoke else 2048
-    slice_model = SliceModel(setup)
+    torch_slice = SliceModel(setup)
+    kernel_slice = SliceModel(setup, kernels=True)
 
     def fla_missing() -> str | None:
         if not setup.cuda:
             return "no CUDA (fla's kernels run on GPUs only)"
         return None if setup.fla or setup.fla_broken else "fla not installed (pip install -e '.[gpu]')"
+
+    def kernel_missing(module_name: str) -> Callable[[], str | None]:
+        def missing() -> str | None:
+            if module_name == "kernel_kda":
+                if setup.smoke:
+                    return None  # its CPU part: the gate formula, the packed summary, the cp=2 fold
+                return fla_missing()
+            return None if triton_installed() else "triton not installed (pip install triton)"
+
+        return missing
 
     def long_missing() -> str | None:
         if setup.cuda and not setup.fla:
@@ -693,9 +832,14 @@ def plan(setup: Setup, long: bool) -> list[Check]:
         return None
 
     def routes_missing() -> str | None:
-        if slice_model.model is None:
-            return "no slice ran (the routes resolve at its first forward)"
+        if kernel_slice.model is None:
+            return "no slice with kernels ran (the routes resolve at its first forward)"
         return None
+
+    def compare_missing() -> str | None:
+        if torch_slice.reference is None:
+            return "the slice on the torch paths did not run"
+        return None if triton_installed() else "triton not installed (pip install triton)"
 
     def gpus_missing() -> str | None:
         if setup.cuda and torch.cuda.device_count() < 2:
@@ -703,8 +847,17 @@ def plan(setup: Setup, long: bool) -> list[Check]:
         return None
 
     def slice_check(length: int, missing: Callable[[], str | None] | None) -> Check:
-        name = f"slice at {length:,} tokens (fwd+bwd, recompute, bf16, KDA {slice_model.kda_backend})"
-        return Check(name, length, lambda: measure_slice(setup, slice_model, length), missing)
+        name = f"slice at {length:,} tokens (fwd+bwd, recompute, bf16, {torch_slice.label})"
+        return Check(name, length, lambda: measure_slice(setup, torch_slice, length), missing)
+
+    def kernel_check(title: str, module_name: str, tokens: int) -> Check:
+        return Check(
+            f"{title} at {tokens:,} tokens",
+            tokens,
+            lambda: check_kernel(setup, module_name, tokens),
+            kernel_missing(module_name),
+            False,
+        )
 
     checks = [
         Check(
@@ -714,10 +867,33 @@ def plan(setup: Setup, long: bool) -> list[Check]:
             fla_missing,
             False,
         ),
+        *(
+            kernel_check(title, module_name, tokens)
+            for tokens in kernel_lengths
+            for title, module_name in KERNEL_CHECKS
+        ),
+        *(slice_check(length, None) for length in slice_lengths),
+        *(
+            Check(
+                f"slice at {length:,} tokens with the kernels vs the torch paths ({kernel_slice.label})",
+                length,
+                lambda length=length: compare_kernel_slice(setup, kernel_slice, torch_slice, length),
+                compare_missing,
+            )
+            for length in slice_lengths
+        ),
+        Check(
+            "slice routes (with the kernels)", 0, lambda: check_routes(kernel_slice), routes_missing, False
+        ),
+        Check(
+            f"roofline vs measured by layer kind (slice at {slice_lengths[0]:,} tokens, kernels)",
+            slice_lengths[0],
+            lambda: check_roofline(setup, kernel_slice, slice_lengths[0]),
+            None,
+            False,
+        ),
         Check("bf16 vs fp32 step (small, torch KDA)", step_tokens, lambda: check_bf16(setup, step_tokens)),
         Check("offload vs no offload (small, bf16)", step_tokens, lambda: check_offload(setup, step_tokens)),
-        *(slice_check(length, None) for length in slice_lengths),
-        Check("slice routes", 0, lambda: check_routes(slice_model), routes_missing, False),
         Check(
             f"dp 2 x ep 2 step (tiny, fp32, FSDP2, {'nccl' if setup.cuda else 'gloo'})",
             2 * rank_tokens,

@@ -188,9 +188,12 @@ CONV_NAMES = ["conv: output", "conv: d rows", "conv: d weight", "conv: d halo"]
 GATE_NAMES = ["gate: output", "gate: final state", "gate: d raw", "gate: d A_log", "gate: d dt_bias"]
 
 
-def check(tokens: int, device: torch.device) -> dict:
+def check(tokens: int, device: torch.device, smoke: bool = False) -> dict:
     """fla's KDA at 64 heads x 128 and `tokens` tokens against the torch path, the in-kernel gate against
-    ours, and the zigzag cp=2 segments against one piece (all bf16 q/k/v)."""
+    ours, and the zigzag cp=2 segments against one piece (all bf16 q/k/v); `smoke`: `cpu_smoke` (what runs
+    without fla, at its own tiny size)."""
+    if smoke:
+        return cpu_smoke()
     if fla_chunk_kda() is None:
         raise RuntimeError("fla-core is not installed: pip install -e '.[gpu]'")
     inputs = Inputs(tokens, HEADS, HEAD_DIM, device, torch.bfloat16)

@@ -31,7 +31,7 @@ def test_analytic_flops_equal_flop_counter_on_plain_torch(gpu_check: ModuleType)
     """`tiny` without recompute at 1536 tokens: a dense MLP layer, and indexer blocks that score only the
     pools they see (1536 tokens is 384 pools, beyond TOPK_SORT_RATIO x the 4 pools taken)."""
     config = ModelConfig.preset("tiny")
-    options = RunOptions(kda_backend="torch")
+    options = RunOptions(kda_backend="torch", **gpu_check.TORCH_PATHS)
     torch.manual_seed(0)
     model = GlmForCausalLM.from_config(config, options)
     ids = gpu_check.dna(1536, torch.device("cpu"))
@@ -52,14 +52,19 @@ def test_gpu_check_cpu_smoke(gpu_check: ModuleType, tmp_path: Path, capsys) -> N
     assert report["complete"] and report["versions"]["fla"] == "not installed"
     header = out.splitlines()[0]
     assert header.startswith("genomelm gpu_check on the CPU (smoke sizes), torch ")
-    assert ", triton not installed, fla not installed" in header
+    assert f", triton {gpu_check.package_version('triton')}, fla not installed" in header
     rows = {row["check"]: row for row in report["rows"]}
+    kernels = [f"{title} at 64 tokens" for title, _ in gpu_check.KERNEL_CHECKS]
+    torch_slice = "slice at 512 tokens (fwd+bwd, recompute, bf16, KDA torch, torch paths)"
     assert list(rows) == [
         "fla chunk_kda vs torch KDA (64 heads x 128)",
+        *kernels,
+        torch_slice,
+        "slice at 512 tokens with the kernels vs the torch paths (KDA torch, kernels)",
+        "slice routes (with the kernels)",
+        "roofline vs measured by layer kind (slice at 512 tokens, kernels)",
         "bf16 vs fp32 step (small, torch KDA)",
         "offload vs no offload (small, bf16)",
-        "slice at 512 tokens (fwd+bwd, recompute, bf16, KDA torch)",
-        "slice routes",
         "dp 2 x ep 2 step (tiny, fp32, FSDP2, gloo)",
     ]
     for name, row in rows.items():  # every row is in the printed table
@@ -67,7 +72,9 @@ def test_gpu_check_cpu_smoke(gpu_check: ModuleType, tmp_path: Path, capsys) -> N
     fla, *others = rows.values()
     assert fla["result"] == "skipped: no CUDA (fla's kernels run on GPUs only)"
     assert all(row["status"] == "ok" for row in others), [row["result"] for row in others]
-    measured = rows["slice at 512 tokens (fwd+bwd, recompute, bf16, KDA torch)"]
+    for name in kernels:  # the kernels ran in the interpreter against their torch paths
+        assert rows[name]["details"]["max_rel_error"] < 1e-4, rows[name]["result"]
+    measured = rows[torch_slice]
     flops = measured["details"]
     assert flops["flops_unseen"] == flops["flops_by_part"]["kda triangular solves"] > 0
     visible = flops["flops_analytic"] - flops["flops_unseen"]
@@ -79,11 +86,15 @@ def test_gpu_check_cpu_smoke(gpu_check: ModuleType, tmp_path: Path, capsys) -> N
     path = tmp_path / "budget.json"
     assert gpu_check.main(["--cpu-smoke", "--long", "--budget-s", "1", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
-    assert [row["status"] for row in rows] == ["skipped", "ok"] + ["skipped"] * 6
-    assert rows[-2]["check"] == "slice at 1,024 tokens (fwd+bwd, recompute, bf16, KDA torch)"
-    assert rows[4]["result"] == "skipped: no slice ran (the routes resolve at its first forward)"
-    for row in rows[2:4] + rows[5:]:
-        assert row["result"].startswith("skipped: budget: ~"), row["result"]
-        assert row["details"]["estimate_s"] > row["details"]["left_s"]
+    assert rows[0]["result"] == "skipped: no CUDA (fla's kernels run on GPUs only)"
+    spent = [i for i, row in enumerate(rows) if row["result"].startswith("skipped: budget: ~")]
+    assert spent, [row["result"] for row in rows]
+    assert all(row["status"] == "ok" for row in rows[1 : spent[0]])  # ran while budget was left
+    for row in rows[spent[0] :]:  # then nothing runs: skipped by the budget, or for want of what did not run
+        assert row["status"] == "skipped", row["result"]
+        if row["result"].startswith("skipped: budget: ~"):
+            assert row["details"]["estimate_s"] > row["details"]["left_s"]
+    assert rows[-2]["check"] == "slice at 1,024 tokens (fwd+bwd, recompute, bf16, KDA torch, torch paths)"
+    assert {len(rows) - 2, len(rows) - 1} <= set(spent)  # --long's slices
     out = capsys.readouterr().out
-    assert "| slice at 2,048 tokens (fwd+bwd, recompute, bf16, KDA torch) | 2,048 | - |" in out
+    assert "| slice at 2,048 tokens (fwd+bwd, recompute, bf16, KDA torch, torch paths) | 2,048 | - |" in out
