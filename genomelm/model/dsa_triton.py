@@ -505,7 +505,8 @@ def sparse_mla_bwd(
     scaling: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Sparse MLA backward: (grad_q_lat like q_lat, grad_latent like latent), accumulated in fp32.
+    """Sparse MLA backward: (grad_q_lat like q_lat, grad_latent [B, S, L] fp32: the accumulator itself, cast
+    to latent's dtype by the caller, so a memory trace sees it as the op's output).
 
     Default: d latent by fp32 atomics into a [B*S, L] buffer (order-dependent rounding, so not
     bit-reproducible). `deterministic`: per-slot parts [B*n*head_blocks, W, L] fp32, then a fixed-order sum
@@ -566,14 +567,12 @@ def sparse_mla_bwd(
     )
     if deterministic:
         buffer = _reduce_in_order(buffer, pools, positions, kpool, select_tail, seq_len, head_blocks, padded)
-    return grad_q, buffer.to(latent.dtype).view(batch, seq_len, width)
+    return grad_q, buffer.view(batch, seq_len, width)
 
 
 @sparse_mla_bwd.register_fake
 def _(grad_out, q_lat, latent, out, lse, pools, positions, kpool, select_tail, scaling, deterministic):
-    batch, seq_len, width = latent.shape
-    latent.new_empty(batch * seq_len, width, dtype=torch.float32)  # the fp32 d latent buffer, a transient
-    return torch.empty_like(q_lat), torch.empty_like(latent)
+    return torch.empty_like(q_lat), latent.new_empty(latent.shape, dtype=torch.float32)
 
 
 def _reduce_in_order(
@@ -630,7 +629,7 @@ def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
         ctx.scaling,
         ctx.deterministic,
     )
-    return grad_q, grad_latent, None, None, None, None, None, None
+    return grad_q, grad_latent.to(latent.dtype), None, None, None, None, None, None
 
 
 sparse_mla_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -279,6 +279,7 @@ class Indexer(nn.Module):
                 scored = max(least, visible)
                 scores = score(x[:, rows], q_resid[:, rows], pool_keys[:, :scored], start)
                 chosen = scores.topk(take, dim=-1).indices
+                del scores  # freed before the next block's scores exist
                 position = torch.arange(start, start + size, device=x.device)[:, None]
                 selectable = chosen * self.kpool + (self.kpool - 1) <= position
                 pools[:, rows, :take] = chosen.masked_fill_(~selectable, -1).to(torch.int32)

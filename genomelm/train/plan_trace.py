@@ -52,6 +52,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.model.backends import as_on_gpu, tracing_kernels
+from genomelm.model.indexer import KERNEL_SCORE_BYTES, Indexer
 from genomelm.model.moe import Experts
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.mesh import ParallelDims
@@ -325,6 +326,10 @@ def _traced_model(
         if parallel is not None:
             parallel.prepare(model, None, run.parallel.ep_capacity_factor)
         window = tokens_per_rank * cp
+        for indexer in (m for m in model.modules() if isinstance(m, Indexer)):
+            # the indexer kernel's query blocks as at the run's window (the most queries whose scores fit its
+            # byte bound there), so its scores grow linearly with the traced window, as the plan extrapolates
+            indexer.kernel_score_bytes = KERNEL_SCORE_BYTES * window // max(run.seq_len, window)
         rows = [
             torch.zeros(1, window, dtype=torch.long),
             torch.zeros(1, window, dtype=torch.long),
