@@ -10,6 +10,12 @@ Checks, in this order, one table row each:
 1. fla-core `chunk_kda` against the torch KDA path, 64 heads x 128 at 8k tokens: output, final state and the
    gradients of q, k, v, g, beta and the initial state, relative error <= 2e-2 each (skipped without CUDA or
    fla).
+1a. Each GPU kernel against its torch path at GLM-5.3-Flash's width, at 32k then 64k tokens (`KERNEL_CHECKS`:
+   `benchmarks/kernel_{indexer,dsa,mhc,kda}.py`, whose `check` states its bf16 tolerance): the worst error,
+   both times, the speedup against the 3x target, the kernel's TFLOP/s and peaks. Then the slice (4 below) on
+   the torch paths, the same weights with the kernels against it (loss, gradient cosines, time), the routes
+   with the kernels, and the roofline's projection of the slice beside its measured time by layer kind
+   (`benchmarks/roofline_gpu.py`). The checks below follow them.
 2. A bf16 train step against fp32 on the `small` preset (torch KDA): loss within 4 * 2^-8 relative, gradient
    cosine >= 0.99 (mHC base vectors >= 0.95).
 3. Offload of the kept layer inputs (pinned buffers, side stream) against no offload, bf16 on `small`. Copies

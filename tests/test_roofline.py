@@ -161,14 +161,6 @@ def _benchmark(name: str):
     return sys.modules[name]
 
 
-@pytest.mark.slow
-def test_cpu_roofline_predicts_the_measured_step_of_tiny_at_4k():
-    bench = _benchmark("roofline_cpu")
-    torch.set_num_threads(1)
-    result = bench.check("tiny", 4096, repeats=3)
-    assert result.ok, (result.predicted_s, result.measured_s, result.ratio)
-
-
 def test_projected_vs_measured_by_part_on_the_cpu():
     """benchmarks/roofline_gpu.py on the CPU: every part projected and measured, the parts adding up."""
     from genomelm.model import GlmForCausalLM

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
 # The one table: (rule, B200, H200, H100, unit, source). `peaks` reads the GPUs' numbers off it.
@@ -292,6 +293,20 @@ def op_record(func: Any, args: tuple, kwargs: dict, out: Any, flops: float) -> t
 _FRAME_FILES: dict[Any, str | None] = {}  # code object -> its file relative to the repository, or None
 
 
+_RECOMPUTE = (torch.utils.checkpoint.__file__, "recompute_fn")  # non-reentrant checkpoint's recompute
+
+
+def in_recompute() -> bool:
+    """Whether the calling op runs in a checkpointed layer's recompute (a frame of checkpoint's
+    `recompute_fn` on the stack), not in a backward proper (autograd's, or a custom op's Python backward)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_filename, frame.f_code.co_name) == _RECOMPUTE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def source_line() -> tuple[str | None, str]:
     """The first frame of the Python stack inside genomelm/ (the recording modules skipped), as
     ("genomelm/model/moe.py:123", its function's name), or (None, "") when no frame is."""
@@ -347,7 +362,7 @@ class OpLog:
         if node is not None:  # the backward: a Python backward or a recompute has its own model frame
             in_model = where is not None and where.startswith(("genomelm/model", "genomelm/parallel"))
             if in_model:
-                recompute = function != "backward"
+                recompute = in_recompute()
             else:
                 forward = node.metadata.get("genomelm_where")
                 where = f"backward of {forward or node.name()}"
