@@ -403,16 +403,7 @@ def check_bf16(setup: Setup, length: int) -> Row:
     loss32 = forward_backward(model, ids, runner, bf16=False)
     grads32 = gradients(model)
     loss16 = forward_backward(model, ids, runner, bf16=True)
-    grads16 = gradients(model)
-    cosine = {
-        n: float(
-            torch.nn.functional.cosine_similarity(grads16[n].flatten().double(), g.flatten().double(), dim=0)
-        )
-        for n, g in grads32.items()
-    }
-    # as tests/test_model_precision.py: the mHC base vectors sum nearly cancelling per-token terms
-    worst = min((c, n) for n, c in cosine.items() if not n.endswith("hc.base"))
-    worst_base = min((c, n) for n, c in cosine.items() if n.endswith("hc.base"))
+    cosine, worst, worst_base = gradient_cosines(gradients(model), grads32)
     loss_ok = abs(loss16 - loss32) <= 4 * U * loss32
     ok = loss_ok and worst[0] >= 0.99 and worst_base[0] >= 0.95
     note = (
@@ -512,9 +503,10 @@ class SliceModel:
         return self.model
 
 
-def measure_slice(setup: Setup, slice_model: SliceModel, length: int) -> Row:
+def timed_slice_steps(setup: Setup, slice_model: SliceModel, length: int) -> FlopCounterMode:
     """Two forward + backward steps of the slice with recompute in bf16: the first under FlopCounterMode (it
-    also warms up), the second timed."""
+    also warms up: Triton compiles), the second timed; its loss, gradients and seconds are kept in
+    `slice_model` (`reference`, `seconds`). Returns the first step's counter."""
     model = slice_model.get()
     ids = dna(length, setup.device, seed=length)
     runner = LayerRunner(recompute=True, offload=False)
@@ -524,9 +516,32 @@ def measure_slice(setup: Setup, slice_model: SliceModel, length: int) -> Row:
     start = time.perf_counter()
     loss = forward_backward(model, ids, runner, bf16=True)
     setup.synchronize()
-    seconds = time.perf_counter() - start
-    slice_model.reference, slice_model.seconds = (loss, gradients(model)), seconds
+    slice_model.seconds = time.perf_counter() - start
+    slice_model.reference = (loss, gradients(model))
     model.zero_grad(set_to_none=True)
+    return counter
+
+
+def gradient_cosines(
+    grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+) -> tuple[dict[str, float], tuple[float, str], tuple[float, str]]:
+    """Cosine of each gradient with its reference, the worst (cosine, name) apart from the mHC base vectors,
+    and the worst of those (they sum nearly cancelling per-token terms: tests/test_model_precision.py)."""
+    cosine = {
+        n: float(
+            torch.nn.functional.cosine_similarity(grads[n].flatten().double(), g.flatten().double(), dim=0)
+        )
+        for n, g in reference.items()
+    }
+    worst = min((c, n) for n, c in cosine.items() if not n.endswith("hc.base"))
+    worst_base = min((c, n) for n, c in cosine.items() if n.endswith("hc.base"))
+    return cosine, worst, worst_base
+
+
+def measure_slice(setup: Setup, slice_model: SliceModel, length: int) -> Row:
+    """The slice's timed step (`timed_slice_steps`), its FLOPs by FlopCounterMode against `step_flops`."""
+    counter = timed_slice_steps(setup, slice_model, length)
+    seconds = slice_model.seconds
     parts = step_flops(slice_model.config, slice_model.options, length, recompute=True)
     analytic = sum(parts.values())
     unseen = unseen_flops(parts, slice_model.kda_backend)
@@ -566,23 +581,11 @@ def compare_kernel_slice(setup: Setup, kernels: SliceModel, torch_paths: SliceMo
     torch_seconds = torch_paths.seconds
     torch_paths.model = None  # free its weights (the reference holds copies of its gradients)
     gc.collect()
-    model = kernels.get()
-    ids = dna(length, setup.device, seed=length)
-    runner = LayerRunner(recompute=True, offload=False)
-    forward_backward(model, ids, runner, bf16=True)
-    setup.synchronize()
-    start = time.perf_counter()
-    loss = forward_backward(model, ids, runner, bf16=True)
-    setup.synchronize()
-    seconds = time.perf_counter() - start
-    grads = gradients(model)
-    model.zero_grad(set_to_none=True)
-    cosine = {
-        n: float(torch.nn.functional.cosine_similarity(grads[n].flatten().double(), g.flatten().double(), 0))
-        for n, g in grads_ref.items()
-    }
-    worst = min((c, n) for n, c in cosine.items() if not n.endswith("hc.base"))
-    worst_base = min((c, n) for n, c in cosine.items() if n.endswith("hc.base"))
+    timed_slice_steps(setup, kernels, length)
+    loss, grads = kernels.reference
+    seconds = kernels.seconds
+    cosine, worst, worst_base = gradient_cosines(grads, grads_ref)
+    torch_paths.reference = kernels.reference = None  # the gradient copies, freed for the checks after
     loss_ok = abs(loss - loss_ref) <= 4 * U * abs(loss_ref)
     ok = loss_ok and worst[0] >= 0.99 and worst_base[0] >= 0.95
     speedup = torch_seconds / seconds if torch_seconds else float("nan")

@@ -575,3 +575,17 @@ def test_plan_command_prints_and_writes_the_evaluation(tmp_path, capsys):
         2 * 2 * (written["evaluation"]["window_s"] + written["evaluation"]["cut_s"])
     )
     assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_gpu_gib_caps_what_a_rank_may_use(tmp_path):
+    """`gpu_gib` (a memory budget, e.g. the published recipe's 144.5 GiB) replaces the GPU's usable memory in
+    the verdict: the same plan fits B200's 178 GiB and not a budget below its peak."""
+    settings = ["model=tiny", "seq=512", f"runs_dir={tmp_path}", *SMALL_CHUNKS]
+    plain = make_plan(TrainConfig.from_args(settings))
+    assert plain.fits and plain.usable_gib == 178.0
+    budget = plain.peak_gib_per_rank / 2
+    capped = make_plan(TrainConfig.from_args([*settings, f"gpu_gib={budget}"]))
+    assert capped.usable_gib == budget and not capped.fits
+    assert capped.peak_gib_per_rank == plain.peak_gib_per_rank
+    with pytest.raises(ValueError, match="gpu_gib=-1"):
+        TrainConfig.from_args([*settings, "gpu_gib=-1"])

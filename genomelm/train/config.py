@@ -301,6 +301,7 @@ class PlanConfig:
 
     gpus: int = 0  # GPUs to plan for (0: dp * cp of the run)
     gpu: str = "b200"  # "b200" (178 GiB usable) or "h200" (139 GiB)
+    gpu_gib: float = 0.0  # device memory a rank may use, GiB (0: the GPU's usable memory; e.g. a budget)
     search: bool = False  # plan every layout that fits and rank them by projected tokens/s
     force: bool = False  # train even when the plan says the run does not fit
     # what the projection assumes
@@ -328,6 +329,7 @@ class PlanConfig:
             self.gpus >= 0, f"gpus={self.gpus}: give the number of GPUs to plan for (0: the run's dp * cp)"
         )
         _require(0 < self.mfu <= 1, f"mfu={self.mfu}: give a fraction of peak in (0, 1]")
+        _require(self.gpu_gib >= 0, f"gpu_gib={self.gpu_gib}: give GiB per GPU (0: the GPU's usable memory)")
         _require(self.imbalance >= 0, f"imbalance={self.imbalance}: give >= 0 (0: measured from the run)")
         _require(
             self.trace_tokens >= 1 and self.gpus_per_node >= 1,

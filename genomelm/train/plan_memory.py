@@ -281,6 +281,11 @@ class ParameterShare:
         return cls(numel, total, experts, local)
 
 
+def usable_gib(config: TrainConfig) -> float:
+    """Device memory a rank may use: `plan.gpu_gib`, else the GPU's usable memory."""
+    return config.plan.gpu_gib or GPUS[config.plan.gpu][0]
+
+
 @dataclass
 class RankMemory:
     """Bytes of one rank of a layout (device, by category and module) and of its node's host memory."""
@@ -444,7 +449,7 @@ def rank_memory(
     if opt_offload:
         optimizer = "optimizer offload: fp32 parameters, gradients, AdamW (pinned)"
         host[optimizer] = 16 * params.local * ranks_per_node
-    return RankMemory(device, transients, host, host_inputs, peak, GPUS[config.plan.gpu][0])
+    return RankMemory(device, transients, host, host_inputs, peak, usable_gib(config))
 
 
 def eval_transients(
@@ -492,7 +497,7 @@ def eval_rank_memory(
     device["live as the peak's module starts (streams, inputs)"] = starts.get(peak_module, 0.0)
     device[f"transient of {peak_module}"] = transients[peak_module]
     device["per-token loss, all-gathered ([S] fp32)"] = (3 if layout.cp > 1 else 1) * config.seq_len * 4
-    return RankMemory(device, transients, {}, 0.0, sum(device.values()), GPUS[config.plan.gpu][0])
+    return RankMemory(device, transients, {}, 0.0, sum(device.values()), usable_gib(config))
 
 
 def _largest_layer(model_config: ModelConfig, layout: Layout, params: ParameterShare) -> float:
