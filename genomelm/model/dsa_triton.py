@@ -452,7 +452,9 @@ def sparse_mla_fwd(
     positions = positions.contiguous().to(device=q_lat.device, dtype=torch.int64)
     tile = tiles()
     block_h = _head_block(heads, tile)
-    out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
+    # q_lat's layout (the absorbed queries' einsum leaves them head-major): W_uv's einsum after the core then
+    # reads the output without a permuted copy, as it reads the torch path's
+    out = torch.empty_like(q_lat)
     lse = torch.empty(batch, queries, heads, dtype=torch.float32, device=q_lat.device)
     pools_per_query = pools.shape[-1]
     _fwd_kernel[(batch * queries * triton.cdiv(heads, block_h),)](
@@ -487,8 +489,7 @@ def sparse_mla_fwd(
 @sparse_mla_fwd.register_fake
 def _(q_lat, latent, pools, positions, kpool, select_tail, scaling, deterministic):
     batch, queries, heads, _ = q_lat.shape
-    out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
-    return out, q_lat.new_empty(batch, queries, heads, dtype=torch.float32)
+    return torch.empty_like(q_lat), q_lat.new_empty(batch, queries, heads, dtype=torch.float32)
 
 
 @torch.library.custom_op("genomelm::sparse_mla_bwd", mutates_args=())
