@@ -190,6 +190,9 @@ class DSAAttention(nn.Module):
         else:
             q_lat = self.absorbed_queries(q_resid)
             out_lat, pool_mass = self._core(backend, q_lat, latent.to(q_lat.dtype), selection, train_indexer)
+            # as large as out_lat and needed no further (the core saves what its backward needs): freed
+            # before W_uv's output and its reshape exist, the layer's forward peak at long windows
+            del q_lat
             out = self.project_out(out_lat)
         self._refresh_route()
         self.indexer_loss = None
