@@ -1,8 +1,13 @@
 """The roofline projection (`genomelm.train.roofline`) checked on this CPU: this machine's peaks measured at
-start (a large fp32 and bf16 matmul's GFLOP/s, a copy's bandwidth, the cost of one eager op in the model's
-own step at 256 tokens), then the op list
-of the planner's trace of a whole model's training step (fake tensors; fwd + bwd with recompute, AdamW) costed
-with them, beside the measured seconds of the same step on real tensors (the median of a few).
+start (a large fp32 and bf16 matmul's GFLOP/s, the grouped GEMM's, a copy's bandwidth, the cost of one eager
+op in the model's own step at 256 tokens), then the op list of the planner's trace of a whole model's
+training step (fake tensors; fwd + bwd with recompute, AdamW) costed with them, beside the measured seconds
+of the same step on real tensors (the median of a few).
+
+The trace takes the paths the CPU step runs (the kernel switches' torch paths: the planner's own trace
+takes the GPU's kernels), and the process runs with the Makefile's CPU allocator settings (`CPU_MALLOC`, set
+by re-running itself): without them every large temporary maps fresh pages, whose faults cost more than
+the op's bytes and vary with the machine's load.
 
     python benchmarks/roofline_cpu.py                 # tiny at 4k, small at 4k and 16k
     python benchmarks/roofline_cpu.py --only small:16k
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -29,6 +35,14 @@ from genomelm.train.config import TrainConfig
 from genomelm.train.plan_trace import StepTrace, real_step, trace_step
 
 CASES = ("tiny:4k", "small:4k", "small:16k")
+# the Makefile's CPU_MALLOC: glibc reuses freed memory instead of mapping fresh pages for each large temporary
+CPU_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": "17179869184",
+    "MALLOC_TRIM_THRESHOLD_": "68719476736",
+    "MALLOC_TOP_PAD_": "1073741824",
+}
+# the kernel switches at the torch paths a CPU step runs ("auto" traces the GPU's Triton kernels)
+CPU_PATHS = ("indexer_backend=torch", "dsa_backend=sparse", "mhc_backend=torch")
 TOLERANCE = 0.30  # predicted within 30% of measured
 CALIBRATION_TOKENS = 256  # the step whose time per kernel is the eager op cost
 
@@ -64,16 +78,37 @@ def _tiny_graph() -> None:
     y.sum().backward()
 
 
+_GROUP_SIZES = torch.Generator().manual_seed(0)  # one stream for the process: each call draws new sizes
+
+
+def grouped_gemm_flops(rows: int = 8192, groups: int = 16, width: int = 128, repeats: int = 5) -> float:
+    """FLOP/s of torch's CPU grouped GEMM in bf16 as the experts run it: forward and both gradients (the
+    weight gradient's transposed operand included), group sizes not seen before at each call, as routing
+    makes them (the CPU kernel compiles itself per new size, most of its cost), `rows` rows over `groups`
+    experts of `width` x `width`."""
+    x = torch.randn(rows, width, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(groups, width, width, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows, width, dtype=torch.bfloat16)
+
+    def step() -> None:
+        cuts = torch.randint(0, rows, (groups - 1,), generator=_GROUP_SIZES).sort().values
+        offsets = torch.cat([cuts, torch.tensor([rows])]).to(torch.int32)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).backward(grad)
+
+    return 3 * 2 * rows * width * width / _median_seconds(step, repeats)
+
+
 def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> roofline.Peaks:
     """This CPU's peaks, measured now on the current thread count: fp32 and bf16 matmul FLOP/s (an n x n
-    product; "fp32" serves tf32 too), copy bandwidth (read + write of `copy_mib` MiB), and the seconds of one
-    eager kernel (a chain of tiny ops with autograd, over the kernels it dispatches). No efficiency factor:
-    the measured peaks are what this machine reaches."""
+    product; "fp32" serves tf32 too), the grouped GEMM's (`grouped_gemm_flops`), copy bandwidth (read +
+    write of `copy_mib` MiB), and the seconds of one eager kernel (a chain of tiny ops with autograd, over
+    the kernels it dispatches). No efficiency factor: the measured peaks are what this machine reaches."""
     flops = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a, b = torch.randn(matmul, matmul, dtype=dtype), torch.randn(matmul, matmul, dtype=dtype)
         flops[name] = 2 * matmul**3 / _median_seconds(lambda: a @ b, repeats)  # noqa: B023
     flops |= {"tf32": flops["fp32"], "fp8": flops["bf16"]}
+    grouped = {"bf16": grouped_gemm_flops(repeats=repeats)}
     src = torch.randn(copy_mib << 18)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.nbytes / _median_seconds(lambda: dst.copy_(src), repeats)
@@ -81,13 +116,16 @@ def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> roofl
     with counter:
         _tiny_graph()
     launch = _median_seconds(_tiny_graph, repeats) / counter.kernels
-    return roofline.Peaks("cpu", flops, bandwidth, 1.0, 1.0, launch, nvlink=1e9, ib=1e9, gpus_per_node=1)
+    return roofline.Peaks(
+        "cpu", flops, bandwidth, 1.0, 1.0, launch, nvlink=1e9, ib=1e9, gpus_per_node=1, grouped_flops=grouped
+    )
 
 
 def describe_peaks(p: roofline.Peaks) -> str:
     return (
         f"cpu peaks ({torch.get_num_threads()} thread): fp32 matmul {p.flops['fp32'] / 1e9:,.1f} GFLOP/s, "
-        f"bf16 matmul {p.flops['bf16'] / 1e9:,.1f} GFLOP/s, copy {p.memory / 1e9:,.2f} GB/s, "
+        f"bf16 matmul {p.flops['bf16'] / 1e9:,.1f} GFLOP/s, bf16 grouped GEMM (fwd + bwd) "
+        f"{p.grouped_flops['bf16'] / 1e9:,.1f} GFLOP/s, copy {p.memory / 1e9:,.2f} GB/s, "
         f"one eager op in the model's step {p.launch_s * 1e6:,.1f} us"
     )
 
@@ -122,7 +160,7 @@ def eager_op_seconds(model: str, tokens: int = CALIBRATION_TOKENS, repeats: int 
     """The cost of one eager op in `model`'s own step: its step at `tokens` (so few that data costs little),
     less its ops' roofline bodies, over its kernels (median of `repeats`). The tiny-graph launch of
     `cpu_peaks` misses what the model's Python, module hooks, autocast and checkpointing add to each op."""
-    run = TrainConfig.from_args([f"model={model}", f"seq={tokens}", "offload=false"])
+    run = TrainConfig.from_args([f"model={model}", f"seq={tokens}", "offload=false", *CPU_PATHS])
     trace = trace_step(run, ModelConfig.preset(model), tokens, fake=True)
     kernels = sum(op.count for part in trace.ops.values() for op in part.values())
     per_op = []
@@ -140,7 +178,7 @@ def check(model: str, tokens: int, repeats: int = 3) -> Check:
     update included) with this CPU's peaks and the model's eager op cost (`eager_op_seconds`) against real
     steps, each step right after its own measure of the peaks (the machine is shared: its speed drifts);
     the medians of `repeats`."""
-    run = TrainConfig.from_args([f"model={model}", f"seq={tokens}", "offload=false"])
+    run = TrainConfig.from_args([f"model={model}", f"seq={tokens}", "offload=false", *CPU_PATHS])
     config = ModelConfig.preset(model)
     trace = trace_step(run, config, tokens, fake=True)
     launch = eager_op_seconds(model)
@@ -178,6 +216,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", nargs="*", default=list(CASES), help="model:tokens cases (tiny:4k ...)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    if any(os.environ.get(k) != v for k, v in CPU_MALLOC.items()):  # glibc reads them at start only
+        os.execve(sys.executable, [sys.executable, __file__, *argv], os.environ | CPU_MALLOC)
     torch.set_num_threads(1)
     print(
         "The eager op cost is a measured machine constant, like the peaks: calibrated once per model on its\n"

@@ -1,12 +1,15 @@
 """The roofline projection (`genomelm.train.roofline`): its rules table, ops costed by hand, the collectives'
 ring factors, the op log of a traced step (source lines, the backward named by its forward, recompute),
 the two-trace extrapolation, the planner's report and plan.json, and (slow) the CPU check: the roofline of
-`tiny`'s traced step at 4k tokens with this machine's measured peaks within 30% of the measured step."""
+`tiny`'s and `small`'s traced steps at 4k tokens with this machine's measured peaks within 30% of the
+measured steps (`benchmarks/roofline_cpu.py`, run as a reader runs it)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -194,3 +197,37 @@ def test_traces_past_the_dsa_selection_saturation():
     assert traced_assumptions(Assumptions(trace_tokens=8), config, 1).trace_tokens == 32
     assert traced_assumptions(Assumptions(trace_tokens=8), config, 2).trace_tokens == 16
     assert traced_assumptions(Assumptions(trace_tokens=8), config, 4).trace_tokens == 8
+
+
+def test_grouped_gemms_take_the_devices_grouped_rate_where_it_has_one():
+    gpu = roofline.peaks("b200")
+    experts = roofline.OpClass("aten._grouped_mm", "bf16", "bf16", "moe.py:1", 1, 2e12, 1e9)
+    dense = roofline.OpClass("aten.mm", "bf16", "bf16", "mlp.py:1", 1, 2e12, 1e9)
+    assert roofline.op_seconds(experts, gpu) == roofline.op_seconds(dense, gpu)  # the datasheet: one rate
+    grouped = {"bf16": 1e11}
+    cpu = roofline.Peaks("cpu", {"bf16": 1e12}, 1e10, 1.0, 1.0, 0.0, 1e9, 1e9, 1, grouped_flops=grouped)
+    assert roofline.op_seconds(experts, cpu)[0] == pytest.approx(20.0)
+    assert roofline.op_seconds(dense, cpu)[0] == pytest.approx(2.0)
+
+
+@pytest.mark.slow
+def test_cpu_roofline_predicts_the_measured_steps_within_30_percent():
+    """The benchmark as a reader runs it (its own process: it sets the CPU allocator before torch starts),
+    `tiny` and `small` at 4k tokens; each row's ratio of predicted to measured seconds within 30%."""
+    cases = ["tiny:4k", "small:4k"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "roofline_cpu.py"), "--only", *cases],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^(tiny|small)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
+    cases_run = [(model, int(tokens)) for model, tokens, *_ in rows]
+    assert cases_run == [("tiny", 4096), ("small", 4096)], out.stdout
+    bench = _benchmark("roofline_cpu")
+    for model, tokens, predicted, measured, ratio in rows:
+        assert float(predicted) > 0 and float(measured) > 0
+        assert abs(float(ratio) - 1) <= bench.TOLERANCE, out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("predicted ")

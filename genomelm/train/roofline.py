@@ -152,7 +152,10 @@ _SKIPPED = {str(_ROOT / "train" / name) for name in ("roofline.py", "plan_trace.
 @dataclass(frozen=True)
 class Peaks:
     """What one device does per second: FLOP/s by unit ("bf16", "fp8", "tf32", "fp32"), HBM bytes/s, the
-    efficiencies, the launch cost (s) and the links (bytes/s per direction)."""
+    efficiencies, the launch cost (s) and the links (bytes/s per direction). `grouped_flops`: the routed
+    experts' grouped GEMMs' FLOP/s by unit where a device runs them below its matmul peak (measured, on the
+    CPU: torch's CPU grouped GEMM is far slower than its GEMM); empty on the GPUs, whose grouped GEMMs are
+    costed as any GEMM."""
 
     name: str
     flops: dict[str, float]
@@ -163,6 +166,11 @@ class Peaks:
     nvlink: float
     ib: float
     gpus_per_node: int = 8
+    grouped_flops: dict[str, float] = field(default_factory=dict)
+
+    def matmul_flops(self, op: OpClass) -> float:
+        """FLOP/s of the unit `op` runs on (before the GEMM efficiency)."""
+        return (self.grouped_flops.get(op.unit) if op.expert else None) or self.flops[op.unit]
 
 
 def peaks(gpu: str, nvlink_gbs: float = 0.0, ib_gbs: float = 0.0, gpus_per_node: int = 8) -> Peaks:
@@ -383,7 +391,7 @@ def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float
     n = op.count if count is None else count
     if n <= 0:
         return 0.0, "memory"
-    compute = op.flops / op.count / (p.flops[op.unit] * p.gemm_efficiency) if op.unit != "memory" else 0.0
+    compute = op.flops / op.count / (p.matmul_flops(op) * p.gemm_efficiency) if op.unit != "memory" else 0.0
     memory = op.bytes / op.count / (p.memory * p.memory_efficiency)
     body = max(compute, memory)
     bound = "launch" if p.launch_s > body else ("compute" if compute > memory else "memory")
