@@ -41,8 +41,8 @@ CPU_MALLOC = {
     "MALLOC_TRIM_THRESHOLD_": "68719476736",
     "MALLOC_TOP_PAD_": "1073741824",
 }
-# the kernel switches at the torch paths a CPU step runs ("auto" traces the GPU's Triton kernels)
-CPU_PATHS = ("indexer_backend=torch", "dsa_backend=sparse", "mhc_backend=torch")
+# the kernel switches at the torch paths a CPU step runs ("auto" traces the GPU's Triton and fla kernels)
+CPU_PATHS = ("indexer_backend=torch", "dsa_backend=sparse", "mhc_backend=torch", "kda_backend=torch")
 TOLERANCE = 0.30  # predicted within 30% of measured
 CALIBRATION_TOKENS = 256  # the step whose time per kernel is the eager op cost
 

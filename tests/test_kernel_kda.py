@@ -351,7 +351,7 @@ def test_torch_route_under_context_parallelism_names_its_summaries(one_rank_grou
 
 
 def test_simulation_stand_ins_check_what_fla_checks() -> None:
-    from genomelm.train.simulate import _causal_conv1d_call, _chunk_kda_call
+    from genomelm.train.fla_stand_in import _causal_conv1d_call, _chunk_kda_call
 
     q = torch.randn(1, 16, 2, 8)
     with pytest.raises(ValueError, match="fp32 initial state"):
@@ -384,12 +384,13 @@ def test_simulated_cp2_step_runs_kda_through_the_fla_stand_ins() -> None:
 
 def test_stand_ins_trace_on_fake_tensors_and_count_their_flops() -> None:
     """The simulation's chunk_kda stand-ins run on fake tensors (shapes and dtypes as fla's outputs, the
-    backward's gradients shaped as the inputs) and FlopCounterMode counts `chunk_kda_flops` for them."""
+    backward's gradients shaped as the inputs) and FlopCounterMode counts `chunk_kda_flops` for them, twice
+    that for the backward (an op of its own)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from genomelm.model.kda_chunk import chunk_kda_bytes, chunk_kda_flops
-    from genomelm.train.simulate import _causal_conv1d_call, _chunk_kda_call
+    from genomelm.train.fla_stand_in import _causal_conv1d_call, _chunk_kda_call
 
     batch, seq, heads, dk, dv = 1, 256, 4, 32, 64
     with FakeTensorMode():
@@ -410,7 +411,8 @@ def test_stand_ins_trace_on_fake_tensors_and_count_their_flops() -> None:
                 A_log=A_log,
                 dt_bias=dt_bias,
             )
-        (out.float().sum() + state.sum()).backward()
+        with FlopCounterMode(display=False) as backward_counter:
+            (out.float().sum() + state.sum()).backward()
         rows = torch.randn(batch, seq, 3 * heads * dk, dtype=torch.bfloat16)
         conv, _ = _causal_conv1d_call(
             rows, torch.randn(3 * heads * dk, 4), torch.zeros(batch, 3 * heads * dk, 4), "silu"
@@ -423,4 +425,5 @@ def test_stand_ins_trace_on_fake_tensors_and_count_their_flops() -> None:
             and dt_bias.grad.shape == dt_bias.shape
         )
     assert counter.get_total_flops() == chunk_kda_flops(batch, seq, heads, dk, dv) > 0
+    assert backward_counter.get_total_flops() == 2 * chunk_kda_flops(batch, seq, heads, dk, dv)
     assert chunk_kda_bytes(batch, seq, heads, dk, dv) > 2 * (2 * dk + 2 * dv) * batch * seq * heads

@@ -50,6 +50,7 @@ SMALL_CHUNKS = [
     "indexer_backend=torch",
     "dsa_backend=sparse",
     "mhc_backend=torch",
+    "kda_backend=torch",
     "offload=false",
     "moe_chunk_tokens=64",
     "loss_chunk_tokens=64",

@@ -150,8 +150,14 @@ def test_plan_reports_the_roofline_op_by_op(tmp_path):
     assert r["compute_s"] > r["mean_compute_s"] > 0  # the busiest rank's grouped GEMMs x imbalance
     assert all(row["bound"] in ("compute", "memory", "launch") and "@" in row["class"] for row in r["top"])
     assert len(r["rules"]) == len(roofline.RULES) and "side stream" in r["overlap"]
+    files = r["by_source"]  # every kernel of the busiest rank, by source file
+    top_s = sum(row["seconds"] for row in r["busiest_top"])
+    assert top_s < sum(row["seconds"] for row in files) <= r["compute_s"] * (1 + 1e-9)
+    assert any(row["source"] == "genomelm/model/moe.py" for row in files)
+    assert all(":" not in row["source"] for row in files if row["source"].startswith("genomelm/"))
     text = describe(plan)
     assert "op classes that cost most" in text and "busiest expert-parallel rank:" in text and "MFU" in text
+    assert "by source file, busiest rank: model/" in text
     json.dumps(plan.to_json())
 
 
@@ -231,3 +237,64 @@ def test_cpu_roofline_predicts_the_measured_steps_within_30_percent():
         assert float(predicted) > 0 and float(measured) > 0
         assert abs(float(ratio) - 1) <= bench.TOLERANCE, out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("predicted ")
+
+
+def test_by_source_sums_forward_recompute_and_backward_of_one_file():
+    def costed(where: str, seconds: float) -> roofline.CostedClass:
+        return roofline.CostedClass(
+            f"aten.mm bf16 @ {where}", "aten.mm", "bf16", where, 1, 1e12, 1e9, seconds, "", 0
+        )
+
+    rows = roofline.by_source(
+        [
+            costed("genomelm/model/moe.py:156", 2.0),
+            costed("backward of genomelm/model/moe.py:156", 3.0),
+            costed("genomelm/model/moe.py:120", 1.0),
+            costed("genomelm/model/kda.py:61", 4.0),
+            costed("backward of AddBackward0", 0.5),
+        ]
+    )
+    assert [(r["source"], r["seconds"], r["classes"]) for r in rows] == [
+        ("genomelm/model/moe.py", 6.0, 3),
+        ("genomelm/model/kda.py", 4.0, 1),
+        ("AddBackward0", 0.5, 1),
+    ]
+    assert rows[0]["tflop"] == pytest.approx(3.0) and rows[0]["gb"] == pytest.approx(3.0)
+
+
+def test_plan_costs_kda_as_fla_runs_it_and_keeps_the_torch_paths_memory():
+    """On fake tensors the KDA layers' kernels come from fla's route (the stand-ins' forward and backward ops,
+    costed by fla's FLOP formula on the bf16 unit and their own byte estimate), under context parallelism too
+    (one more delta-rule pass per segment: its summary); their memory stays the torch path's.
+    kda_backend=torch plans the torch path."""
+    config = ModelConfig.preset("tiny")
+    kda = [
+        f"layers.{i}" for i in range(config.num_hidden_layers) if config.layer_types[i] == "linear_attention"
+    ]
+    b200 = roofline.peaks("b200")
+    forward_calls = {}
+    for cp in (1, 2):
+        args = ["model=tiny", f"cp={cp}", "offload=false"]
+        gpu = trace_step(TrainConfig.from_args(args), config, 256, fake=True)
+        torch_path = trace_step(TrainConfig.from_args([*args, "kda_backend=torch"]), config, 256, fake=True)
+        assert gpu.step_peak == torch_path.step_peak and gpu.transients == torch_path.transients
+        assert all(gpu.ops[p] == torch_path.ops[p] for p in gpu.ops if p not in kda)
+        for part in kda:
+            fla = {
+                c.op: c for c in gpu.ops[part].values() if c.op.startswith("genomelm_simulation.chunk_kda")
+            }
+            forward, backward = (
+                fla["genomelm_simulation.chunk_kda"],
+                fla["genomelm_simulation.chunk_kda_backward"],
+            )
+            assert forward.unit == backward.unit == "bf16" and forward.bytes > 0 and backward.bytes > 0
+            assert backward.flops / backward.count == pytest.approx(2 * forward.flops / forward.count)
+            assert not any(c.op.startswith("genomelm_simulation") for c in torch_path.ops[part].values())
+            assert sum(c.flops for c in gpu.ops[part].values()) == pytest.approx(gpu.flops[part])
+            on_fla, on_torch = (
+                sum(c.seconds for c in roofline.project(t.ops, t.ops, 256, 256, 256, {part: 1.0}, b200))
+                for t in (gpu, torch_path)
+            )
+            assert on_fla < on_torch
+            forward_calls[cp] = forward.count
+    assert forward_calls[2] > forward_calls[1]

@@ -50,10 +50,16 @@ def tracing_kernels() -> Iterator[None]:
         _TRACING_KERNELS = saved
 
 
+def kernels_traced() -> bool:
+    """Whether a trace on fake tensors is under way (`tracing_kernels`): the GPU's kernels count as runnable
+    on any device, fla's (through the planner's stand-ins) as well as Triton's."""
+    return _TRACING_KERNELS
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether a Triton kernel can run on tensors of `device`: CUDA with triton installed, or any device
     under the interpreter (or inside `tracing_kernels`)."""
-    return triton_installed() and (device.type == "cuda" or triton_interpreted() or _TRACING_KERNELS)
+    return triton_installed() and (device.type == "cuda" or triton_interpreted() or kernels_traced())
 
 
 def resolve_backend(

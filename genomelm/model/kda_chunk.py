@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backends import kernels_traced
 from .kda_naive import l2_normalise, recurrent_kda
 from .precision import at_least_fp32, compute_dtype, fp32_region
 
@@ -60,7 +61,9 @@ def fla_causal_conv1d() -> Callable[..., tuple[Tensor, Tensor | None]] | None:
 
 
 def select_kda_backend(requested: str, device_type: str, fla_available: bool) -> str:
-    """Resolve `RunOptions.kda_backend` for a device: "auto" -> "fla" on CUDA, "torch" elsewhere.
+    """Resolve `RunOptions.kda_backend` for a device: "auto" -> "fla" on CUDA, "torch" elsewhere. "fla" is
+    also taken on another device inside `backends.tracing_kernels` (a trace on fake tensors, with fla's
+    stand-ins).
 
     On CUDA "auto" without fla-core is an error rather than a silent fall back: the torch backend loops over
     the chunks in Python and solves in fp64, far too slow for a GPU run (kda_backend=torch accepts that).
@@ -76,7 +79,7 @@ def select_kda_backend(requested: str, device_type: str, fla_available: bool) ->
                 "pip install -e '.[gpu]' (fla-core), or set kda_backend=torch to run the slow torch path"
             )
         return "fla"
-    if requested == "fla" and not (device_type == "cuda" and fla_available):
+    if requested == "fla" and not ((device_type == "cuda" or kernels_traced()) and fla_available):
         raise RuntimeError(
             f"kda_backend 'fla' needs CUDA and flash-linear-attention (pip install fla-core); "
             f"device is {device_type!r}, fla {'installed' if fla_available else 'not installed'}"

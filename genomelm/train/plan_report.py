@@ -92,6 +92,9 @@ def describe(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+BY_SOURCE = 8  # source files named in the report's roofline summary
+
+
 def roofline_lines(plan: Plan) -> list[str]:
     """The op classes that cost most (at the mean rank and, with expert parallelism, the busiest one) and
     the flat estimate beside the roofline's."""
@@ -111,6 +114,12 @@ def roofline_lines(plan: Plan) -> list[str]:
             f"{row['gb']:>9.1f}  {row['class']}"
             for row in rows
         ]
+    if r.get("by_source"):
+        shares = ", ".join(
+            f"{row['source'].removeprefix('genomelm/')} {row['share']:.1%}"
+            for row in r["by_source"][:BY_SOURCE]
+        )
+        lines.append(f"  by source file, {'busiest rank' if plan.ep > 1 else 'one rank'}: {shares}")
     return lines
 
 

@@ -55,6 +55,7 @@ class StepTime:
     top: list[dict[str, Any]] = field(default_factory=list)  # the costliest op classes, mean rank
     busiest_top: list[dict[str, Any]] = field(default_factory=list)  # the same at the busiest EP rank
     mean_compute_s: float = 0.0  # the mean rank's kernels
+    by_source: list[dict[str, Any]] = field(default_factory=list)  # the busiest rank's kernels by source file
 
     @property
     def exposed_s(self) -> float:
@@ -72,12 +73,25 @@ def device_peaks(a: Assumptions, gpu: str) -> roofline.Peaks:
     return dataclasses.replace(p, flops=p.flops | {"bf16": a.tflops * 1e12})
 
 
+@dataclass
+class KernelTime:
+    """The traced kernels of one window at their roofline: the busiest expert-parallel rank's seconds (what
+    the step waits for), the mean rank's, the busiest rank's model FLOPs (recompute left out), the costliest
+    op classes of each, and the busiest rank's seconds by source file."""
+
+    busiest_s: float
+    mean_s: float
+    model_flops: float
+    top: list[dict[str, Any]]
+    busiest_top: list[dict[str, Any]]
+    by_source: list[dict[str, Any]]
+
+
 def kernel_time(
     model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions, gpu: str
-) -> tuple[float, float, float, list[dict[str, Any]], list[dict[str, Any]]]:
+) -> KernelTime:
     """The traced kernels of one window at the rank's tokens, every layer by its kind's (the update phase
-    apart: it is costed from the parameters): (busiest rank's seconds, the mean rank's, the busiest rank's
-    model FLOPs, the top op classes of the mean rank, of the busiest)."""
+    apart: it is costed from the parameters)."""
     p = device_peaks(a, gpu)
     times: dict[str, float] = {"rest": 1.0}
     for i in range(model_config.num_hidden_layers):
@@ -90,13 +104,13 @@ def kernel_time(
         roofline.project(lo, hi, t1, t2, steps.tokens, times, p, expert_scale=scale) if scale != 1 else mean
     )
     mean_s, busiest_s = sum(c.seconds for c in mean), sum(c.seconds for c in busiest)
-    model_flops = sum(c.model_flops for c in busiest)
-    return (
+    return KernelTime(
         busiest_s,
         mean_s,
-        model_flops,
+        sum(c.model_flops for c in busiest),
         roofline.top_classes(mean, mean_s, TOP_CLASSES),
         roofline.top_classes(busiest, busiest_s, TOP_CLASSES),
+        roofline.by_source(busiest),
     )
 
 
@@ -112,9 +126,8 @@ def step_time(
     """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     comm, comm_s, overlapped_s = comm_bytes(model_config, layout, params, steps, a)
-    compute_s, mean_s, model_flops, top, busiest_top = kernel_time(
-        model_config, layout, steps, a, config.plan.gpu
-    )
+    kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu)
+    compute_s, mean_s = kernels.busiest_s, kernels.mean_s
     host_s = 0.0
     if config.memory.offload:  # the layer inputs out and back, per window, on the copier's own stream
         overlapped_s += 2 * host_inputs / (a.pcie_gbs * 1e9)
@@ -132,20 +145,8 @@ def step_time(
             / (p.memory * p.memory_efficiency)
         )
         compute_s, mean_s = compute_s + adamw_s, mean_s + adamw_s
-    flat_s = busiest_flops / (a.tflops * 1e12 * a.mfu)
-    return StepTime(
-        rank_flops,
-        busiest_flops,
-        comm,
-        compute_s,
-        comm_s,
-        host_s,
-        overlapped_s,
-        model_flops,
-        flat_s,
-        top,
-        busiest_top,
-        mean_s,
+    return _step_time(
+        rank_flops, busiest_flops, comm, comm_s, host_s, overlapped_s, kernels, a, compute_s, mean_s
     )
 
 
@@ -163,21 +164,38 @@ def forward_time(
     as stored (bf16, with the fp32-declared ones fp32, when `stored_in_bf16`). No host copies."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     comm, comm_s, overlapped_s = forward_comm_bytes(model_config, layout, stored, steps, a, stored_in_bf16)
-    compute_s, mean_s, model_flops, top, busiest_top = kernel_time(model_config, layout, steps, a, gpu)
-    flat_s = busiest_flops / (a.tflops * 1e12 * a.mfu)
+    kernels = kernel_time(model_config, layout, steps, a, gpu)
+    return _step_time(rank_flops, busiest_flops, comm, comm_s, 0.0, overlapped_s, kernels, a)
+
+
+def _step_time(
+    rank_flops: float,
+    busiest_flops: float,
+    comm: dict[str, float],
+    comm_s: float,
+    host_s: float,
+    overlapped_s: float,
+    kernels: KernelTime,
+    a: Assumptions,
+    compute_s: float | None = None,
+    mean_compute_s: float | None = None,
+) -> StepTime:
+    """A `StepTime` from its parts; `compute_s` / `mean_compute_s`: the kernels' seconds with what the step
+    adds on the device (the AdamW step), else the kernels' own."""
     return StepTime(
-        rank_flops,
-        busiest_flops,
-        comm,
-        compute_s,
-        comm_s,
-        0.0,
-        overlapped_s,
-        model_flops,
-        flat_s,
-        top,
-        busiest_top,
-        mean_s,
+        rank_flops=rank_flops,
+        busiest_flops=busiest_flops,
+        comm=comm,
+        compute_s=kernels.busiest_s if compute_s is None else compute_s,
+        comm_s=comm_s,
+        host_s=host_s,
+        overlapped_s=overlapped_s,
+        model_flops=kernels.model_flops,
+        flat_compute_s=busiest_flops / (a.tflops * 1e12 * a.mfu),
+        top=kernels.top,
+        busiest_top=kernels.busiest_top,
+        mean_compute_s=kernels.mean_s if mean_compute_s is None else mean_compute_s,
+        by_source=kernels.by_source,
     )
 
 
@@ -223,6 +241,7 @@ def roofline_summary(time: StepTime, layout: Layout, seq: int, a: Assumptions, g
         "flat_tokens_per_s": layout.dp * seq / max(flat_step, 1e-12),
         "top": [row | {"share": row["seconds"] / step} for row in time.top],  # share of the window's time
         "busiest_top": [row | {"share": row["seconds"] / step} for row in time.busiest_top],
+        "by_source": [row | {"share": row["seconds"] / step} for row in time.by_source],
         "rules": [dict(zip(("rule", "b200", "h200", "h100", "unit", "source"), r)) for r in roofline.RULES],
         "collectives": roofline.COLLECTIVE_FACTORS | {"source": roofline.COLLECTIVE_SOURCE},
         "overlap": roofline.OVERLAP_RULE,

@@ -20,9 +20,13 @@ all-gather of the losses) when cp > 1; no `LayerRunner`, no optimizer.
 On fake tensors each kernel switch left at "auto" (indexer, sparse attention, mHC) takes the GPU's Triton
 kernel (`backends.as_on_gpu`): its custom op's fake implementation is traced, so the plan holds the kernel's
 outputs and what it saves, not the torch path's transients (the torch paths when triton is not installed, with
-a note). The KDA core runs its torch path (`kda_backend="torch"`): fla's stand-ins (`simulate.fla_stand_in`)
-know fla's outputs but not its workspace, and the torch path holds more (per-chunk pairwise gate decays), so a
-plan of a GPU run's KDA layers is an upper bound. With `fake=True` everything runs on `FakeTensorMode` tensors
+a note). The KDA layers' memory is traced on the KDA torch path (`kda_backend="torch"`): fla's stand-ins
+(`genomelm/train/fla_stand_in.py`) know fla's outputs but not its workspace, and the torch path holds more
+(per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper bound. Their kernels (the op
+classes and FLOPs the roofline costs) come from a second pass over the KDA layers alone on fla's route, as a
+GPU runs them (`kda_backend` auto or fla): fla's conv, delta rule and context-parallel summary as the
+stand-ins' custom ops, with fla's FLOP formulas and byte estimates (`_fla_kda_kernels`).
+With `fake=True` everything runs on `FakeTensorMode` tensors
 (no data, no compute) and, under context parallelism, on torch's fake process group ("fake" backend,
 `FakeStore`): collectives trace without peers. With `fake=False` the same code runs on real tensors, on the
 run's own dp x cp x ep mesh (the tests compare the plan of a layout with it).
@@ -52,12 +56,14 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.model.backends import as_on_gpu, tracing_kernels
+from genomelm.model.config import KDA
 from genomelm.model.indexer import KERNEL_SCORE_BYTES, Indexer
 from genomelm.model.moe import Experts
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
 from genomelm.train.config import OptimConfig, TrainConfig
+from genomelm.train.fla_stand_in import fla_stand_in
 from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
 from genomelm.train.precision import autocast_for, resolve_precision
 from genomelm.train.roofline import OpClass, OpLog, SourceTags
@@ -297,12 +303,13 @@ def _traced_model(
     fake: bool,
     dtype: torch.dtype,
     recompute_chunks: bool,
+    kda_backend: str = "torch",
 ) -> Iterator[tuple[GlmForCausalLM, ParallelRun | None, list[torch.Tensor]]]:
     """The model of `config` in `dtype` (each feed-forward chunk checkpointed on its own with
     `recompute_chunks`) split as the run splits it (without FSDP) and one window's rows (ids,
     labels, weights [1, cp x tokens_per_rank]): on fake tensors over a fake group of run.cp ranks (this
     being the last) with `fake`, else on real ones inside the run's own dp x cp x ep group (see
-    `trace_step`)."""
+    `trace_step`). KDA on `kda_backend` ("fla": fla's stand-ins, fake tensors only)."""
     cp = run.parallel.cp
     dims = ParallelDims(1, cp, 1)
     with ExitStack() as stack:
@@ -315,7 +322,9 @@ def _traced_model(
             dims = ParallelDims(run.parallel.dp, cp, run.parallel.ep)
         # the mesh is built from real rank numbers, before any fake tensor exists
         parallel = ParallelRun.from_environment(dims, run.parallel.cp_layout, False, "cpu")
-        options = dataclasses.replace(run.model_options, kda_backend="torch")
+        options = dataclasses.replace(run.model_options, kda_backend=kda_backend)
+        if kda_backend == "fla":
+            stack.enter_context(fla_stand_in())
         if fake:
             stack.enter_context(FakeTensorMode())
             stack.enter_context(_ExpertCountShape())
@@ -367,6 +376,8 @@ def trace_step(
         if runner.copier is not None and fake:
             runner.copier = _MetaHostCopier()
         trace = _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
+    if fake:
+        trace = _fla_kda_kernels(trace, run, model_config, tokens_per_rank, layers, forward_only=False)
     return dataclasses.replace(trace, expert_row_bytes=expert_row_bytes(config))
 
 
@@ -392,7 +403,56 @@ def trace_forward(
         scorer = ContextParallelScorer(model, context) if context is not None else model
         with torch.no_grad(), autocast_for(eval_precision(run), probe.device), probe.tracked():
             scorer.loss(rows[0], rows[1], reduction="none")
-        return probe.trace(tokens_per_rank, run.parallel.cp)
+        trace = probe.trace(tokens_per_rank, run.parallel.cp)
+    if fake:
+        trace = _fla_kda_kernels(trace, run, model_config, tokens_per_rank, layers, forward_only=True)
+    return trace
+
+
+def _fla_kda_kernels(
+    trace: StepTrace,
+    run: TrainConfig,
+    model_config: ModelConfig,
+    tokens_per_rank: int,
+    layers: list[int],
+    forward_only: bool,
+) -> StepTrace:
+    """`trace` (traced with KDA on its torch path) with its KDA layers' kernels and FLOPs as a GPU runs them:
+    from a pass over those layers alone on fla's route (fla's stand-ins), where the run's `kda_backend`
+    takes fla on a GPU ("auto" or "fla"). The memory stays the torch path's (an upper bound)."""
+    kda_layers = [i for i in layers if model_config.layer_types[i] == KDA]
+    if not kda_layers or run.model_options.kda_backend not in ("auto", "fla"):
+        return trace
+    config = sub_config(model_config, kda_layers)
+    if forward_only:
+        dtype = eval_param_dtype(run)
+        with _traced_model(run, config, tokens_per_rank, True, dtype, False, "fla") as (
+            model,
+            parallel,
+            rows,
+        ):
+            model.eval()
+            probe = _StepProbe(model, None, None, kda_layers, optimizer=False)
+            context = parallel.context if parallel is not None else None
+            scorer = ContextParallelScorer(model, context) if context is not None else model
+            with torch.no_grad(), autocast_for(eval_precision(run), probe.device), probe.tracked():
+                scorer.loss(rows[0], rows[1], reduction="none")
+            fla = probe.trace(tokens_per_rank, run.parallel.cp)
+    else:
+        chunks = run.memory.recompute_chunks
+        with _traced_model(run, config, tokens_per_rank, True, torch.float32, chunks, "fla") as traced:
+            model, parallel, rows = traced
+            model.train()
+            runner = LayerRunner.for_memory(run.memory)
+            if runner.copier is not None:
+                runner.copier = _MetaHostCopier()
+            fla = _measure(model, rows, runner, parallel, run, kda_layers, tokens_per_rank, False)
+    parts = [f"layers.{i}" for i in kda_layers]
+    return dataclasses.replace(
+        trace,
+        ops=trace.ops | {part: fla.ops[part] for part in parts},
+        flops=trace.flops | {part: fla.flops[part] for part in parts},
+    )
 
 
 def _measure(

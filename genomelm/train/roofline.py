@@ -144,6 +144,9 @@ NO_KERNEL = {
     "aten.record_stream",
     "aten.resize_",
 }
+# the project's kernels (`genomelm::`) and fla's stand-ins (`genomelm_simulation::`, train/fla_stand_in.py):
+# FLOPs from their registered formulas on the unit of their dtype, bytes from their own `<op>_bytes`
+CUSTOM_NAMESPACES = ("genomelm", "genomelm_simulation")
 FP8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 _ROOT = Path(__file__).resolve().parents[1]  # genomelm/
 _SKIPPED = {str(_ROOT / "train" / name) for name in ("roofline.py", "plan_trace.py")}
@@ -289,7 +292,7 @@ def op_record(func: Any, args: tuple, kwargs: dict, out: Any, flops: float) -> t
     name = f"{func.namespace}.{func._opname}"
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     dtype = next((t.dtype for t in inputs if t.is_floating_point()), None)
-    custom = func.namespace == "genomelm"
+    custom = func.namespace in CUSTOM_NAMESPACES
     moved = _custom_bytes(func, args, kwargs) if custom else None
     if moved is None:
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -513,3 +516,23 @@ def top_classes(classes: Iterable[CostedClass], total_s: float, n: int = 10) -> 
             }
         )
     return rows
+
+
+def source_file(where: str) -> str:
+    """The file of an op class's source: "genomelm/model/moe.py" from "backward of genomelm/model/moe.py:156";
+    a backward without a tagged forward, or an op issued outside genomelm/, as it is named."""
+    where = where.removeprefix("backward of ")
+    return where.rsplit(":", 1)[0] if where.startswith("genomelm/") else where
+
+
+def by_source(classes: Iterable[CostedClass]) -> list[dict[str, Any]]:
+    """Seconds, FLOPs and bytes of the classes summed by source file (forward, recompute and backward
+    together), the costliest first: which block's code the time goes to."""
+    files: dict[str, dict[str, Any]] = {}
+    for c in classes:
+        row = files.setdefault(source_file(c.where), {"seconds": 0.0, "tflop": 0.0, "gb": 0.0, "classes": 0})
+        row["seconds"] += c.seconds
+        row["tflop"] += c.flops / 1e12
+        row["gb"] += c.bytes / 1e9
+        row["classes"] += 1
+    return sorted(({"source": k} | v for k, v in files.items()), key=lambda r: -r["seconds"])

@@ -21,7 +21,8 @@ What the simulation cannot see, and what stands in for it:
   read returns a placeholder, the step is taken as finite; the evaluator's `.numpy()` of a loss read back to
   the host gives zeros (`host_numpy`: the read-back itself, `.cpu()`, is recorded as the sync it is);
 - kernels: fla's and any Triton kernel cannot run on fake tensors. fla's `chunk_kda` (with and without its
-  in-kernel gate) and `causal_conv1d` enter as custom ops with fake implementations (`fla_stand_in`:
+  in-kernel gate) and `causal_conv1d` enter as custom ops with fake implementations (`fla_stand_in`, in
+  `genomelm/train/fla_stand_in.py`:
   outputs and final state of the right shapes and dtypes, fla's saved inputs, gradients of the inputs'
   shapes), so KDA takes the route it takes on a GPU (`auto` -> fla: the conv, the context-parallel summary
   and the delta rule on fla's kernels) whether or not fla is installed here;
@@ -49,14 +50,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.flop_counter import register_flop_formula
 
 from genomelm.data.vocab import BUILTIN, A
 from genomelm.data.windows import Window
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.model.backends import as_on_gpu
 from genomelm.model.config import MOE
-from genomelm.model.kda_chunk import chunk_kda_flops
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
 from genomelm.parallel.layout import ContextLayout, segments_per_rank
 from genomelm.parallel.mesh import ParallelDims
@@ -71,6 +70,7 @@ from genomelm.parallel.simulation import (
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
 from genomelm.train import scoring
 from genomelm.train.config import TrainConfig
+from genomelm.train.fla_stand_in import fla_stand_in, replaced
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.plan_trace import reduced_layers, sub_config
 from genomelm.train.precision import fsdp_param_dtype
@@ -203,140 +203,6 @@ def simulated_gpu(gpu: str) -> Iterator[None]:
         DefaultDeviceType._default_device_type = saved_checkpoint_device
 
 
-@torch.library.custom_op("genomelm_simulation::chunk_kda", mutates_args=())
-def _chunk_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's `chunk_kda` in the simulation: q, k, g [B, S, H, Dk], v [B, S, H, Dv], beta [B, S, H], state
-    [B, H, Dk, Dv] fp32 -> (out like v, final state fp32). Fake tensors only."""
-    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation)")
-
-
-@_chunk_kda.register_fake
-def _(q, k, v, g, beta, state):
-    return torch.empty_like(v), torch.empty_like(state, dtype=torch.float32)
-
-
-@torch.library.custom_op("genomelm_simulation::chunk_kda_gate", mutates_args=())
-def _chunk_kda_gate(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's `chunk_kda` with its in-kernel gate (`use_gate_in_kernel=True`) in the simulation: as
-    `_chunk_kda` with g the raw gate input, plus A_log [H] and dt_bias [H*Dk] (fp32, given gradients)."""
-    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation)")
-
-
-@_chunk_kda_gate.register_fake
-def _(q, k, v, g, beta, state, A_log, dt_bias):
-    return torch.empty_like(v), torch.empty_like(state, dtype=torch.float32)
-
-
-def _saves_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)  # fla keeps its inputs for the backward (and recomputes the rest)
-
-
-def _input_shaped_grads(ctx, *grads):
-    return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
-
-
-_chunk_kda.register_autograd(_input_shaped_grads, setup_context=_saves_inputs)
-_chunk_kda_gate.register_autograd(_input_shaped_grads, setup_context=_saves_inputs)
-
-
-@register_flop_formula(
-    [torch.ops.genomelm_simulation.chunk_kda, torch.ops.genomelm_simulation.chunk_kda_gate]
-)
-def _chunk_kda_flops(q_shape, k_shape, v_shape, *args, **kwargs) -> int:
-    """The forward's FLOPs (`kda_chunk.chunk_kda_flops`); the stand-in's backward is not counted."""
-    batch, seq, heads, dk = q_shape
-    return chunk_kda_flops(batch, seq, heads, dk, v_shape[-1])
-
-
-def _chunk_kda_call(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = True,
-    use_qk_l2norm_in_kernel: bool = True,
-    use_gate_in_kernel: bool = False,
-    safe_gate: bool = False,
-    lower_bound: float | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stand-in with `fla.ops.kda.chunk_kda`'s keyword arguments (as `kda_chunk.fla_kda` calls it),
-    checking what fla itself checks of them."""
-    if initial_state is None:
-        batch, _, heads, dk = k.shape
-        initial_state = k.new_zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32)
-    if initial_state.dtype != torch.float32:
-        raise ValueError("fla's chunk_kda takes an fp32 initial state")
-    if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
-        raise ValueError(f"fla's safe_gate takes a lower bound in [-5, 0), got {lower_bound}")
-    if use_gate_in_kernel:
-        if A_log is None or dt_bias is None or not safe_gate:
-            raise ValueError("the in-kernel gate is called with A_log, dt_bias and safe_gate here")
-        return _chunk_kda_gate(q, k, v, g, beta, initial_state, A_log, dt_bias)
-    return _chunk_kda(q, k, v, g, beta, initial_state)
-
-
-@torch.library.custom_op("genomelm_simulation::causal_conv1d", mutates_args=())
-def _causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor) -> torch.Tensor:
-    """fla's `causal_conv1d` in the simulation: x [B, S, C], weight [C, K], initial_state [B, C, K] -> y
-    like x. Fake tensors only."""
-    raise RuntimeError("the causal_conv1d stand-in runs on fake tensors only (the simulation)")
-
-
-@_causal_conv1d.register_fake
-def _(x, weight, initial_state):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-_causal_conv1d.register_autograd(_input_shaped_grads, setup_context=_saves_inputs)
-
-
-def _causal_conv1d_call(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    initial_state: torch.Tensor,
-    activation: str | None = None,
-    backend: str = "triton",
-) -> tuple[torch.Tensor, None]:
-    """The stand-in with `fla.modules.causal_conv1d.causal_conv1d`'s arguments (as `KDAttention` calls it)."""
-    if activation != "silu" or initial_state.shape != (x.shape[0], x.shape[2], weight.shape[1]):
-        raise ValueError(f"causal_conv1d: activation {activation}, state {tuple(initial_state.shape)}")
-    return _causal_conv1d(x, weight, initial_state), None
-
-
-@contextmanager
-def fla_stand_in() -> Iterator[None]:
-    """`fla_chunk_kda()` and `fla_causal_conv1d()` return the stand-ins (as if fla were installed) while
-    inside."""
-    from genomelm.model import kda, kda_chunk
-
-    stand_ins = {"fla_chunk_kda": lambda: _chunk_kda_call, "fla_causal_conv1d": lambda: _causal_conv1d_call}
-    with ExitStack() as stack:
-        for module in (kda, kda_chunk):
-            for name, stand_in in stand_ins.items():
-                stack.enter_context(_replaced(module, name, stand_in))
-        yield
-
-
 def on_gpu_kernels(config: TrainConfig) -> TrainConfig:
     """`config` with its kernel switches as a GPU resolves them (`backends.as_on_gpu`): the Triton kernels'
     custom ops (their fake implementations) where triton is installed, else their torch paths (the plan's
@@ -456,7 +322,7 @@ def _simulate_eval_rank(
     device = torch.device("cuda", 0)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
     try:
-        with _replaced(scoring, "run_device", lambda: device):  # what `run_device` answers on a GPU rank
+        with replaced(scoring, "run_device", lambda: device):  # what `run_device` answers on a GPU rank
             run = scoring.ScoringRun.from_environment(config)
         phase = ["build"]
         mode = SimulationMode("cuda", lambda: phase[0])
@@ -513,22 +379,6 @@ def _scoring_model(
     model.eval()
     context = run.parallel.context if run.parallel is not None else None
     return (ContextParallelScorer(model, context) if context is not None else model), model
-
-
-@contextmanager
-def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """`owner.name` is `value` while inside, then as it was (an attribute of `owner`'s own restored as
-    stored, a staticmethod as one; an inherited one by removing the replacement)."""
-    own = name in vars(owner)
-    saved = vars(owner).get(name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if own:
-            setattr(owner, name, saved)
-        else:
-            delattr(owner, name)
 
 
 class _Event:
@@ -614,8 +464,8 @@ def fsdp_stand_in(mode: SimulationMode) -> Iterator[None]:
     }
     with ExitStack() as stack:
         for name, value in cuda.items():
-            stack.enter_context(_replaced(torch.cuda, name, value))
-        stack.enter_context(_replaced(DeviceMesh, "from_group", staticmethod(from_group)))
+            stack.enter_context(replaced(torch.cuda, name, value))
+        stack.enter_context(replaced(DeviceMesh, "from_group", staticmethod(from_group)))
         yield
 
 
@@ -641,7 +491,7 @@ def host_numpy() -> Iterator[None]:
             dtype = original(torch.empty(0, dtype=self.dtype)).dtype
         return np.zeros(tuple(self.shape), dtype=dtype)
 
-    with _replaced(torch.Tensor, "numpy", numpy):
+    with replaced(torch.Tensor, "numpy", numpy):
         yield
 
 
@@ -664,7 +514,7 @@ def _until_results_gather() -> Iterator[None]:
             )
         raise _ResultsGather
 
-    with _replaced(dist, "all_gather_object", gather):
+    with replaced(dist, "all_gather_object", gather):
         try:
             yield
         except _ResultsGather:
