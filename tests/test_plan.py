@@ -590,3 +590,25 @@ def test_gpu_gib_caps_what_a_rank_may_use(tmp_path):
     assert capped.peak_gib_per_rank == plain.peak_gib_per_rank
     with pytest.raises(ValueError, match="gpu_gib=-1"):
         TrainConfig.from_args([*settings, "gpu_gib=-1"])
+
+
+def test_a_module_whose_peak_moment_changes_with_size_is_not_understated():
+    """The DSA layer's torch path peaks, at small windows, in its sparse attention's per-block temporaries
+    (a constant size) and, at large ones, in the indexer's per-block scores ([block, heads, P]: P grows with
+    the window). A line through the layer's own peaks at 256 and 512 tokens misses the change; the plan reads
+    each forward moment (by module and function) on its own line and takes the largest."""
+    from genomelm.train.plan_memory import ScaledTraces, chunked_transients
+
+    config = ModelConfig.preset("tiny")
+    args = ["model=tiny", "seq=4096", "offload=false", "indexer_backend=torch", "dsa_backend=sparse"]
+    run = TrainConfig.from_args(args)
+    layers = reduced_layers(config)
+    lo, hi, direct = (
+        trace_step(run, config, t, layers, fake=True, optimizer=False) for t in (256, 512, 4096)
+    )
+    steps = ScaledTraces(lo, hi, 256, 512, 4096, layers, {})
+    dsa = next(f"layers.{i}.self_attn" for i in layers if config.layer_types[i] == "indexed_attention")
+    measured = direct.transients[dsa]
+    assert steps.line(lo.transients[dsa], hi.transients[dsa]) < 0.6 * measured  # the layer's own line
+    assert measured <= chunked_transients(run, steps)[dsa] <= 1.3 * measured
+    assert any(key.endswith(":_block_scores") for key in hi.moments[dsa])  # the indexer's blocks, by name

@@ -303,14 +303,22 @@ class RankMemory:
 
 def chunked_transients(config: TrainConfig, steps: ScaledTraces) -> dict[str, float]:
     """Each traced module's transient on the line through the two traces, at the rank's tokens, or only up to
-    their chunk for the chunked modules (feed-forward: moe_chunk_tokens, loss head: loss_chunk_tokens)."""
+    their chunk for the chunked modules (feed-forward: moe_chunk_tokens, loss head: loss_chunk_tokens). A
+    module whose peak moment changes with size (a constant per-block temporary at the traced sizes, one that
+    grows with the window at full size) is read as the largest of its forward's moments, each on its own
+    line (`StepTrace.moments`: by the innermost module running), and its own line."""
     lo, hi, tokens = steps.lo, steps.hi, steps.tokens
     options = config.model_options
     chunk = {"mlp": options.moe_chunk_tokens, "lm_head": options.loss_chunk_tokens}
-    return {
-        k: max(0.0, steps.line(lo.transients.get(k, 0), v, min(tokens, chunk.get(k.split(".")[-1], tokens))))
-        for k, v in hi.transients.items()
-    }
+    out = {}
+    for k, v in hi.transients.items():
+        at = min(tokens, chunk.get(k.split(".")[-1], tokens))
+        value = steps.line(lo.transients.get(k, 0), v, at)
+        lo_moments, hi_moments = lo.moments.get(k, {}), hi.moments.get(k, {})
+        for inner in hi_moments.keys() & lo_moments.keys():
+            value = max(value, steps.line(lo_moments[inner], hi_moments[inner], at))
+        out[k] = max(0.0, value)
+    return out
 
 
 def module_transients(

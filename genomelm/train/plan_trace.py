@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
@@ -66,7 +66,7 @@ from genomelm.train.config import OptimConfig, TrainConfig
 from genomelm.train.fla_stand_in import fla_stand_in
 from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
 from genomelm.train.precision import autocast_for, resolve_precision
-from genomelm.train.roofline import OpClass, OpLog, SourceTags
+from genomelm.train.roofline import OpClass, OpLog, SourceTags, source_line
 from genomelm.train.step import StepPhases, TrainStep, make_optimizer
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
@@ -108,6 +108,10 @@ class StepTrace:
     starts: dict[str, int] = field(
         default_factory=dict
     )  # module (as in `transients`) -> activation, temporary and other bytes live as its first forward starts
+    moments: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # module (as in `transients`) -> "innermost running module:function" ("" the module itself) -> its
+    # forward's peak over its start while that code ran: the moments `chunked_transients` extrapolates apart
     ops: dict[str, dict[str, OpClass]] = field(
         default_factory=dict
     )  # "layers.<i>"/"rest"/"update" -> op class key -> its kernels (`genomelm.train.roofline.OpLog`)
@@ -198,18 +202,21 @@ class _Counter(TorchDispatchMode):
 
 class _Tracker(MemTracker):
     """MemTracker whose per-operation peak update visits only the active modules (the stock one walks every
-    module it has seen, once per operation): the same numbers, faster."""
+    module it has seen, once per operation): the same numbers, faster. It also keeps, for each module
+    `transients` names, its forward's peak moments by the innermost module running then (`moments`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._by_name: dict[str, Any] = {}
+        self.moments: dict[str, dict[str, int]] = {}  # module fqn -> innermost module fqn -> bytes
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         if len(self._by_name) != len(self.memory_tracking):
             self._by_name = {stats.mod_fqn: stats for stats in self.memory_tracking.values()}
         by_name = self._by_name
         current = self._curr_mem_snap
-        for name in self._mod_tracker.parents:
+        parents = self._mod_tracker.parents
+        for name in parents:
             stats = by_name.get(name)
             if stats is None or peak_state not in stats.snapshots:
                 continue
@@ -217,10 +224,26 @@ class _Tracker(MemTracker):
                 if stats.local_peak.get(dev, 0) < snap["Total"]:
                     stats.local_peak[dev] = snap["Total"]
                     stats.snapshots[peak_state][-1][dev] = dict(snap)
+            if peak_state == _ModState.PEAK_FW and _module_key(name, None) is not None:
+                self._note_moment(name, stats, parents, current)
         for dev, snap in current.items():
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev] = snap["Total"]
                 self._peak_mem_snap[dev] = dict(snap)
+
+    def _note_moment(self, name: str, stats: Any, parents: Any, current: dict) -> None:
+        """The forward of module `name` is running: its live bytes over its start, kept as the largest of the
+        moments when the same code ran: the innermost running module (itself, or a descendant) and the
+        genomelm function that issued the op (a module's per-block loops are functions of their own)."""
+        module = max((p for p in parents if p.startswith(name + ".")), key=len, default=name)
+        inner = f"{module}:{source_line()[1]}"
+        starts = stats.snapshots[_ModState.PRE_FW]
+        if not starts:
+            return
+        moments = self.moments.setdefault(name, {})
+        for dev, snap in current.items():
+            start = starts[-1].get(dev, {}).get("Total", 0)
+            moments[inner] = max(moments.get(inner, 0), snap["Total"] - start)
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
@@ -570,6 +593,7 @@ class _StepProbe:
             optimizer_peak=_categories(update_peak) if self.track_update else {},
             kept={layers[i]: self.marks[i + 1] - self.marks[i] for i in range(len(layers))},
             transients=_transients(self.tracker, device, names),
+            moments=_moments(self.tracker, names),
             starts=_starts(self.tracker, device, names),
             flops=_flops_by_part(self.counter, names),
             comm=self.counter.bytes,
@@ -627,14 +651,25 @@ def _starts(tracker: MemTracker, device: torch.device, names: dict[nn.Module, st
     return out
 
 
-def _module_key(mod_fqn: str, names: dict[nn.Module, str]) -> str | None:
+def _module_key(mod_fqn: str, names: dict[nn.Module, str] | None) -> str | None:
     """A tracked module's name as `transients` keys it ("layers.<i>.self_attn" / ".mlp" in the full model's
-    numbering, "lm_head"), or None for the other modules."""
+    numbering, "lm_head"), or None for the other modules (`names` None: whether it is one, by its own fqn)."""
     fqn = mod_fqn.removeprefix("GlmForCausalLM.")
     parts = fqn.split(".")
     if len(parts) == 3 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
-        return _part(fqn, names)
+        return fqn if names is None else _part(fqn, names)
     return fqn if fqn == "lm_head" else None
+
+
+def _moments(tracker: _Tracker, names: dict[nn.Module, str]) -> dict[str, dict[str, int]]:
+    """`_Tracker.moments` keyed as `transients` is, each moment by the innermost module relative to its
+    module ("" for the module's own code) and the function running ("indexer:score_blocks")."""
+    out = {}
+    for fqn, moments in tracker.moments.items():
+        key = _module_key(fqn, names)
+        if key is not None:
+            out[key] = {inner.removeprefix(fqn).removeprefix("."): v for inner, v in moments.items()}
+    return out
 
 
 def _recomputed(tracker: MemTracker, device: torch.device, names: dict[nn.Module, str]) -> dict[str, int]:
