@@ -83,14 +83,14 @@ from genomelm.model.kda_chunk import SUB_CHUNK, fla_chunk_kda  # noqa: E402
 from genomelm.parallel.training import ParallelRun  # noqa: E402
 from genomelm.train.config import OptimConfig  # noqa: E402
 from genomelm.train.memory import LayerRunner  # noqa: E402
-from genomelm.train.plan_trace import _grouped_mm_flops  # noqa: E402
+from genomelm.train.plan_trace import grouped_mm_flops  # noqa: E402
 from genomelm.train.step import StepOutcome, TrainStep, make_optimizer  # noqa: E402
 
 U = 2.0**-8
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}  # dense, per GPU
 FLOP_TOLERANCE = 0.01  # FlopCounterMode vs the visible part of `step_flops`, relative
 # FlopCounterMode has no formula for the grouped GEMM of the routed experts
-FLOP_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+FLOP_FORMULAS = {torch.ops.aten._grouped_mm: grouped_mm_flops}
 GENOME = Path(__file__).resolve().parents[1] / "data" / "dmel_chr4.fa.gz"
 
 

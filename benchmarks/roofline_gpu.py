@@ -26,13 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from genomelm.model import GlmForCausalLM
 from genomelm.model.config import KDA
 from genomelm.train import roofline
 from genomelm.train.memory import LayerRunner
-from genomelm.train.plan_trace import _GROUPED_MM_FLOPS
+from genomelm.train.plan_trace import flop_formula
 
 REST = "embedding, norm, head, loss"
 
@@ -141,7 +140,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        formula = _GROUPED_MM_FLOPS if packet is torch.ops.aten._grouped_mm else flop_registry.get(packet)
+        formula = flop_formula(packet)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         self.log.record(self.clock.current, func, args, kwargs, out, flops)
         return out

@@ -35,7 +35,7 @@ from genomelm.train.plan_report import refusal
 from genomelm.train.plan_search import plan_layout, rank
 from genomelm.train.plan_trace import (
     StepTrace,
-    _grouped_mm_flops,
+    grouped_mm_flops,
     layer_kind,
     reduced_layers,
     sub_config,
@@ -85,10 +85,10 @@ def test_extrapolation_is_exact_on_lines_and_quadratics():
 def test_grouped_mm_flops_match_the_sliced_matmuls():
     tokens, dim, out, groups = 96, 16, 24, 4
     x, w = torch.randn(tokens, dim), torch.randn(groups, out, dim)
-    forward = _grouped_mm_flops(x.shape, w.transpose(-2, -1).shape, out_shape=(tokens, out))
+    forward = grouped_mm_flops(x.shape, w.transpose(-2, -1).shape, out_shape=(tokens, out))
     assert forward == 2 * tokens * dim * out
     # weight gradient: [dim, T] x [T, out] -> [groups, dim, out]; each token's column once
-    weight_grad = _grouped_mm_flops((dim, tokens), (tokens, out), out_shape=(groups, dim, out))
+    weight_grad = grouped_mm_flops((dim, tokens), (tokens, out), out_shape=(groups, dim, out))
     assert weight_grad == 2 * dim * out * tokens
 
 

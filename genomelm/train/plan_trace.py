@@ -178,8 +178,7 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        # looked up at each op: a kernel module imported during the step registers its formula then
-        formula = _GROUPED_MM_FLOPS if packet is torch.ops.aten._grouped_mm else flop_registry.get(packet)
+        formula = flop_formula(packet)
         part, flops = self.where(), 0
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
@@ -246,7 +245,7 @@ class _Tracker(MemTracker):
             moments[inner] = max(moments.get(inner, 0), snap["Total"] - start)
 
 
-def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     """FLOPs of `torch._grouped_mm` (FlopCounterMode has no formula for it): each row meets one group's
     matrix, so 2 x output elements x inner size; for the weight gradient ([M, T] x [T, N] -> [G, M, N]) each
     token's column counts once: 2 x M x N x T."""
@@ -255,7 +254,14 @@ def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = N
     return 2 * math.prod(out_shape) * a_shape[-1]
 
 
-_GROUPED_MM_FLOPS = shape_wrapper(_grouped_mm_flops)
+_GROUPED_MM_FLOPS = shape_wrapper(grouped_mm_flops)
+
+
+def flop_formula(packet: Any) -> Callable[..., int] | None:
+    """The FLOP formula of an op (its overload packet): torch's `FlopCounterMode` one (`flop_registry`: a
+    custom op's `register_flop_formula` too, looked up at each call, as a kernel module imported during a
+    step registers its formula then), the grouped GEMM's `grouped_mm_flops`; None without one."""
+    return _GROUPED_MM_FLOPS if packet is torch.ops.aten._grouped_mm else flop_registry.get(packet)
 
 
 def reduced_layers(config: ModelConfig) -> list[int]:
@@ -392,13 +398,7 @@ def trace_step(
     depend on the tokens)."""
     layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
     config = sub_config(model_config, layers)
-    chunks = run.memory.recompute_chunks
-    with _traced_model(run, config, tokens_per_rank, fake, torch.float32, chunks) as (model, parallel, rows):
-        model.train()
-        runner = LayerRunner.for_memory(run.memory)
-        if runner.copier is not None and fake:
-            runner.copier = _MetaHostCopier()
-        trace = _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
+    trace = _step_trace(run, config, layers, tokens_per_rank, fake, optimizer, "torch")
     if fake:
         trace = _fla_kda_kernels(trace, run, model_config, tokens_per_rank, layers, forward_only=False)
     return dataclasses.replace(trace, expert_row_bytes=expert_row_bytes(config))
@@ -418,18 +418,52 @@ def trace_forward(
     mesh as in `trace_step`; the trace has no optimizer phase, nothing recomputed and no expert rows saved."""
     layers = list(range(model_config.num_hidden_layers)) if layers is None else layers
     config = sub_config(model_config, layers)
+    trace = _forward_trace(run, config, layers, tokens_per_rank, fake, "torch")
+    if fake:
+        trace = _fla_kda_kernels(trace, run, model_config, tokens_per_rank, layers, forward_only=True)
+    return trace
+
+
+def _step_trace(
+    run: TrainConfig,
+    config: ModelConfig,
+    layers: list[int],
+    tokens_per_rank: int,
+    fake: bool,
+    optimizer: bool,
+    kda_backend: str,
+) -> StepTrace:
+    """`trace_step`'s step of `config` (the traced `layers` already cut out) with KDA on `kda_backend`."""
+    chunks = run.memory.recompute_chunks
+    with _traced_model(run, config, tokens_per_rank, fake, torch.float32, chunks, kda_backend) as traced:
+        model, parallel, rows = traced
+        model.train()
+        runner = LayerRunner.for_memory(run.memory)
+        if runner.copier is not None and fake:
+            runner.copier = _MetaHostCopier()
+        return _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
+
+
+def _forward_trace(
+    run: TrainConfig,
+    config: ModelConfig,
+    layers: list[int],
+    tokens_per_rank: int,
+    fake: bool,
+    kda_backend: str,
+) -> StepTrace:
+    """`trace_forward`'s forward of `config` (the traced `layers` already cut out) with KDA on
+    `kda_backend`."""
     dtype = eval_param_dtype(run)
-    with _traced_model(run, config, tokens_per_rank, fake, dtype, False) as (model, parallel, rows):
+    with _traced_model(run, config, tokens_per_rank, fake, dtype, False, kda_backend) as traced:
+        model, parallel, rows = traced
         model.eval()
         probe = _StepProbe(model, None, None, layers, optimizer=False)
         context = parallel.context if parallel is not None else None
         scorer = ContextParallelScorer(model, context) if context is not None else model
         with torch.no_grad(), autocast_for(eval_precision(run), probe.device), probe.tracked():
             scorer.loss(rows[0], rows[1], reduction="none")
-        trace = probe.trace(tokens_per_rank, run.parallel.cp)
-    if fake:
-        trace = _fla_kda_kernels(trace, run, model_config, tokens_per_rank, layers, forward_only=True)
-    return trace
+        return probe.trace(tokens_per_rank, run.parallel.cp)
 
 
 def _fla_kda_kernels(
@@ -448,28 +482,9 @@ def _fla_kda_kernels(
         return trace
     config = sub_config(model_config, kda_layers)
     if forward_only:
-        dtype = eval_param_dtype(run)
-        with _traced_model(run, config, tokens_per_rank, True, dtype, False, "fla") as (
-            model,
-            parallel,
-            rows,
-        ):
-            model.eval()
-            probe = _StepProbe(model, None, None, kda_layers, optimizer=False)
-            context = parallel.context if parallel is not None else None
-            scorer = ContextParallelScorer(model, context) if context is not None else model
-            with torch.no_grad(), autocast_for(eval_precision(run), probe.device), probe.tracked():
-                scorer.loss(rows[0], rows[1], reduction="none")
-            fla = probe.trace(tokens_per_rank, run.parallel.cp)
+        fla = _forward_trace(run, config, kda_layers, tokens_per_rank, True, "fla")
     else:
-        chunks = run.memory.recompute_chunks
-        with _traced_model(run, config, tokens_per_rank, True, torch.float32, chunks, "fla") as traced:
-            model, parallel, rows = traced
-            model.train()
-            runner = LayerRunner.for_memory(run.memory)
-            if runner.copier is not None:
-                runner.copier = _MetaHostCopier()
-            fla = _measure(model, rows, runner, parallel, run, kda_layers, tokens_per_rank, False)
+        fla = _step_trace(run, config, kda_layers, tokens_per_rank, True, False, "fla")
     parts = [f"layers.{i}" for i in kda_layers]
     return dataclasses.replace(
         trace,
