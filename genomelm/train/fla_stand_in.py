@@ -34,7 +34,7 @@ def _chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's `chunk_kda` in the simulation: q, k, g [B, S, H, Dk], v [B, S, H, Dv], beta [B, S, H], state
     [B, H, Dk, Dv] fp32 -> (out like v, final state fp32). Fake tensors only."""
-    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation)")
+    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation, the planner)")
 
 
 @_chunk_kda.register_fake
@@ -55,7 +55,7 @@ def _chunk_kda_gate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's `chunk_kda` with its in-kernel gate (`use_gate_in_kernel=True`) in the simulation: as
     `_chunk_kda` with g the raw gate input, plus A_log [H] and dt_bias [H*Dk] (fp32, given gradients)."""
-    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation)")
+    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation, the planner)")
 
 
 @_chunk_kda_gate.register_fake
@@ -75,7 +75,7 @@ def _chunk_kda_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fla's `chunk_kda` backward in the simulation: the forward's inputs and the output's gradient -> the
     gradients of q, k, v, g, beta and the initial state. Fake tensors only."""
-    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation)")
+    raise RuntimeError("the chunk_kda stand-in runs on fake tensors only (the simulation, the planner)")
 
 
 @_chunk_kda_backward.register_fake
@@ -173,7 +173,7 @@ def _chunk_kda_call(
 def _causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor) -> torch.Tensor:
     """fla's `causal_conv1d` in the simulation: x [B, S, C], weight [C, K], initial_state [B, C, K] -> y
     like x. Fake tensors only."""
-    raise RuntimeError("the causal_conv1d stand-in runs on fake tensors only (the simulation)")
+    raise RuntimeError("the causal_conv1d stand-in runs on fake tensors only (the simulation, the planner)")
 
 
 @_causal_conv1d.register_fake
@@ -212,7 +212,9 @@ def fla_stand_in() -> Iterator[None]:
 
 
 @contextmanager
-def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+def replaced(
+    owner: Any, name: str, value: Any
+) -> Iterator[None]:  # the simulation's other stand-ins use it too
     """`owner.name` is `value` while inside, then as it was (an attribute of `owner`'s own restored as
     stored, a staticmethod as one; an inherited one by removing the replacement)."""
     own = name in vars(owner)

@@ -306,7 +306,8 @@ def chunked_transients(config: TrainConfig, steps: ScaledTraces) -> dict[str, fl
     their chunk for the chunked modules (feed-forward: moe_chunk_tokens, loss head: loss_chunk_tokens). A
     module whose peak moment changes with size (a constant per-block temporary at the traced sizes, one that
     grows with the window at full size) is read as the largest of its forward's moments, each on its own
-    line (`StepTrace.moments`: by the innermost module running), and its own line."""
+    line (`StepTrace.moments`: by the innermost module and the genomelm function running), and its own
+    line."""
     lo, hi, tokens = steps.lo, steps.hi, steps.tokens
     options = config.model_options
     chunk = {"mlp": options.moe_chunk_tokens, "lm_head": options.loss_chunk_tokens}

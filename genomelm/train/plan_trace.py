@@ -202,12 +202,13 @@ class _Counter(TorchDispatchMode):
 class _Tracker(MemTracker):
     """MemTracker whose per-operation peak update visits only the active modules (the stock one walks every
     module it has seen, once per operation): the same numbers, faster. It also keeps, for each module
-    `transients` names, its forward's peak moments by the innermost module running then (`moments`)."""
+    `transients` names, its forward's peak moments by the code running then (`moments`: the innermost
+    module and the genomelm function)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._by_name: dict[str, Any] = {}
-        self.moments: dict[str, dict[str, int]] = {}  # module fqn -> innermost module fqn -> bytes
+        self.moments: dict[str, dict[str, int]] = {}  # module fqn -> "innermost module fqn:function" -> bytes
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         if len(self._by_name) != len(self.memory_tracking):
