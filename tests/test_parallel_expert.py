@@ -24,6 +24,10 @@ CP_LENGTH = 512  # the window split over cp=2 (256 tokens per rank)
 CHUNK_TOKENS = 200  # MoE chunks of 200 tokens: several exchanges per layer, the last one shorter
 EP = 2
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+# fp32: two ranks' partial gradients summed by gloo against one process's accumulation add the same terms in
+# another order; on nearly cancelling sums (the mHC `base` vectors) that moves a gradient by ~1e-5 of its
+# tensor's largest value (1.25e-5 measured on layers.1.attn_hc.base)
+FP32_RTOL = 5e-5
 
 
 def fly_rows(length: int, window: int) -> list[torch.Tensor]:
@@ -154,7 +158,7 @@ def test_ep2_equals_one_process() -> None:
     """Each rank runs its own window through the expert-parallel model; one process runs both windows."""
     ref = one_process([0, 1])
     results = launch(ep_rank, EP, LENGTH, None, timeout_s=TIMEOUT_S)
-    worst = compare_grads(results, ref["grads"], rtol=1e-5)
+    worst = compare_grads(results, ref["grads"], rtol=FP32_RTOL)
     for rank, result in enumerate(results):
         assert result["loss"] == pytest.approx(ref["losses"][rank], rel=1e-5)
         assert result["changed"] == [f"layers.{i}.mlp.experts" for i in (1, 2, 3)]  # tiny's MoE layers
@@ -178,7 +182,7 @@ def test_cp2_ep2_equals_one_process() -> None:
     ref = one_process([0], CP_LENGTH)
     results = launch(ep_rank, EP, CP_LENGTH, "zigzag", timeout_s=TIMEOUT_S)
     assert sum(r["loss"] for r in results) == pytest.approx(ref["losses"][0], rel=1e-5)
-    worst = compare_grads(results, ref["grads"], rtol=1e-5)
+    worst = compare_grads(results, ref["grads"], rtol=FP32_RTOL)
     for name, counts in ref["counts"][0].items():
         assert torch.equal(sum(r["counts"][name] for r in results), counts)
     print(f"cp=2 x ep=2 vs one process, max |diff| / max|grad|: {worst}")
@@ -193,7 +197,7 @@ def test_skewed_routing_equals_one_process() -> None:
     assert set(results[0]["received"].values()) == {2 * LENGTH * 2}  # 2 ranks x 256 tokens x top-2, per layer
     for result in results:
         assert result["loss"] == pytest.approx(ref["losses"][0], rel=1e-5)
-    worst = compare_grads(results, ref["grads"], rtol=1e-5, copies=2)
+    worst = compare_grads(results, ref["grads"], rtol=FP32_RTOL, copies=2)
     assert all(float(results[1]["grads"][n].abs().max()) == 0 for n in results[1]["shapes"])
     print(f"skewed ep=2 vs one process, max |diff| / max|grad|: {worst}")
 
