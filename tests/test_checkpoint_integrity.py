@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from data_fixtures import fly_windows, tiny_run
 
+from genomelm.data.errors import file_system, out_of_space, size_text
 from genomelm.parallel.checkpoint import Checkpointer, verify_checkpoint
 from genomelm.train.config import TrainConfig
 from genomelm.train.loop import train
@@ -47,11 +48,17 @@ def test_one_process_resume_falls_back_from_a_damaged_checkpoint(fly: Path, tmp_
     assert verify_checkpoint(newest) == [
         f"{weights}: its bytes differ from those written (xxh3-128 mismatch)"
     ]
-    with pytest.warns(UserWarning, match=f"{newest} is damaged.*{weights.name}"):
+    with pytest.warns(
+        UserWarning, match=f"{newest} is damaged.*set aside as step-0000004.damaged.*{weights.name}"
+    ):
         resumed = train(config, progress=False)  # the same run again: continues from step 2, not from 4
     assert resumed["start_step"] == 2
     assert resumed["losses"] == losses[2:]
     assert [row["loss"] for row in read_metrics(config.run_dir / "metrics.jsonl")] == losses
+    # the damaged copy is kept aside, never again the newest: the new step 4 is, and it is what the run names
+    names = sorted(path.name for path in checkpointer.root.iterdir())
+    assert names == ["step-0000002", "step-0000004", "step-0000004.damaged"]
+    assert resumed["checkpoint"] == checkpointer.latest() == newest and not verify_checkpoint(newest)
 
 
 def test_a_truncated_newest_checkpoint_is_skipped_and_eval_falls_back(fly: Path, tmp_path: Path) -> None:
@@ -117,8 +124,44 @@ def test_disk_full_while_checkpointing_names_the_device_and_keeps_the_previous(
     monkeypatch.setattr(checkpoint, "save_model", save_model)
     config = settings(fly, tmp_path)
     assert train_main(arguments(fly, tmp_path)) == 1
-    message = capsys.readouterr().err
-    assert "no space left on the device of" in message and "GB are free" in message and "resume" in message
+    message = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    # what the previous checkpoint took on disk (its headers and trainer state too), or the state's bytes
+    state = checkpoint.state_bytes(*_model_and_optimizer(config))
+    needed = max(state, Checkpointer(config.run_dir).latest_bytes())
+    assert needed > state
+    assert message.startswith(f"genomelm train: no space left on {file_system(tmp_path)} writing ")
+    assert f"(the checkpoint needs about {size_text(needed)}, " in message and " free)" in message
+    assert message.endswith(checkpoint.SPACE_ADVICE)
     checkpointer = Checkpointer(config.run_dir)
     assert checkpointer.latest_verified().name == "step-0000002"
     assert not list(checkpointer.root.glob(".tmp-*"))
+
+
+def _model_and_optimizer(config: TrainConfig) -> tuple:
+    """A one-process run's model and optimizer, as a checkpoint holds them (AdamW state after a step)."""
+    from genomelm.train.loop import build_run, train_one_step
+
+    run = build_run(config.replace(run="sizes"))
+    run.summary = {"losses": [], "skipped": 0}
+    train_one_step(run, 0)
+    return run.model, run.optimizer
+
+
+def test_a_full_disk_is_recognised_in_every_form_it_takes() -> None:
+    """torch.distributed.checkpoint reports each rank's failure wrapped in a CheckpointException; safetensors
+    as text; a plain OSError by errno; other errors are not a full disk."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from genomelm.parallel import checkpoint
+
+    full = OSError(28, "No space left on device")
+    assert out_of_space(CheckpointException("save failed", {1: _wrap_exception(full)}))
+    with pytest.raises(OSError, match="No space left") as info, checkpoint.dcp_failures():
+        raise CheckpointException("save failed", {1: _wrap_exception(full), 0: _wrap_exception(full)})
+    assert info.value.errno == 28 and "failed on ranks [0, 1]" in info.value.__notes__[0]
+    assert out_of_space(RuntimeError("IoError(Os { code: 28, kind: StorageFull }) os error 28"))
+    wrapped = RuntimeError("saving failed")
+    wrapped.__cause__ = full
+    assert out_of_space(wrapped)
+    assert not out_of_space(CheckpointException("save failed", {0: _wrap_exception(ValueError("shape"))}))
+    assert not out_of_space(OSError(13, "Permission denied"))

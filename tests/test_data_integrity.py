@@ -248,3 +248,25 @@ def test_manifest_text_without_a_command_names_the_pattern(tmp_path: Path) -> No
     assert str(err.value).endswith(
         "rebuild it: `genomelm data ... --force` (with the settings it was prepared with)"
     )
+
+
+def test_a_copied_folder_is_rebuilt_where_it_was_opened(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A prepared folder copied (or moved) elsewhere and damaged there: the rebuild command names the copy as
+    its --out, not the folder it was first written to, and running it rebuilds the copy."""
+    import shutil
+
+    original = prepared(tmp_path)
+    copy = tmp_path / "elsewhere" / "fly"
+    shutil.copytree(original, copy)
+    flip(copy / "train.bin", 5)
+    with pytest.raises(DataError) as err:
+        WindowDataset(copy, "train")
+    command = str(err.value).split("rebuild it: `")[1].rstrip("`")
+    words = shlex.split(command)
+    assert words[words.index("--out") + 1] == str(copy) and words.count("--out") == 1, command
+    assert words[-1] == "--force"
+    capsys.readouterr()
+    assert data_main(words[2:]) == 0 and f"wrote {copy} " in capsys.readouterr().out
+    assert len(WindowDataset(copy, "train")) == 16 and len(WindowDataset(original, "train")) == 16

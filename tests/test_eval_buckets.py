@@ -185,7 +185,7 @@ def test_check_bucket_and_pick_windows() -> None:
 def test_main_rejects_bucket_larger_than_seq(tmp_path, capsys) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("run: t\nseq: 4096\n")
-    assert main([str(config), "bucket=8192", f"results_dir={tmp_path}"]) == 1
+    assert main([str(config), "bucket=8192", f"results_dir={tmp_path}"]) == 2
     assert "larger than SEQ (4096 tokens)" in capsys.readouterr().err
 
 

@@ -225,7 +225,7 @@ def test_per_base_bf16(run: dict, tmp_path: Path) -> None:
 def test_bad_inputs_are_refused_before_anything_is_written(
     run: dict, tmp_path: Path, capsys, settings: list[str], message: str
 ) -> None:
-    assert cli_main(["embed", *run["settings"], f"results_dir={tmp_path}", *settings]) == 1
+    assert cli_main(["embed", *run["settings"], f"results_dir={tmp_path}", *settings]) == 2
     err = capsys.readouterr().err
     assert err.startswith("genomelm embed: ") and len(err.strip().splitlines()) == 1, err
     assert re.search(message, err), err
@@ -234,7 +234,7 @@ def test_bad_inputs_are_refused_before_anything_is_written(
 
 def test_a_region_of_an_all_n_stretch_is_refused_for_mean_pooling(run: dict, tmp_path: Path, capsys) -> None:
     region = f"{DMEL_RECORD}:{N_RUN + 101}-{N_RUN + 200}"
-    assert cli_main(["embed", *run["settings"], f"results_dir={tmp_path}", f"region={region}"]) == 1
+    assert cli_main(["embed", *run["settings"], f"results_dir={tmp_path}", f"region={region}"]) == 2
     assert "no A/C/G/T base (all N) to average over" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
     assert (embed(run, tmp_path, f"region={region}", "embed_pool=base") / "embeddings.tsv").exists()

@@ -120,6 +120,6 @@ def test_eval_command_on_two_genomes(demo_outputs, tmp_path: Path, capsys) -> No
     header = next(line for line in out.splitlines() if line.startswith("bucket"))
     assert Path(fly).name in header and "human" in header  # the printed table, side by side
 
-    assert main([*run, f"heldout={fly},{human_256}"]) == 1
+    assert main([*run, f"heldout={fly},{human_256}"]) == 2
     err = capsys.readouterr().err
     assert "same --seq" in err and fly in err and str(human_256) in err

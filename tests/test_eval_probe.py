@@ -188,7 +188,7 @@ def test_probe_command_end_to_end(demo_outputs, tmp_path: Path, capsys) -> None:
             assert row[name]["gap"] == pytest.approx(row[name]["baseline"] - row[name]["planted"])
     assert (tmp_path / "demo" / "copy_probe.png").read_bytes()[:4] == b"\x89PNG"
     assert len((tmp_path / "demo" / "copy_probe.csv").read_text().splitlines()) == 4
-    assert cli_main(["probe", *run, "probe_distances=1k,abc"]) == 1
+    assert cli_main(["probe", *run, "probe_distances=1k,abc"]) == 2
     assert "'abc' is not a distance" in capsys.readouterr().err
 
 

@@ -165,9 +165,9 @@ def test_a_damaged_sharded_checkpoint_falls_back_to_the_one_before(
 
 def test_layouts_the_evaluation_cannot_run_are_refused_before_any_process_starts(capsys) -> None:
     base = ["model=tiny", "seq=256", "run=r", "--before", "tiny", "--after", "tiny"]
-    assert eval_main([*base, "dp=2", "ep=3"]) == 1
+    assert eval_main([*base, "dp=2", "ep=3"]) == 2
     assert "ep=3" in capsys.readouterr().err
-    assert eval_main([*base, "cp=2", "bucket=96"]) == 1  # the cut window: 256 - 192 + 96 = 160 tokens
+    assert eval_main([*base, "cp=2", "bucket=96"]) == 2  # the cut window: 256 - 192 + 96 = 160 tokens
     err = capsys.readouterr().err
     assert "the context cut scores the last bucket with the one before it, 160 tokens" in err
     assert "context_cut=false" in err

@@ -389,7 +389,7 @@ def test_bad_regions_are_refused_and_nothing_is_written(
         "run=r",
         f"results_dir={tmp_path / 'results'}",
     ]
-    assert cli_main(["track", *args, f"region={spec}", "--before", "tiny", "--after", "tiny"]) == 1
+    assert cli_main(["track", *args, f"region={spec}", "--before", "tiny", "--after", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("genomelm track: ") and all(m in err for m in messages), err
     assert not (tmp_path / "results").exists()

@@ -152,7 +152,7 @@ def test_export_bf16_by_default_keeps_the_fp32_parameters(sharded_run, tmp_path)
 def test_export_errors_name_the_folder_and_the_fix(sharded_run, tmp_path, capsys):
     empty = tmp_path / "empty-run"
     empty.mkdir()
-    assert cli_main(["export", str(empty), str(tmp_path / "out")]) == 1
+    assert cli_main(["export", str(empty), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "holds no complete checkpoint" in err and str(empty) in err
 
@@ -168,7 +168,7 @@ def test_export_errors_name_the_folder_and_the_fix(sharded_run, tmp_path, capsys
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert cli_main(["export", str(sharded_run), str(out)]) == 1
+    assert cli_main(["export", str(sharded_run), str(out)]) == 2
     assert "--force" in capsys.readouterr().err and (out / "keep.txt").exists()
     assert cli_main(["export", str(sharded_run), str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / INDEX_FILE).exists()

@@ -1,18 +1,21 @@
-"""The local launcher: results in rank order, a rank's error re-raised in the parent, hangs and deaths turned
-into failures (gloo, 2 or 3 processes)."""
+"""The local launcher: results in rank order, a rank's error re-raised in the parent, hangs, deaths and stuck
+ranks turned into failures that name the rank, signals (gloo, 2 or 3 processes)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from genomelm.data.integrity import DamagedFolder
 from genomelm.parallel import LaunchError, LaunchTimeout, is_output_rank, launch
-from genomelm.parallel.launch import DEATH_GRACE_S, STOP_GRACE_S
+from genomelm.parallel.launch import REAP_GRACE_S, STUCK_GRACE_S, Interrupted, StuckRank
 
 TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT_S = 5.0
@@ -129,14 +132,86 @@ def test_a_rank_that_dies_in_a_collective_is_named(how: str, status: str) -> Non
             timeout_s=TIMEOUT_S,
             collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         )
-    assert time.monotonic() - start < COLLECTIVE_TIMEOUT_S + STOP_GRACE_S
+    assert time.monotonic() - start < COLLECTIVE_TIMEOUT_S + REAP_GRACE_S
     if how == "close first":
         assert "Connection closed by peer" in info.value.__notes__[0]
 
 
-def test_a_collective_waiting_for_a_stuck_rank_fails_after_collective_timeout_s() -> None:
+def test_a_rank_stuck_outside_a_collective_is_named_by_those_waiting_for_it() -> None:
+    """Ranks 0 and 2 wait in an all_reduce for rank 1, which sleeps: after collective_timeout_s they raise
+    gloo's timeout, and the launch names rank 1 (not them), what it is doing, and where they waited."""
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="Timed out waiting 3000ms") as info:
+    with pytest.raises(StuckRank) as info:
         launch(_rank_1_is_stuck, 3, timeout_s=TIMEOUT_S, collective_timeout_s=3.0)
-    assert time.monotonic() - start < 3.0 + DEATH_GRACE_S + STOP_GRACE_S
-    assert "in _rank_1_is_stuck" in info.value.__notes__[0]
+    assert time.monotonic() - start < 3.0 + STUCK_GRACE_S + REAP_GRACE_S
+    line = str(info.value).splitlines()[0]
+    assert line.startswith("rank 1 of 3 stuck: ranks 0, 2 waited 3 s for it in all_reduce"), line
+    assert "rank 1 is sleeping outside the collective" in line
+    assert "--- rank 1 ---" in str(info.value) and "in _rank_1_is_stuck" in str(info.value)  # its stack
+    assert "Timed out waiting 3000ms" in str(info.value.__cause__)  # a waiting rank's own error
+
+
+def _rank_1_stops_itself() -> None:
+    total = torch.ones(4)
+    dist.all_reduce(total)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(total)
+
+
+def test_a_stopped_rank_is_named_with_its_state() -> None:
+    with pytest.raises(StuckRank, match=r"rank 1 of 2 stuck: rank 0 waited 3 s .* stopped \(SIGSTOP"):
+        launch(_rank_1_stops_itself, 2, timeout_s=TIMEOUT_S, collective_timeout_s=3.0)
+
+
+def _raise_damaged_folder() -> None:
+    if dist.get_rank() == 1:
+        raise DamagedFolder(Path("/data/fly/train.bin"), "bytes 0-16 changed", "rebuild it: `genomelm data`")
+    dist.barrier()
+
+
+class _Unrebuildable(Exception):
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(f"{text} ({code})")
+
+
+def _raise_unrebuildable() -> None:
+    if dist.get_rank() == 1:
+        raise _Unrebuildable(7, "no way back")
+    dist.barrier()
+
+
+def test_errors_keep_their_type_or_at_least_their_last_line() -> None:
+    """A typed error with its own constructor arrives as that type; one that cannot be rebuilt arrives as a
+    LaunchError naming the rank and holding the error's last line, never only a traceback."""
+    with pytest.raises(DamagedFolder, match=r"train.bin: bytes 0-16 changed; rebuild it") as info:
+        launch(_raise_damaged_folder, 2, timeout_s=TIMEOUT_S)
+    assert info.value.path == Path("/data/fly/train.bin")
+    with pytest.raises(LaunchError, match=r"^rank 1 of 2 raised .*_Unrebuildable: no way back \(7\)\n"):
+        launch(_raise_unrebuildable, 2, timeout_s=TIMEOUT_S)
+
+
+def _sleep_long() -> None:
+    time.sleep(600)
+
+
+def _signal_this_process_in(seconds: float, signum: int = signal.SIGTERM) -> threading.Timer:
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signum))
+    timer.start()
+    return timer
+
+
+def test_a_signal_ends_a_launch_at_once_and_a_callback_turns_the_first_into_a_request() -> None:
+    """Without on_signal a SIGTERM kills the ranks (they ignore it themselves) and raises Interrupted (exit
+    status 143); with it, the first signal only reaches the callback, a second one ends the launch."""
+    start = time.monotonic()
+    _signal_this_process_in(3.0)
+    with pytest.raises(Interrupted, match="interrupted by SIGTERM") as info:
+        launch(_sleep_long, 2, timeout_s=TIMEOUT_S)
+    assert info.value.exit_code == 143 and time.monotonic() - start < TIMEOUT_S / 2
+    asked: list[int] = []
+    _signal_this_process_in(3.0, signal.SIGINT)
+    _signal_this_process_in(6.0)
+    with pytest.raises(Interrupted, match="interrupted by SIGTERM"):
+        launch(_sleep_long, 2, timeout_s=TIMEOUT_S, on_signal=asked.append)
+    assert asked == [signal.SIGINT]

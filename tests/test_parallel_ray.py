@@ -186,7 +186,7 @@ def test_sigterm_to_the_driver_stops_the_workers_after_a_step_with_a_checkpoint(
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
-    assert driver.returncode == 0, err
+    assert driver.returncode == 143, err  # stopped early: 128 + SIGTERM
     step = int(out.split("stopped by SIGTERM after step ")[1].split()[0])
     assert Checkpointer(tmp_path / "stopped").latest().name == f"step-{step:07d}"
     assert len(metrics.read_text().splitlines()) == step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from data_fixtures import fly_windows, tiny_run
 
+from genomelm.data.errors import file_system
 from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.train.config import TrainConfig
 from genomelm.train.guards import RunMismatch
@@ -40,7 +42,8 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path: Path) -
         assert holder["pid"] == os.getpid() and holder["started"]
         with pytest.raises(RunLocked, match=f"in use by pid {os.getpid()} on .* run=NAME"):
             RunLock(run_dir).acquire()
-    assert not (run_dir / LOCK_FILE).exists()  # released
+    assert not run_dir.exists()  # released, and the folder it made removed: nothing was written there
+    run_dir.mkdir()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     (run_dir / LOCK_FILE).write_text(json.dumps({"pid": gone.pid, "host": RunLock(run_dir).owner["host"]}))
@@ -96,6 +99,69 @@ def test_resume_never_over_an_earlier_run_is_refused(fly: Path, tmp_path: Path) 
     with pytest.raises(RunMismatch, match=r"resume=never.*step-0000004.*resume=auto.*run=NAME"):
         train(again, progress=False)
     assert [row["step"] for row in read_metrics(tmp_path / "runs" / "r" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_the_only_checkpoint_damaged_is_refused_and_the_history_kept(
+    fly: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """keep_checkpoints=1 (the demo's setting) and its one checkpoint damaged: `genomelm train` refuses to
+    start the run over (exit 2), naming the damaged file and the way out; metrics.jsonl and the checkpoint are
+    as they were."""
+    from genomelm.train.command import main as train_main
+
+    run = settings(fly, tmp_path, keep_checkpoints=1)
+    assert train_main(run) == 0
+    metrics, checkpoint = tmp_path / "runs" / "r" / "metrics.jsonl", Checkpointer(tmp_path / "runs" / "r")
+    rows = metrics.read_text()
+    weights = next(checkpoint.latest().glob("model/*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])  # a truncated copy
+    capsys.readouterr()
+    assert train_main(settings(fly, tmp_path, keep_checkpoints=1, steps=4)) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("genomelm train: every checkpoint of") and len(line.splitlines()) == 1, line
+    assert f"{weights}: " in line and "resume=never run=<new name>" in line
+    assert metrics.read_text() == rows
+    assert [p.name for p in checkpoint.steps()] == ["step-0000002"]
+
+
+def test_a_full_disk_at_the_start_or_on_a_metrics_append_is_one_line(
+    fly: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """ENOSPC (injected) while the run saves its initial model, then while it appends its second metrics row:
+    one line each, naming the device, the path and the size needed, exit 1; the rows written stay."""
+    from genomelm.train import loop, metrics
+    from genomelm.train.command import main as train_main
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "save_model", full)
+        assert train_main(settings(fly, tmp_path, run="start")) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    init = tmp_path / "runs" / "start" / "init"
+    assert line.startswith(f"genomelm train: no space left on {file_system(tmp_path)} writing {init} (")
+    assert "initial model (the 'before' model of genomelm eval) needs about " in line and " free)" in line
+    appended = []
+
+    def open_until_full(path, mode="r", *args, **kwargs):
+        if mode == "a":
+            appended.append(path)
+            if len(appended) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "open", open_until_full, raising=False)
+    assert train_main(settings(fly, tmp_path, run="rows", steps=4)) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    rows = tmp_path / "runs" / "rows" / "metrics.jsonl"
+    assert line.startswith(
+        f"genomelm train: no space left on {file_system(tmp_path)} writing {rows} (a metrics"
+    )
+    assert line.endswith(
+        "the run's newest checkpoint is intact: free space, and the same command continues (resume=auto)"
+    )
+    assert [row["step"] for row in read_metrics(rows)] == [1]
 
 
 def test_torn_metrics_line_is_skipped_and_repaired_on_resume(fly: Path, tmp_path: Path) -> None:
@@ -157,9 +223,11 @@ def _wait_until_gone(process: subprocess.Popen, timeout_s: float = 30) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [1, 2])
 def test_sigterm_stops_after_a_step_with_a_checkpoint_and_resumes_exactly(fly: Path, tmp_path: Path, cp: int):
-    """SIGTERM to `genomelm train` (the one process, or the local launcher of cp=2): every rank finishes its
-    step, a checkpoint of that step is written, every process of the run exits, the launcher exits 0 saying
-    how to continue; the same command then continues with the losses of an uninterrupted run."""
+    """SIGTERM to `genomelm train` (the one process; for cp=2 its whole process group, as Slurm or a container
+    runtime sends it: the ranks and the forkserver ignore it, the launcher turns it into a request): every
+    rank finishes its step, a checkpoint of that step is written, every process of the run exits, the command
+    exits 143 (a run stopped early never exits 0) saying how to continue; the same command then continues with
+    the losses of an uninterrupted run."""
     command = [sys.executable, "-m", "genomelm.cli", "train"]
     # lr constant after warm-up (min_lr_ratio=1): the schedule does not depend on the number of steps
     common = {"cp": cp, "min_lr_ratio": 1.0, "save_every": 1000, "warmup_steps": 1}
@@ -178,12 +246,12 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_resumes_exactly(fly: P
     metrics = tmp_path / "runs" / "stopped" / "metrics.jsonl"
     try:
         _wait_for_rows(metrics, 2, process)
-        os.kill(process.pid, signal.SIGTERM)
+        (os.kill if cp == 1 else os.killpg)(process.pid, signal.SIGTERM)
         out, err = process.communicate(timeout=240)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, err
+    assert process.returncode == 128 + signal.SIGTERM, err
     step = int(out.split("stopped by SIGTERM after step ")[1].split()[0])
     assert 2 <= step < 6 and "resume=auto" in out
     assert [row["step"] for row in read_metrics(metrics)] == list(range(1, step + 1))
@@ -197,8 +265,8 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_resumes_exactly(fly: P
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [1, 2])
 def test_second_signal_ends_the_run_at_once(fly: Path, tmp_path: Path, cp: int) -> None:
-    """A second SIGTERM does not wait for the step: the one process dies of it, the launcher kills its ranks
-    and exits 143; no process of the run is left."""
+    """A second SIGTERM does not wait for the step: the one process ends where it is, the launcher kills its
+    ranks; both exit 143 with one line saying how to continue; no process of the run is left."""
     command = [sys.executable, "-m", "genomelm.cli", "train"]
     run = settings(fly, tmp_path, cp=cp, steps=1000, save_every=1000)
     process = subprocess.Popen(
@@ -206,16 +274,19 @@ def test_second_signal_ends_the_run_at_once(fly: Path, tmp_path: Path, cp: int) 
         cwd=ROOT,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         _wait_for_rows(tmp_path / "runs" / "r" / "metrics.jsonl", 1, process)
         os.kill(process.pid, signal.SIGTERM)
         time.sleep(0.05)
         os.kill(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
+        err = process.communicate(timeout=60)[1]
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == (-signal.SIGTERM if cp == 1 else 128 + signal.SIGTERM)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("genomelm train: interrupted by SIGTERM: ended at once")
+    assert "Traceback" not in err
     _wait_until_gone(process)

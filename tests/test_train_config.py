@@ -88,6 +88,37 @@ def test_each_group_validates_itself(setting: str, message: str) -> None:
         TrainConfig.from_args([setting])
 
 
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("epochs=inf", "epochs=inf: expected a finite number"),
+        ("lr=inf", "lr=inf: expected a finite number"),
+        ("lr=nan", "lr=nan: expected a finite number"),
+        ("lr=.inf", "lr=inf: expected a finite number"),  # YAML's own spelling of infinity
+        ("collective_timeout_s=inf", "collective_timeout_s=inf: expected a finite number"),
+        ("steps=true", "steps=true: expected a whole number"),
+        ("steps=2.5", "steps=2.5: expected a whole number"),
+        ("grad_accum=1e400", "grad_accum=1e400: expected a whole number"),
+        ("fsdp=maybe", "fsdp=maybe: expected true or false"),
+        ("betas=[0.9]", r"betas=\[0.9\]: expected a list of 2 finite numbers, e.g. \[0.9, 0.95\]"),
+        ("betas=[0.9,0.95,0.99]", "expected a list of 2 finite numbers"),
+        ("betas=[0.9,inf]", "expected a list of 2 finite numbers"),
+        ("betas=0.9", "expected a list of 2 finite numbers"),
+    ],
+)
+def test_numbers_are_finite_and_of_their_kind(setting: str, message: str) -> None:
+    """What passed the range checks before and failed later (an OverflowError, a diverged run that exited 0,
+    an IndexError after `init/` was written, one step for `steps=true`) is refused as the setting is read."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_args([setting])
+
+
+def test_whole_numbers_written_as_floats_and_pairs_as_lists_are_taken() -> None:
+    config = TrainConfig.from_args(["steps=4.0", "betas=[0.8, 0.9]", "lr=3e-3", "fsdp=off"])
+    assert (config.optim.steps, config.optim.betas, config.optim.lr) == (4, (0.8, 0.9), 3e-3)
+    assert config.parallel.fsdp is False
+
+
 def test_none_turns_clipping_off() -> None:
     assert TrainConfig.from_args(["grad_clip=none"]).optim.grad_clip is None
 

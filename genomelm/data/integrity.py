@@ -46,7 +46,10 @@ class DamagedFolder(DataError):
 
     def __init__(self, path: Path, problem: str, fix: str) -> None:
         super().__init__(f"{path}: {problem}; {fix}")
-        self.path, self.problem = path, problem
+        self.path, self.problem, self.fix = path, problem, fix
+
+    def __reduce__(self) -> tuple:  # rebuilt from its parts where a rank's error reaches its launcher
+        return (type(self), (self.path, self.problem, self.fix))
 
 
 class BlockHasher:
@@ -120,9 +123,10 @@ def holds_only_prepared_files(folder: Path) -> bool:
     return all(entry.name in OUR_NAMES and entry.is_file() for entry in folder.iterdir())
 
 
-def rebuild_command(manifest: dict | None) -> str:
+def rebuild_command(manifest: dict | None, folder: Path | None = None) -> str:
     """The command that rebuilds the folder: the manifest's own ``genomelm data`` command with ``--force``,
-    or a pattern when it is unknown (a damaged manifest, or one written through the Python API)."""
+    writing to `folder` (the folder that was opened: a copied or moved one is rebuilt where it now is), or a
+    pattern when it is unknown (a damaged manifest, or one written through the Python API)."""
     command = manifest.get("command") if isinstance(manifest, dict) else None
     try:
         words = shlex.split(command) if isinstance(command, str) else []
@@ -130,12 +134,38 @@ def rebuild_command(manifest: dict | None) -> str:
         words = []
     if words[:2] != ["genomelm", "data"]:
         return UNKNOWN_COMMAND
+    if folder is not None and _out_of(words) != Path(folder).resolve():
+        words = _without_out(words) + ["--out", str(folder)]
+        command = shlex.join(words)
     return command if "--force" in words else f"{command} --force"
 
 
-def fix_for(manifest: dict | None) -> str:
-    """How to repair a damaged folder, as error messages end."""
-    command = rebuild_command(manifest)
+def _out_of(words: list[str]) -> Path | None:
+    """The resolved `--out` of a ``genomelm data`` command's words; None when it has none."""
+    for i, word in enumerate(words):
+        if word == "--out" and i + 1 < len(words):
+            return Path(words[i + 1]).resolve()
+        if word.startswith("--out="):
+            return Path(word.removeprefix("--out=")).resolve()
+    return None
+
+
+def _without_out(words: list[str]) -> list[str]:
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--out":
+            skip = True
+        elif not word.startswith("--out="):
+            kept.append(word)
+    return kept
+
+
+def fix_for(manifest: dict | None, folder: Path | None = None) -> str:
+    """How to repair a damaged folder (`folder`, as it was opened), as error messages end."""
+    command = rebuild_command(manifest, folder)
     note = " (with the settings it was prepared with)" if command == UNKNOWN_COMMAND else ""
     return f"rebuild it: `{command}`{note}"
 
@@ -163,10 +193,12 @@ def load_manifest(folder: str | Path) -> dict | None:
         manifest = json.loads(text)
     except json.JSONDecodeError as err:
         problem = f"not valid JSON ({err.msg}: line {err.lineno} column {err.colno})"
-        raise DamagedFolder(path, problem, fix_for(_salvage_command(text))) from None
+        raise DamagedFolder(path, problem, fix_for(_salvage_command(text), Path(folder))) from None
     problem = manifest_problem(manifest)
     if problem is not None:
-        raise DamagedFolder(path, problem, fix_for(manifest if isinstance(manifest, dict) else None))
+        raise DamagedFolder(
+            path, problem, fix_for(manifest if isinstance(manifest, dict) else None, Path(folder))
+        )
     return manifest
 
 
@@ -253,7 +285,7 @@ class FolderCheck:
         sums = manifest.get("checksums")
         self.files: dict[str, dict] | None = sums["files"] if sums else None
         self.block_bytes: int = sums["block_bytes"] if sums else HASH_BLOCK_BYTES
-        self.fix = fix_for(manifest)
+        self.fix = fix_for(manifest, self.folder)
         self._verified: dict[str, np.ndarray] = {}
         self.hashed_bytes = 0  # bytes read and hashed so far (for the benchmark)
 

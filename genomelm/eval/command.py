@@ -40,6 +40,7 @@ from genomelm.model.config import ConfigError
 from genomelm.parallel.launch import launch
 from genomelm.train.command import check_mesh
 from genomelm.train.config import TrainConfig
+from genomelm.train.failures import report_failure
 from genomelm.train.heldout import pick_windows
 from genomelm.train.models import model_pair, run_device
 from genomelm.train.plan import PlanError, check_fits
@@ -58,6 +59,8 @@ from genomelm.train.scoring import (
 
 class EvalError(Exception):
     """Bad settings or missing inputs for `genomelm eval`; the message says how to fix it."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
 # what a scoring command (eval, probe, track, variants, embed) reports as one line `genomelm <command>: ...`
@@ -284,15 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
         check_bucket(config.eval.bucket, config.seq_len)
     except (EvalError, ValueError, FileNotFoundError) as exc:
-        print(f"genomelm eval: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm eval", exc)
 
     try:
         before, after = model_pair(config, args.before, args.after)
         result = run_scoring(evaluate_config, config, before, after)
     except SCORING_ERRORS as exc:
-        print(f"genomelm eval: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm eval", exc)
     return print_written(
         "genomelm eval", format_table(result), lambda: write_outputs(result, config.results_path)
     )
@@ -307,8 +308,7 @@ def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -
     try:
         paths = write()
     except WriteError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 1
+        return report_failure(prog, exc)
     print(f"\nwrote {paths['json']} and {paths['csv']}")
     print(f"figure: {paths['figure']}")
     return 0

@@ -71,6 +71,7 @@ from genomelm.eval.command import SCORING_ERRORS, parse_run_args, pick_windows, 
 from genomelm.eval.report import WriteError, write_atomic, write_error, write_result_set
 from genomelm.parallel.training import ContextParallelScorer
 from genomelm.train.config import TrainConfig
+from genomelm.train.failures import report_failure
 from genomelm.train.models import model_config_of, model_pair
 from genomelm.train.precision import autocast_for
 from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source
@@ -88,6 +89,8 @@ INDEX_COLUMNS = ("record", "start", "end", "strand", "bases", "real_bases", "ten
 
 class EmbedError(Exception):
     """Bad embed settings or inputs; the message says how to fix them."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
 @dataclass(frozen=True)
@@ -619,8 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.before or args.after or model_pair(config)[1]
         request, paths = embed(config, model, role)
     except (WriteError, EmbedError, *SCORING_ERRORS) as exc:
-        print(f"genomelm embed: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm embed", exc)
     pool = config.embed.embed_pool
     what = (
         f"[{len(request.items)}, {request.width}]"

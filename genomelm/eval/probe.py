@@ -46,6 +46,7 @@ from genomelm.eval.command import (
 from genomelm.eval.plot import save_probe_figure
 from genomelm.eval.report import format_number, jsonable, write_atomic, write_result_set
 from genomelm.train.config import TrainConfig
+from genomelm.train.failures import report_failure
 from genomelm.train.models import model_pair
 from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
 
@@ -58,6 +59,8 @@ CURVES = ("planted", "baseline", "gap")  # per model and distance: loss with the
 
 class ProbeError(Exception):
     """Bad probe settings or inputs; the message says how to fix them."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
 def parse_distances(text: str) -> list[int]:
@@ -374,15 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
         parse_distances(config.probe.probe_distances)
     except (ProbeError, ValueError, FileNotFoundError) as exc:
-        print(f"genomelm probe: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm probe", exc)
 
     try:
         before, after = model_pair(config, args.before, args.after)
         result = run_scoring(probe_config, config, before, after)
     except (ProbeError, *SCORING_ERRORS) as exc:
-        print(f"genomelm probe: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm probe", exc)
     table = format_probe_table(result)
     return print_written("genomelm probe", table, lambda: write_probe_outputs(result, config.results_path))
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from genomelm.data.errors import file_system
 from genomelm.eval.buckets import STATS, SUBSETS
 
 
@@ -140,20 +141,6 @@ def write_error(exc: OSError, path: Path) -> WriteError:
     error = WriteError(exc.errno, message + "; the previous result there is unchanged")
     error.filename = str(path)
     return error
-
-
-def file_system(path: Path) -> str:
-    """The device holding `path` and its mount point ("/dev/sda1 (/work)"), or just the mount point."""
-    mount = Path(os.path.abspath(path))
-    while not os.path.ismount(mount):
-        mount = mount.parent
-    device = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 1 and fields[1].replace("\\040", " ") == str(mount):
-                device = fields[0]  # the last one mounted there is the one seen
-    return f"{device} ({mount})" if device else str(mount)
 
 
 @contextlib.contextmanager

@@ -65,6 +65,7 @@ from genomelm.eval.command import SCORING_ERRORS, load_heldout, parse_run_args, 
 from genomelm.eval.report import WriteError, format_number, jsonable, write_result_set
 from genomelm.train.command import check_mesh
 from genomelm.train.config import TrainConfig
+from genomelm.train.failures import report_failure
 from genomelm.train.models import model_pair
 from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
 
@@ -84,6 +85,8 @@ CHUNK = 1 << 20  # entries per pyBigWig call and per bedGraph write: bounds the 
 
 class TrackError(Exception):
     """Bad `genomelm track` settings or inputs; the message names the file or setting and the fix."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
 # ------------------------------------------------------------------------------------ the short context
@@ -607,16 +610,14 @@ def main(argv: list[str] | None = None) -> int:
         # the tracks run their own short context (checked above), not the evaluator's context cut
         result = run_scoring(track_config, config.replace(context_cut=False), before, after, plan)
     except (TrackError, *SCORING_ERRORS) as exc:
-        print(f"genomelm track: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm track", exc)
     print()
     print(format_track_table(result))
     folder = config.results_path / "tracks"
     try:
         paths = write_tracks(result, folder)
     except WriteError as exc:
-        print(f"genomelm track: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm track", exc)
     print(f"\nwrote {folder}/: {', '.join(paths)}")
     return 0
 

@@ -49,7 +49,10 @@ import dataclasses
 import functools
 import io
 import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +65,7 @@ import torch
 from isal import igzip
 
 from genomelm.data import DataError, Vocabulary, read_manifest
+from genomelm.data.errors import space_checked
 from genomelm.data.faidx import IndexedFasta, region_index
 from genomelm.data.fasta import BLOCK_BYTES, INVALID_BYTE, open_stream
 from genomelm.data.vocab import (
@@ -79,6 +83,7 @@ from genomelm.eval.command import SCORING_ERRORS, parse_run_args, run_scoring
 from genomelm.eval.report import WriteError, write_result_set
 from genomelm.train.command import check_mesh
 from genomelm.train.config import TrainConfig
+from genomelm.train.failures import report_failure
 from genomelm.train.models import model_pair
 from genomelm.train.scoring import (
     ScoringRun,
@@ -144,6 +149,8 @@ TSV_COLUMNS = (
 class VariantError(Exception):
     """Bad variants input (VCF, reference, contig names, settings); the message names the file and line and
     says how to fix it."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
 # ------------------------------------------------------------------------------------------ the reference
@@ -391,6 +398,20 @@ def open_text(path: Path) -> BinaryIO:
     return igzip.open(path, "rb") if compressed else open(path, "rb")  # noqa: SIM115 - the caller closes it
 
 
+def decompressed_copy(path: Path) -> Path:
+    """A plain-text copy of the gzip file `path` in the temporary folder (DiskFull when it does not fit)."""
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".vcf")
+    copy = Path(name)
+    with space_checked(copy, 0, f"the decompressed copy of {path}"):
+        try:
+            with os.fdopen(handle, "wb") as out, open_text(path) as source:
+                shutil.copyfileobj(source, out, 8 << 20)
+        except BaseException:
+            copy.unlink(missing_ok=True)
+            raise
+    return copy
+
+
 def header_lines(path: Path) -> int:
     """Lines of the VCF's header (the `##` lines and the `#CHROM` line): record i (0-based) is on line
     header_lines + i + 1, as htslib refuses blank lines between records."""
@@ -413,21 +434,35 @@ def line_text(path: Path, number: int) -> str:
     return "(past the end of the file)"
 
 
+def is_plain_gzip(path: Path) -> bool:
+    """Whether `path` is gzip but not BGZF (whose header carries the extra field "BC": htslib's own)."""
+    with open(path, "rb") as handle:
+        head = handle.read(14)
+    return head[:2] == b"\x1f\x8b" and not (head[3:4] == b"\x04" and head[12:14] == b"BC")
+
+
 def open_vcf(path: Path) -> pysam.VariantFile:
-    """The VCF (plain or bgzipped) opened for reading, with INFO/END and the output's INFO fields declared in
-    its header: htslib writes a record with a symbolic allele only when END is declared, and records read
-    after the declarations can carry the scores."""
+    """The VCF (plain text, gzip, or bgzipped with or without its index) opened for reading, with INFO/END and
+    the output's INFO fields declared in its header: htslib writes a record with a symbolic allele only when
+    END is declared, and records read after the declarations can carry the scores. htslib cannot open plain
+    gzip (it seeks), so such a file is decompressed to a temporary file first (the records are read into
+    memory anyway), which is unlinked once opened."""
     if not path.is_file():
         raise VariantError(f"vcf={path}: no such file; give the VCF (.vcf or .vcf.gz) to score")
     quiet = pysam.set_verbosity(0)  # htslib would report a bgzipped VCF's missing tabix index: none is needed
+    plain = None
     try:
-        vcf = pysam.VariantFile(str(path))
-    except (OSError, ValueError) as exc:
+        if is_plain_gzip(path):
+            plain = decompressed_copy(path)
+        vcf = pysam.VariantFile(str(plain or path))
+    except (OSError, ValueError, EOFError) as exc:
         raise VariantError(
             f"{path}: not a readable VCF ({exc}); check that it is a VCF with a #CHROM header line"
         ) from None
     finally:
         pysam.set_verbosity(quiet)
+        if plain is not None:
+            plain.unlink(missing_ok=True)
     header = vcf.header
     if "END" not in header.info:
         header.info.add("END", 1, "Integer", "End position of the variant described in this record")
@@ -967,8 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
         tokens = window_tokens(config)
     except (VariantError, ValueError, FileNotFoundError) as exc:
-        print(f"genomelm variants: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm variants", exc)
 
     try:
         before, after = model_pair(config, args.before, args.after)
@@ -979,16 +1013,14 @@ def main(argv: list[str] | None = None) -> int:
             scoring = config.replace(seq=str(tokens), data=str(config.data_dir), context_cut=False)
             scores = allele_scores(run_scoring(score_variants, scoring, variants.plan, before, after))
     except (VariantError, *SCORING_ERRORS) as exc:
-        print(f"genomelm variants: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm variants", exc)
     rows = result_rows(variants, scores)
     print()
     print(summary(variants, rows))
     try:
         paths = write_variant_outputs(variants, rows, {"before": before, "after": after}, config.results_path)
     except WriteError as exc:
-        print(f"genomelm variants: {exc}", file=sys.stderr)
-        return 1
+        return report_failure("genomelm variants", exc)
     print(f"\nwrote {paths['variants.vcf.gz']} (+ .tbi) and {paths['variants.tsv']}")
     return 0
 

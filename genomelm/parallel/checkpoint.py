@@ -4,6 +4,7 @@
       step-0000100/                a checkpoint, complete or not (`steps`; the complete ones: `complete`)
       step-0000200/                the newest complete one (`latest`); `save` prunes to the newest `keep`
       .tmp-step-0000300[-<pid>]/   a write in progress, or one a kill left behind (`clean_interrupted_writes`)
+      step-0000300.damaged/        a checkpoint a resume found damaged and set aside (`latest_verified`)
 
 A step folder holds one of two layouts (`save` and `load` take either):
 - one process (`save` without a mesh): `model/`, the model in Hugging Face layout (`genomelm.model.load_model`
@@ -27,7 +28,6 @@ moment leaves the previous checkpoint as the newest complete one.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from genomelm.data.errors import space_checked
 from genomelm.model.checkpoint import CONFIG_FILE, hf_config_dict, save_model
 
 from .expert import expert_shard
@@ -60,6 +62,7 @@ from .mesh import Mesh
 CHECKPOINTS_DIR = "checkpoints"  # in the run folder
 STEP_PREFIX = "step-"  # step-0000100: the checkpoint after optimizer step 100
 TMP_PREFIX = ".tmp-"  # a write in progress
+DAMAGED_SUFFIX = ".damaged"  # step-0000200.damaged: a checkpoint whose files failed their checksums
 MODEL_DIR = "model"  # the Hugging Face layout
 TRAINER_FILE = "trainer.pt"
 STATE_DIR = "state"  # the DCP checkpoint of a sharded run
@@ -67,41 +70,54 @@ METADATA_FILE = ".metadata"  # written by dcp.save once every rank has written i
 RNG_DIR = "rng"  # rank-00000.pt, ... of a sharded run
 CHECKSUMS_DIR = "checksums"  # rank-00000.json, ...: size and xxh3-128 of every file each writer wrote
 READ_BYTES = 8 << 20  # the hash is fed in pieces of this size
+SPACE_ADVICE = (
+    "the run's newest checkpoint, if any, is intact: free space or lower keep_checkpoints, and resume"
+)
 
 
-class CheckpointSpaceError(OSError):
-    """A checkpoint write that ran out of disk space; the message names the device, the path and the size."""
+class DamagedCheckpoints(ValueError):
+    """Every checkpoint of a run is damaged; the message names the files and the choices."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
-def _out_of_space(error: BaseException, folder: Path, needed: int) -> bool:
-    """Whether `error` (an OSError, safetensors' or torch's own error) came from a full disk."""
-    chain = [error]
-    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    for exc in chain:
-        text = str(exc)
-        if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "os error 28" in text:
-            return True
-    # torch.save reports a short write as "unexpected pos": a full disk when the space left cannot hold it
-    return "unexpected pos" in str(error) and shutil.disk_usage(folder).free < needed
+def _listed(damaged: list[tuple[Path, list[str]]], most: int = 6) -> str:
+    """The damaged checkpoints' problems, the first `most` of them."""
+    problems = [problem for _, found in damaged for problem in found]
+    more = f" and {len(problems) - most} more" if len(problems) > most else ""
+    return "; ".join(problems[:most]) + more
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... when it exists."""
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}-{number}")
+    return candidate
 
 
 @contextmanager
-def _space_checked(tmp: Path, needed: int) -> Iterator[None]:
-    """Writes into `tmp`: on a full disk, remove `tmp` and say where space ran out and how much is needed."""
+def dcp_failures() -> Iterator[None]:
+    """torch.distributed.checkpoint reports failures as a CheckpointException, a BaseException (past every
+    `except Exception`) holding each rank's error: raised here as the lowest rank's own exception (a full
+    disk's OSError stays one), with a note naming the ranks that failed."""
     try:
         yield
-    except Exception as exc:
-        if not _out_of_space(exc, tmp.parent, needed):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(tmp.parent).free
-        raise CheckpointSpaceError(
-            errno.ENOSPC,
-            f"no space left on the device of {tmp.parent} writing {tmp} (this rank's share of the checkpoint "
-            f"needs about {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free); the previous checkpoint is "
-            "intact: free space, or lower keep_checkpoints, and resume",
-        ) from exc
+    except CheckpointException as exc:
+        rank = min(exc.failures)
+        first = exc.failures[rank][0]
+        if not isinstance(first, Exception):
+            raise RuntimeError(str(exc)) from exc
+        first.add_note(f"torch.distributed.checkpoint failed on ranks {sorted(exc.failures)}")
+        raise first from exc
+
+
+def _collective_device() -> torch.device:
+    """Where this process group's collectives take tensors: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -146,14 +162,18 @@ def recorded_checksums(step_dir: Path) -> dict[str, dict[str, Any]] | None:
     return entries
 
 
-def verify_checkpoint(step_dir: Path, share: tuple[int, int] = (0, 1), prefix: str = "") -> list[str]:
+def verify_checkpoint(
+    step_dir: Path, share: tuple[int, int] = (0, 1), prefix: str = "", skip: str | None = None
+) -> list[str]:
     """What is wrong with the files of a checkpoint against their recorded checksums (empty: nothing), each
     naming the file; `share` (i, n): only every n-th file from the i-th (the ranks split the reading);
-    `prefix`: only the files under it (e.g. "model/")."""
+    `prefix`: only the files under it (e.g. "model/"); `skip`: not those under it."""
     recorded = recorded_checksums(step_dir)
     if recorded is None:
         return []
-    names = sorted(name for name in recorded if name.startswith(prefix))
+    names = sorted(
+        name for name in recorded if name.startswith(prefix) and not (skip and name.startswith(skip))
+    )
     problems = []
     for name in names[share[0] :: share[1]]:
         path, expected = Path(step_dir) / name, recorded[name]
@@ -217,11 +237,13 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """The complete checkpoints of either layout, oldest first."""
-        return [
-            p
-            for p in self.steps()
-            if (p / TRAINER_FILE).exists() and ((p / MODEL_DIR / CONFIG_FILE).exists() or is_sharded(p))
-        ]
+        return [p for p in self.steps() if self._is_complete(p)]
+
+    @staticmethod
+    def _is_complete(step_dir: Path) -> bool:
+        return (step_dir / TRAINER_FILE).exists() and (
+            (step_dir / MODEL_DIR / CONFIG_FILE).exists() or is_sharded(step_dir)
+        )
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -229,23 +251,59 @@ class Checkpointer:
         return found[-1] if found else None
 
     def latest_verified(
-        self, share: tuple[int, int] = (0, 1), agree: Callable[[int], int] | None = None
+        self,
+        share: tuple[int, int] = (0, 1),
+        gather: Callable[[list[str]], list[str]] | None = None,
+        set_aside: bool = False,
     ) -> Path | None:
-        """The newest complete checkpoint whose files match their checksums; a damaged one (changed, missing
-        or truncated files) is skipped with a warning naming the files, for the one before it. `share`: this
-        rank's part of the files to read; `agree`: sums a count over the ranks (every rank then picks the same
-        checkpoint)."""
-        for step_dir in reversed(self.complete()):
-            problems = verify_checkpoint(step_dir, share)
-            bad = agree(len(problems)) if agree is not None else len(problems)
-            if not bad:
-                return step_dir
-            if problems:
-                warnings.warn(
-                    f"{step_dir} is damaged, falling back to the checkpoint before it: {'; '.join(problems)}",
-                    stacklevel=2,
-                )
-        return None
+        """The newest checkpoint whose files all match their checksums, or None when the run has none. A
+        damaged one (changed, missing or truncated files; a step folder without its trainer state or model) is
+        skipped for the one before it with a warning naming the files, and with `set_aside` (one rank only)
+        renamed `step-N.damaged` once the choice is made, so it never sorts newest again. `DamagedCheckpoints`
+        when every one is damaged: continuing would start the run over on top of its history.
+
+        `share`: this rank's part of the files to read; `gather`: joins the ranks' problem lists (every rank
+        then makes the same choice)."""
+        damaged: list[tuple[Path, list[str]]] = []
+        chosen = None
+        for step_dir in reversed(self.steps()):
+            # a sharded checkpoint's Hugging Face copy is optional (a missing one is written again at the end)
+            skip = f"{MODEL_DIR}/" if is_sharded(step_dir) else None
+            problems = verify_checkpoint(step_dir, share, skip=skip) if self._is_complete(step_dir) else []
+            if not self._is_complete(step_dir) and share[0] == 0:
+                problems = [f"{step_dir}: incomplete (no {TRAINER_FILE}, or no model/state in it)"]
+            problems = gather(problems) if gather is not None else problems
+            if not problems:
+                chosen = step_dir
+                break
+            damaged.append((step_dir, problems))
+        if damaged and chosen is None:
+            raise DamagedCheckpoints(
+                f"every checkpoint of {self.run_dir} is damaged, so resume=auto would start the run over on "
+                f"top of its history: {_listed(damaged)}. Restore those files (from a backup or the "
+                "storage's snapshots) and run again, or start a new run beside it: resume=never "
+                "run=<new name>"
+            )
+        for step_dir, problems in damaged:
+            warnings.warn(
+                f"{step_dir} is damaged, falling back to the checkpoint before it"
+                + (f" (set aside as {step_dir.name}{DAMAGED_SUFFIX})" if set_aside else "")
+                + f": {'; '.join(problems)}",
+                stacklevel=2,
+            )
+            if set_aside:
+                os.rename(step_dir, _free_name(step_dir.with_name(step_dir.name + DAMAGED_SUFFIX)))
+        return chosen
+
+    def latest_bytes(self) -> int:
+        """The bytes of the newest complete checkpoint (0 without one; a sharded one less its optional Hugging
+        Face copy): about what the next one needs, headers and trainer state included."""
+        latest = self.latest()
+        if latest is None:
+            return 0
+        copy = latest / MODEL_DIR if is_sharded(latest) else None
+        files = [p for p in latest.rglob("*") if p.is_file() and (copy is None or copy not in p.parents)]
+        return sum(p.stat().st_size for p in files)
 
     def clean_interrupted_writes(self) -> list[Path]:
         """Remove the temporary folders of writes a kill interrupted; returns what was removed. Call it on one
@@ -337,7 +395,8 @@ class Checkpointer:
         tmp = self.root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        with _space_checked(tmp, needed):
+        needed = max(needed, self.latest_bytes())
+        with space_checked(tmp, needed, "the checkpoint", SPACE_ADVICE, remove=tmp):
             save_model(model, tmp / MODEL_DIR)
             torch.save(state, tmp / TRAINER_FILE)
             write_checksums(tmp, [p for p in tmp.rglob("*") if p.is_file()], "rank-00000")
@@ -362,10 +421,15 @@ class Checkpointer:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / RNG_DIR).mkdir(parents=True)
+        needed = torch.tensor([state_bytes(model, optimizer)], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(needed)  # the whole checkpoint, for the message of a full disk
         dist.barrier()
         _, _, seen = _described(model, optimizer, mesh)
-        with _space_checked(tmp, state_bytes(model, optimizer)):  # on every rank whose write fails
-            dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
+        # on every rank (each removes what it can of the temporary folder: all fail together under DCP)
+        needed = max(int(needed.item()), self.latest_bytes())
+        with space_checked(tmp, needed, "the checkpoint", SPACE_ADVICE, remove=tmp):
+            with dcp_failures():
+                dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
             mine = [tmp / RNG_DIR / f"rank-{rank:05d}.pt", *(tmp / STATE_DIR).glob(f"__{rank}_*.distcp")]
             torch.save(rng_state(), mine[0])
             if rank == 0:
@@ -398,7 +462,8 @@ class Checkpointer:
             for name, entry in seen["optimizer"]["state"].items()
             if all(f"optimizer.state.{name}.{key}" in saved for key in entry)
         }
-        dcp.load(seen, checkpoint_id=step_dir / STATE_DIR, no_dist=mesh is None)
+        with dcp_failures():
+            dcp.load(seen, checkpoint_id=step_dir / STATE_DIR, no_dist=mesh is None)
         shapes = _expert_shapes(model) if mesh is not None else {}
         for name in shapes:  # the global views alias the local rows; copy in case a view was not in place
             _local(model_state[name]).copy_(seen["model"][name].to_local())
@@ -480,7 +545,8 @@ def load_sharded_model(step_dir: Path, model: nn.Module, mesh: Mesh | None) -> N
     model_state, seen, shapes = _model_view(model, mesh)
     with warnings.catch_warnings():  # one process reading a checkpoint many wrote is what `mesh=None` asks
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": seen}, checkpoint_id=Path(step_dir) / STATE_DIR, no_dist=mesh is None)
+        with dcp_failures():
+            dcp.load({"model": seen}, checkpoint_id=Path(step_dir) / STATE_DIR, no_dist=mesh is None)
     for name, value in seen.items():
         if name in shapes:  # the global views alias the local rows; copy in case a view was not in place
             _local(model_state[name]).copy_(value.to_local())

@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         step = export_checkpoint(args.run_dir, args.out, DTYPES[args.dtype], args.force, args.max_shard_bytes)
     except ExportError as exc:
         print(f"genomelm export: {exc}", file=sys.stderr)
-        return 1
+        return 2
     print(f"exported {step} -> {args.out} ({args.dtype})")
     return 0
 

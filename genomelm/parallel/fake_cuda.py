@@ -42,6 +42,8 @@ _BOOT = (  # this file as a plain module (the genomelm.parallel package imports 
 class FakeCudaError(RuntimeError):
     """The fake-CUDA process could not be built, started, or finish in time."""
 
+    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+
 
 def _torch_lib_dir() -> Path:
     """torch's shared libraries, found without importing torch."""

@@ -7,8 +7,8 @@ NCCL with one GPU per rank on CUDA), calls `fn(*args)` there and returns the ran
 order (`fn`, its arguments and its results must pickle). Rank 0 is the rank that writes outputs
 (`is_output_rank`). The processes fork from a multiprocessing forkserver that has imported torch once (it
 never runs torch, so no threads or CUDA state are inherited); like spawn, they get nothing from the caller but
-what is pickled, its sys.path, and (set first thing in each rank) its environment variables and working
-directory.
+what is pickled, its sys.path, and (set first thing in each rank) its environment variables, working
+directory and warning format.
 
 Failures end the whole launch instead of hanging it:
 - a rank raises: the other ranks are stopped and the parent re-raises that exception (same type and message,
@@ -16,30 +16,40 @@ Failures end the whole launch instead of hanging it:
 - a rank dies without reporting (a signal, os._exit): `LaunchError` naming it and its exit code or signal,
   also when the others' collectives fail first because of it (gloo raises "Connection closed by peer" at once
   on a peer that dies, or times out after `collective_timeout_s` where it had no connection to it yet);
-- a collective that waits `collective_timeout_s` for a stuck peer: that rank raises (torch's timeout error);
+- a collective that waits `collective_timeout_s` for a stuck peer: the waiting ranks raise (torch's timeout
+  error), and `StuckRank` names the ranks they waited for: those that neither reported nor died within
+  STUCK_GRACE_S of the first timeout, with their process state (stopped by SIGSTOP, busy, in I/O) and the
+  collective and caller the waiting rank was in (from its traceback);
 - ranks still running after `timeout_s`: each dumps the Python stacks of all its threads (faulthandler on
   SIGUSR1), all are stopped, and `LaunchTimeout` carries the stacks in its message.
 
-A SIGTERM or SIGINT to the launching process is passed on to the ranks as SIGTERM, and the launch goes on
-collecting their reports (a training rank stops after its step and checkpoints); a second signal kills them.
+Signals: the ranks and the forkserver they fork from ignore SIGINT and SIGTERM (`rank_signals`), so a signal
+to the whole process group acts once, through the launching process. There, while the launch runs (start-up
+included), the first SIGTERM or SIGINT goes to `on_signal` (the caller turns it into a request its ranks act
+on, `genomelm.train.stop`) and the launch goes on collecting their reports; without `on_signal`, or on a
+second signal, the ranks are killed and `Interrupted` is raised.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
+import re
 import signal
 import socket
 import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import FrameType
@@ -49,18 +59,51 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-STOP_GRACE_S = 5.0  # how long a rank gets to exit after SIGTERM before SIGKILL
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RANK_SIGNALS_MODULE = "genomelm.parallel.rank_signals"  # named, never imported here: its import ignores them
+REAP_GRACE_S = 5.0  # how long a rank that reported gets to exit before SIGKILL
 STACK_DUMP_WAIT_S = 5.0  # how long the ranks get to write their stacks after SIGUSR1
 COLLECTIVE_TIMEOUT_MARGIN_S = 60.0  # no collective_timeout_s: the group's timeout is the launch's + this
 DEATH_GRACE_S = 2.0  # how long a rank's error waits for another rank's death to show (it may follow from it)
+STUCK_GRACE_S = 5.0  # after a collective timed out: how long the other ranks get to report before named stuck
+# a rank's error that is a collective's timeout (gloo: "Timed out waiting 30000ms ..."; NCCL's watchdog:
+# "... collective operation timeout ...")
+TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
+FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+PROCESS_STATES = {  # /proc/<pid>/stat's state letter, as the report says it
+    "T": "is stopped (SIGSTOP or job control)",
+    "t": "is stopped by a debugger",
+    "D": "is in uninterruptible I/O (a disk or network file system)",
+    "R": "is running, outside the collective",
+    "S": "is sleeping outside the collective (a lock, a sleep, I/O)",
+    "Z": "has exited",
+}
 
 
 class LaunchError(RuntimeError):
     """A launch that failed other than by a rank's own exception."""
 
+    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+
 
 class LaunchTimeout(LaunchError):
     """Ranks still running when the launch timed out; the message holds their Python stacks."""
+
+
+class StuckRank(LaunchError):
+    """Ranks that the others waited for in a collective until it timed out; the message names them."""
+
+
+class Interrupted(LaunchError):
+    """A signal that ended the launch at once (the ranks were killed): the exit status is 128 + its number."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(f"interrupted by {signal.Signals(self.signum).name}: ended at once, without saving")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.signum,))
 
 
 class RemoteTraceback(Exception):
@@ -91,11 +134,13 @@ def launch(
     device: str = "cpu",
     timeout_s: float | None = None,
     collective_timeout_s: float | None = None,
+    on_signal: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` local ranks ("cpu": gloo; "cuda": NCCL, rank r on GPU r) and return the
     results in rank order. `timeout_s`: the whole launch's limit (start-up included); None waits forever.
     `collective_timeout_s`: the process group's timeout; None: `timeout_s` plus COLLECTIVE_TIMEOUT_MARGIN_S
-    (a hang is then reported by the launch timeout, with the stacks), or torch's default without one."""
+    (a hang is then reported by the launch timeout, with the stacks), or torch's default without one.
+    `on_signal(signum)`: what the first SIGTERM or SIGINT to this process does (see the module docstring)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if device not in ("cpu", "cuda"):
@@ -107,41 +152,109 @@ def launch(
             f"{world_size} ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}"
         )
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])  # the server imports torch once; each rank forks from it
+    # the server ignores SIGINT and SIGTERM, then imports torch once; each rank forks from it
+    context.set_forkserver_preload([RANK_SIGNALS_MODULE, __name__])
     port = _free_port()
-    caller = (dict(os.environ), os.getcwd())
+    caller = (dict(os.environ), os.getcwd(), warnings.formatwarning)
     ranks: list[_Rank] = []
     with tempfile.TemporaryDirectory(prefix="genomelm-launch-") as folder:
-        try:
-            for rank in range(world_size):
-                reader, writer = context.Pipe(duplex=False)
-                stack_path = Path(folder) / f"stacks-rank{rank}.txt"
-                process = context.Process(
-                    target=_run_rank,
-                    args=(
-                        fn,
-                        args,
-                        rank,
-                        world_size,
-                        port,
-                        device,
-                        collective_timeout_s,
-                        str(stack_path),
-                        writer,
-                        caller,
-                    ),
-                    name=f"{_name(fn)}-rank{rank}",
-                )
-                process.start()
-                writer.close()  # the child holds the only write end: its exit closes the pipe
-                ranks.append(_Rank(rank, process, reader, stack_path))
-            with _forward_signals(ranks):
-                return _collect(ranks, fn, timeout_s)
-        finally:
-            _stop([r.process for r in ranks])
+        with _signals_during_launch(ranks, on_signal) as starting:
+            try:
+                _start_forkserver()
+                for rank in range(world_size):
+                    reader, writer = context.Pipe(duplex=False)
+                    stack_path = Path(folder) / f"stacks-rank{rank}.txt"
+                    process = context.Process(
+                        target=_run_rank,
+                        args=(
+                            fn,
+                            args,
+                            rank,
+                            world_size,
+                            port,
+                            device,
+                            collective_timeout_s,
+                            str(stack_path),
+                            writer,
+                            caller,
+                        ),
+                        name=f"{_name(fn)}-rank{rank}",
+                    )
+                    process.start()
+                    writer.close()  # the child holds the only write end: its exit closes the pipe
+                    ranks.append(_Rank(rank, process, reader, stack_path))
+                starting.done()
+                results = _collect(ranks, fn, timeout_s, collective_timeout_s)
+            except BaseException:
+                _kill([r.process for r in ranks])
+                raise
+            _reap([r.process for r in ranks])
+    return results
 
 
-def _collect(ranks: Sequence[_Rank], fn: Callable[..., Any], timeout_s: float | None) -> list[Any]:
+def _start_forkserver() -> None:
+    """Start the forkserver (once per process) with SIGINT and SIGTERM blocked in this thread: the server
+    inherits the mask and sets both to SIG_IGN before unblocking them (`rank_signals`); here a signal that
+    came meanwhile is handled once they are unblocked. The resource tracker is started first: it blocks and
+    then unblocks the same signals itself, which would unblock them for the server too."""
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _StartUp:
+    """Whether the ranks are still being started (a signal then waits until they all are: killing them half
+    way could leave one the launch does not know of)."""
+
+    def __init__(self) -> None:
+        self.starting = True
+        self.deferred: int | None = None
+
+    def done(self) -> None:
+        self.starting = False
+        if self.deferred is not None:
+            raise Interrupted(self.deferred)
+
+
+@contextmanager
+def _signals_during_launch(ranks: list[_Rank], on_signal: Callable[[int], None] | None) -> Iterator[_StartUp]:
+    """While the launch runs (start-up included): the first SIGTERM or SIGINT goes to `on_signal`; without
+    it, or on a second signal, the ranks are killed and `Interrupted` raised (after start-up if during
+    it)."""
+    start_up = _StartUp()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield start_up
+        return
+    received: list[int] = []
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        if on_signal is not None and len(received) == 1:
+            on_signal(signum)
+            return
+        if start_up.starting:
+            start_up.deferred = start_up.deferred or signum
+            return
+        _kill([r.process for r in ranks])
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+    try:
+        yield start_up
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _collect(
+    ranks: Sequence[_Rank],
+    fn: Callable[..., Any],
+    timeout_s: float | None,
+    collective_timeout_s: float | None,
+) -> list[Any]:
     """Wait for every rank's report; raise the first failure (see the module docstring)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = {r.rank: r for r in ranks}
@@ -159,16 +272,129 @@ def _collect(ranks: Sequence[_Rank], fn: Callable[..., Any], timeout_s: float | 
             if report[0] == "died":
                 raise _death(r, len(ranks), fn)
             if report[0] == "error":
-                # a rank's collective fails when a peer dies (gloo: "Connection closed by peer"), and its
-                # report can come in before the death shows: the dead rank is the one to name
-                dead = _dead_rank(list(pending.values()), DEATH_GRACE_S)
-                if dead is not None:
-                    error = _death(dead, len(ranks), fn)
-                    error.add_note(f"rank {r.rank} then raised {report[2].strip().splitlines()[-1]}")
-                    raise error
-                raise _rank_exception(report[1], report[2], r.rank, len(ranks), fn)
+                raise _failure(r, report, pending, len(ranks), fn, collective_timeout_s)
             results[r.rank] = report[1]
     return [results[rank] for rank in range(len(ranks))]
+
+
+def _failure(
+    r: _Rank,
+    report: tuple[Any, ...],
+    pending: dict[int, _Rank],
+    world_size: int,
+    fn: Callable[..., Any],
+    collective_timeout_s: float | None,
+) -> BaseException:
+    """What rank r's error means for the launch. A rank's collective fails when a peer dies (gloo: "Connection
+    closed by peer"), and its report can come in before the death shows: the dead rank is the one to name. A
+    collective's timeout names the ranks that were waited for. Otherwise the rank's own exception."""
+    timed_out = bool(TIMEOUT_TEXT.search(_last_line(report[2])))
+    others = _settle(list(pending.values()), STUCK_GRACE_S if timed_out else DEATH_GRACE_S)
+    dead = [pending[rank] for rank, other in others.items() if other[0] == "died"]
+    if dead:
+        error = _death(dead[0], world_size, fn)
+        error.add_note(f"rank {r.rank} then raised {_last_line(report[2])}")
+        return error
+    if timed_out:
+        stuck = [pending[rank] for rank in sorted(set(pending) - set(others))]
+        if stuck:
+            waiting = sorted([r.rank] + [rank for rank, other in others.items() if other[0] == "error"])
+            error = StuckRank(_stuck_message(stuck, waiting, report[2], world_size, collective_timeout_s))
+            error.__cause__ = RemoteTraceback(report[2])
+            return error
+    return _rank_exception(report[1], report[2], r.rank, world_size, fn)
+
+
+def _settle(ranks: Sequence[_Rank], grace_s: float) -> dict[int, tuple[Any, ...]]:
+    """The reports (("died",) for a rank that exited without one) that `ranks` give within `grace_s`; a rank
+    still running then has no entry."""
+    give_up = time.monotonic() + grace_s
+    waiting = list(ranks)
+    found: dict[int, tuple[Any, ...]] = {}
+    while waiting and (remaining := give_up - time.monotonic()) > 0:
+        ready = wait(_handles(waiting), remaining)
+        for r in list(waiting):
+            report = _take_report(r, ready)
+            if report is not None:
+                found[r.rank] = report
+                waiting.remove(r)
+    return found
+
+
+def _stuck_message(
+    stuck: Sequence[_Rank],
+    waiting: Sequence[int],
+    trace: str,
+    world_size: int,
+    collective_timeout_s: float | None,
+) -> str:
+    """One line naming the stuck ranks, what each one's process is doing, and where the first waiting rank
+    waited; their Python stacks follow on later lines where they could be read."""
+    names = ", ".join(str(r.rank) for r in stuck)
+    states = "; ".join(f"rank {r.rank} {_process_state(r.process.pid)}" for r in stuck)
+    where = _collective_of(trace)
+    waited = f"{collective_timeout_s:g} s" if collective_timeout_s is not None else "its timeout"
+    plural = "s" if len(stuck) > 1 else ""
+    waiters = ", ".join(map(str, waiting))
+    line = (
+        f"rank{plural} {names} of {world_size} stuck: rank{'s' if len(waiting) > 1 else ''} {waiters} waited "
+        f"{waited} for {'them' if plural else 'it'}{where} (collective_timeout_s); {states}"
+    )
+    stacks = _dump_stacks([r for r in stuck if _process_state_letter(r.process.pid) not in ("T", "t")])
+    return "\n".join([line, *stacks])
+
+
+def _collective_of(trace: str) -> str:
+    """Where a waiting rank waited, from its traceback, as " in all_reduce (called from <file>:<line> in
+    <function>)": its innermost torch.distributed call and the genomelm code that made it ("" if neither)."""
+    frames = [m.groupdict() for m in FRAME.finditer(trace)]
+    collective = [
+        f["function"] for f in frames if "torch/distributed/" in f["file"] and f["function"] != "wrapper"
+    ]
+    ours = [
+        f for f in frames if "/genomelm/" in f["file"] and "/genomelm/parallel/launch.py" not in f["file"]
+    ]
+    text = f" in {collective[-1]}" if collective else ""
+    if ours:
+        origin = ours[-1]
+        short = origin["file"][origin["file"].rindex("/genomelm/") + 1 :]
+        text += f" (called from {short}:{origin['line']} in {origin['function']})"
+    return text
+
+
+def _process_state_letter(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat ("R", "S", "T", ...); "" where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2 :][:1]
+
+
+def _process_state(pid: int) -> str:
+    letter = _process_state_letter(pid)
+    return PROCESS_STATES.get(letter, f"is in process state {letter!r}" if letter else "cannot be inspected")
+
+
+def _dump_stacks(ranks: Sequence[_Rank]) -> list[str]:
+    """The Python stacks of `ranks` (faulthandler on SIGUSR1), as lines "--- rank r ---" and the stack."""
+    for r in ranks:
+        if r.process.is_alive():
+            os.kill(r.process.pid, signal.SIGUSR1)
+    give_up = time.monotonic() + STACK_DUMP_WAIT_S
+    while ranks and time.monotonic() < give_up and not all(_stack_text(r) for r in ranks):
+        time.sleep(0.05)
+    time.sleep(0.1 if ranks else 0)  # let the last dump finish writing
+    out = []
+    for r in ranks:
+        text = _stack_text(r) or "(no stack: the rank had not started its function yet, or had exited)"
+        out.append(f"--- rank {r.rank} ---\n{text.rstrip()}")
+    return out
+
+
+def _last_line(trace: str) -> str:
+    lines = trace.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def _handles(ranks: Iterable[_Rank]) -> list[Any]:
@@ -186,59 +412,13 @@ def _take_report(r: _Rank, ready: Sequence[Any]) -> tuple[Any, ...] | None:
     return ("died",) if report is None and exited else report
 
 
-def _dead_rank(ranks: Sequence[_Rank], grace_s: float) -> _Rank | None:
-    """The first of `ranks` seen to exit without reporting within `grace_s`; None when each one reports or is
-    still running (their reports are dropped: the caller raises)."""
-    give_up = time.monotonic() + grace_s
-    waiting = list(ranks)
-    while waiting and (remaining := give_up - time.monotonic()) > 0:
-        ready = wait(_handles(waiting), remaining)
-        for r in list(waiting):
-            report = _take_report(r, ready)
-            if report is None:
-                continue
-            if report[0] == "died":
-                return r
-            waiting.remove(r)
-    return None
-
-
 def _death(r: _Rank, world_size: int, fn: Callable[..., Any]) -> LaunchError:
     """The failure of a rank that exited without reporting, with its exit code or signal."""
-    r.process.join(STOP_GRACE_S)  # its pipe can close just before the process is reaped
+    r.process.join(REAP_GRACE_S)  # its pipe can close just before the process is reaped
     return LaunchError(
         f"{_name(fn)}: rank {r.rank} of {world_size} exited with {_describe_exit(r.process.exitcode)} before "
-        "reporting (its output, if any, is above)"
+        "reporting (killed, out of memory or crashed; its output, if any, is above)"
     )
-
-
-@contextmanager
-def _forward_signals(ranks: Sequence[_Rank]) -> Iterator[None]:
-    """While the ranks run: the first SIGTERM or SIGINT to this process is passed on to every rank as SIGTERM
-    (a rank that handles it finishes its work and reports as usual: `genomelm.train.stop`); a second one kills
-    the ranks and ends the launch at once (SystemExit 128 + signal)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        received.append(signum)
-        for r in ranks:
-            if r.process.is_alive():
-                if len(received) == 1:
-                    os.kill(r.process.pid, signal.SIGTERM)
-                else:
-                    r.process.kill()
-        if len(received) > 1:
-            raise SystemExit(128 + signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _receive(reader: Connection, wait_s: float) -> tuple[Any, ...] | None:
@@ -255,17 +435,16 @@ def _receive(reader: Connection, wait_s: float) -> tuple[Any, ...] | None:
 def _rank_exception(
     pickled: bytes | None, trace: str, rank: int, world_size: int, fn: Callable[..., Any]
 ) -> BaseException:
-    """The rank's exception rebuilt here (LaunchError when it does not unpickle), its traceback as the
-    cause."""
+    """The rank's exception rebuilt here (a LaunchError with its last line when it does not unpickle), a note
+    naming the rank, its traceback as the cause."""
     where = f"raised on rank {rank} of {world_size} in {_name(fn)}"
     try:
         exc = pickle.loads(pickled) if pickled is not None else None
     except Exception:  # noqa: BLE001 - an exception class that does not rebuild from its args
         exc = None
     if not isinstance(exc, BaseException):
-        exc = LaunchError(f"{where}:\n{trace}")
-    else:
-        exc.add_note(where)
+        exc = LaunchError(f"rank {rank} of {world_size} raised {_last_line(trace)}")
+    exc.add_note(where)
     exc.__cause__ = RemoteTraceback(trace)
     return exc
 
@@ -274,38 +453,33 @@ def _stuck_report(
     stuck: Sequence[_Rank], world_size: int, fn: Callable[..., Any], timeout_s: float | None
 ) -> str:
     """Ask the stuck ranks for their Python stacks (SIGUSR1) and return them as one message."""
-    alive = [r for r in stuck if r.process.is_alive()]
-    for r in alive:
-        os.kill(r.process.pid, signal.SIGUSR1)
-    give_up = time.monotonic() + STACK_DUMP_WAIT_S
-    while time.monotonic() < give_up and not all(_stack_text(r) for r in alive):
-        time.sleep(0.05)
-    time.sleep(0.1)  # let the last dump finish writing
-    lines = [
+    line = (
         f"{_name(fn)}: ranks {[r.rank for r in stuck]} of {world_size} still running after {timeout_s} s; "
         + "their Python stacks at the timeout:"
-    ]
-    for r in stuck:
-        text = _stack_text(r) or "(no stack: the rank had not started its function yet, or had exited)"
-        lines.append(f"--- rank {r.rank} ---\n{text.rstrip()}")
-    return "\n".join(lines)
+    )
+    return "\n".join([line, *_dump_stacks([r for r in stuck if r.process.is_alive()] or list(stuck))])
 
 
 def _stack_text(r: _Rank) -> str:
     return r.stack_path.read_text(errors="replace") if r.stack_path.exists() else ""
 
 
-def _stop(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
-    """SIGTERM every live process, SIGKILL those still alive after STOP_GRACE_S, and reap them all."""
+def _kill(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """SIGKILL every live process and reap it (the ranks ignore SIGTERM: a failed or interrupted launch ends
+    them at once)."""
     for process in processes:
-        if process.is_alive():
-            process.terminate()
-    give_up = time.monotonic() + STOP_GRACE_S
-    for process in processes:
-        process.join(max(give_up - time.monotonic(), 0.0))
         if process.is_alive():
             process.kill()
-            process.join()
+    for process in processes:
+        process.join()
+
+
+def _reap(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """Wait REAP_GRACE_S for ranks that reported to exit, then SIGKILL those still there."""
+    give_up = time.monotonic() + REAP_GRACE_S
+    for process in processes:
+        process.join(max(give_up - time.monotonic(), 0.0))
+    _kill(processes)
 
 
 def _run_rank(
@@ -318,11 +492,13 @@ def _run_rank(
     collective_timeout_s: float | None,
     stack_path: str,
     writer: Connection,
-    caller: tuple[dict[str, str], str],
+    caller: tuple[dict[str, str], str, Callable[..., str]],
 ) -> None:
-    """One rank: the caller's environment and folder plus the rank's variables, stack dumps on SIGUSR1,
-    process group, fn(*args), then one report to the parent."""
-    environment, folder = caller
+    """One rank: SIGINT and SIGTERM ignored, the caller's environment, folder and warning format plus the
+    rank's variables, stack dumps on SIGUSR1, process group, fn(*args), then one report to the parent."""
+    for sig in STOP_SIGNALS:  # as the forkserver set them (`rank_signals`), also for one started elsewhere
+        signal.signal(sig, signal.SIG_IGN)
+    environment, folder, warnings.formatwarning = caller
     os.environ.clear()
     os.environ.update(environment)
     os.chdir(folder)

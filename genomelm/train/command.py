@@ -11,19 +11,20 @@ import torch
 
 from genomelm.data import DataError
 from genomelm.data.augment import crop_length
-from genomelm.model.checkpoint import CheckpointError
-from genomelm.model.config import MOE, ConfigError, is_preset
-from genomelm.parallel.checkpoint import CheckpointSpaceError
-from genomelm.parallel.launch import launch
+from genomelm.model.config import MOE, is_preset
+from genomelm.parallel.launch import Interrupted, launch
 from genomelm.parallel.layout import ContextLayout
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.train.config import TrainConfig
-from genomelm.train.guards import RunMismatch
-from genomelm.train.loop import NonFiniteLoss, train
+from genomelm.train.failures import report_failure
+from genomelm.train.loop import train
 from genomelm.train.models import model_config_of, run_device
-from genomelm.train.plan import PlanError, check_fits, describe_run
-from genomelm.train.ray_launch import RayLaunchError, train_with_ray
-from genomelm.train.run_lock import RunLock, RunLocked
+from genomelm.train.plan import check_fits, describe_run
+from genomelm.train.ray_launch import train_with_ray
+from genomelm.train.run_lock import RunLock
+from genomelm.train.stop import StopSignals, stop_exit_code
+
+PROG = "genomelm train"
 
 
 def main(argv: list[str]) -> int:
@@ -31,72 +32,76 @@ def main(argv: list[str]) -> int:
         prog="genomelm train",
         description="Fine-tune GLM-5.3-Flash (or a preset of the same architecture) on prepared genome "
         "windows.",
-        epilog="Any run setting can be overridden as key=value, e.g. steps=10 seq=1M dry_run=true.",
+        epilog="Any run setting can be overridden as key=value, e.g. steps=10 seq=1M dry_run=true. Exit "
+        "status: 0 done, 1 the machine (disk full, a lost rank), 2 the input (a setting, data, a "
+        "checkpoint), 128+N stopped by signal N (143: SIGTERM, 130: SIGINT) with a checkpoint to continue "
+        "from.",
     )
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
     args = parser.parse_args(argv)
     try:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-    except (ValueError, FileNotFoundError, DataError) as exc:
-        print(f"genomelm train: {exc}", file=sys.stderr)
-        return 2
-    if config.dry_run:
-        print(describe_run(config))
-        return 0
+        if config.dry_run:
+            print(describe_run(config))
+            return 0
+    except Exception as exc:  # noqa: BLE001 - every failure is reported as one line with its exit status
+        return report_failure(PROG, exc)
     try:
         summary = launch_training(config)
-    except DataError as exc:
-        print(
-            f"genomelm train: {exc}\n  for this run: make data GENOME={config.genome} SEQ={config.seq} "
-            f"(or set data=<prepared folder>)",
-            file=sys.stderr,
-        )
-        return 2
-    except (
-        ValueError,
-        FileNotFoundError,
-        ConfigError,
-        CheckpointError,
-        NonFiniteLoss,
-        RunMismatch,
-        RunLocked,
-        PlanError,
-    ) as exc:
-        print(f"genomelm train: {exc}", file=sys.stderr)
-        return 2
-    except (RayLaunchError, CheckpointSpaceError) as exc:
-        print(f"genomelm train: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # noqa: BLE001
+        return report_failure(PROG, exc, config.run_dir, hint=_hint(config, exc))
+    steps = summary["steps"]
     if "stopped" in summary:
         stopped = summary["stopped"]
-        print(
-            f"stopped by {stopped['signal']} after step {stopped['step']} of {summary['steps']}: checkpoint "
-            f"{summary['checkpoint']}; the same command continues the run from there (resume=auto)"
-        )
-        return 0
+        if stopped.get("first"):
+            print(
+                f"stopped by {stopped['signal']} before its first step (at step {stopped['step']} of "
+                f"{steps}): nothing to save; the same command continues the run (resume=auto)"
+            )
+        else:
+            print(
+                f"stopped by {stopped['signal']} after step {stopped['step']} of {steps}: checkpoint "
+                f"{summary['checkpoint']}; the same command continues the run from there (resume=auto)"
+            )
+        return stop_exit_code(stopped["signal"])
     if not summary["losses"]:
         print(
-            f"nothing to train: run {config.run} is at step {summary['start_step']} of {summary['steps']} "
+            f"nothing to train: run {config.run} is at step {summary['start_step']} of {steps} "
             f"(checkpoint {summary['checkpoint']}); give steps= beyond it to train on"
         )
         return 0
     print(
-        f"trained {config.run}: steps {summary['start_step']}..{summary['steps']}, "
-        f"last loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}, "
-        f"skipped {summary['skipped']}, checkpoint {summary['checkpoint']}"
+        f"trained {config.run}: steps {summary['start_step']}..{steps}, "
+        f"last loss {summary['losses'][-1]:.4f}, skipped {summary['skipped']}, "
+        f"checkpoint {summary['checkpoint']}"
     )
     return 0
 
 
+def _hint(config: TrainConfig, exc: Exception) -> str | None:
+    """What to do next, when the error's own message does not say: the data stage's command for missing
+    data; how to continue after a run ended at once."""
+    if isinstance(exc, DataError) and "rebuild it" not in str(exc):
+        return (
+            f"for this run: make data GENOME={config.genome} SEQ={config.seq} (or set data=<prepared folder>)"
+        )
+    if isinstance(exc, Interrupted):
+        return "the same command continues the run from its newest checkpoint (resume=auto)"
+    return None
+
+
 def launch_training(config: TrainConfig) -> dict:
     """Rank 0's training summary: one process (cp=1, local), dp * cp local processes, or dp * cp Ray Train
-    workers. This process holds the run folder's lock (`RunLock`) throughout; the ranks do not."""
-    with RunLock(config.run_dir):
-        return _launch(config)
+    workers. The layout is checked first, so a refused one writes nothing; then this process holds the run
+    folder's lock (`RunLock`) and turns signals into the run's stop request (`StopSignals`) throughout; the
+    ranks do neither."""
+    check_context_parallel(config)
+    with RunLock(config.run_dir), StopSignals(config.run_dir) as signals:
+        return _launch(config, signals)
 
 
-def _launch(config: TrainConfig) -> dict:
+def _launch(config: TrainConfig, signals: StopSignals) -> dict:
     # a run on GPUs (here, or on the Ray cluster at ray_address), or one planned for GPUs (gpus=N), is planned
     # first and refused if it cannot fit
     if (
@@ -106,9 +111,8 @@ def _launch(config: TrainConfig) -> dict:
     ):
         check_fits(config)
     if config.parallel.launcher == "ray":
-        check_context_parallel(config)
-        return train_with_ray(config)
-    return train(config) if config.parallel.world == 1 else train_context_parallel(config)
+        return train_with_ray(config, signals)
+    return train(config) if config.parallel.world == 1 else train_context_parallel(config, signals)
 
 
 def check_context_parallel(config: TrainConfig) -> None:
@@ -161,10 +165,10 @@ def _train_on_rank(config: TrainConfig, threads: int) -> dict:
     return train(config)
 
 
-def train_context_parallel(config: TrainConfig) -> dict:
+def train_context_parallel(config: TrainConfig, signals: StopSignals) -> dict:
     """`train(config)` on dp * cp local processes (gloo on the CPU, NCCL with one GPU each); rank 0's
-    summary. A rank's error is raised here with its traceback; a hang is reported with every rank's stack."""
-    check_context_parallel(config)
+    summary. A rank's error is raised here with its traceback; a hang is reported with every rank's stack. A
+    signal to this process becomes the run's stop request (`signals`)."""
     device = run_device().type
     world = config.parallel.world
     if device == "cuda" and torch.cuda.device_count() < world:
@@ -180,6 +184,7 @@ def train_context_parallel(config: TrainConfig) -> dict:
         threads,
         device=device,
         collective_timeout_s=config.parallel.collective_timeout_s,
+        on_signal=signals.request,
     )[0]
 
 

@@ -549,35 +549,64 @@ def _flat_key(key: str, source: Path | None) -> str:
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Give a YAML/command-line value the type of the setting's default (YAML reads `3e-3` as a string)."""
+    """Give a YAML/command-line value the type of the setting's default (YAML reads `3e-3` as a string):
+    numbers finite and of their kind (`inf`, `nan` and `true` refused for a number), a pair a pair."""
     if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
         if key in _OPTIONAL:
             return None
         raise ValueError(f"setting {key}={value!r}: expected a value like {default!r}")
     try:
         if isinstance(default, bool):
-            if isinstance(value, str) and value.lower() in (
-                "true",
-                "false",
-                "yes",
-                "no",
-                "on",
-                "off",
-                "1",
-                "0",
-            ):
-                return value.lower() in ("true", "yes", "on", "1")
-            if isinstance(value, bool):
-                return value
-            raise ValueError
-        if isinstance(default, float):
-            return float(value)
-        if isinstance(default, int):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
+            return _as_bool(value)
+        if isinstance(default, (int, float)):
+            return _as_number(value, float if isinstance(default, float) else int)
         if isinstance(default, tuple):
-            return tuple(float(v) for v in value)
+            if not isinstance(value, (list, tuple)) or len(value) != len(default):
+                raise ValueError
+            return tuple(_as_number(v, float) for v in value)
         return str(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"setting {key}={value!r}: expected a value like {default!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        kind = {bool: "true or false", int: "a whole number", float: "a finite number"}.get(type(default))
+        if isinstance(default, tuple):
+            kind = f"a list of {len(default)} finite numbers"
+        expected = f"{kind}, e.g. {_yaml_text(default)}" if kind else f"a value like {default!r}"
+        raise ValueError(f"setting {key}={_yaml_text(value)}: expected {expected}") from None
+
+
+BOOL_WORDS = {
+    "true": True,
+    "yes": True,
+    "on": True,
+    "1": True,
+    "false": False,
+    "no": False,
+    "off": False,
+    "0": False,
+}
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.lower()]
+    raise ValueError
+
+
+def _as_number(value: Any, kind: type) -> int | float:
+    """`value` as a finite `kind` (int: a whole number, also written 2.0 or "2"); no bools, no inf or nan."""
+    if isinstance(value, bool):
+        raise ValueError
+    if kind is int and isinstance(value, int):
+        return value
+    number = float(value)
+    if not math.isfinite(number) or (kind is int and not number.is_integer()):
+        raise ValueError
+    return int(number) if kind is int else number
+
+
+def _yaml_text(value: Any) -> str:
+    """A setting's value as the user would write it (lists and tuples in brackets)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_yaml_text, value)) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from genomelm.data.errors import space_checked
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model, save_model
 from genomelm.model.config import MOE, is_preset
 from genomelm.parallel.checkpoint import Checkpointer, write_checksums
@@ -39,11 +40,13 @@ from genomelm.train.metrics import HELDOUT_LOSS, MetricsLog, device_peak_gb, hos
 from genomelm.train.models import model_config_of, run_device
 from genomelm.train.precision import fsdp_param_dtype
 from genomelm.train.step import StepOutcome, TrainStep, device_rows, lr_factor, make_optimizer
-from genomelm.train.stop import StopRequest, clear_stop
+from genomelm.train.stop import StopCheck
 
 
 class NonFiniteLoss(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
 @dataclass
@@ -102,33 +105,35 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         desc=f"train {config.run}",
         unit="step",
     )
+    stop = StopCheck(config.run_dir)
     try:
-        with StopRequest(exit_on_second=run.parallel is None, run_dir=config.run_dir) as stop:
-            for step in bar:
-                record = train_one_step(run, step)
-                if progress and HELDOUT_LOSS in record:
-                    tqdm.write(
-                        f"step {step + 1}: held-out loss {record[HELDOUT_LOSS]:.4f} "
-                        f"({record['heldout/windows']} windows, {record['heldout/eval_s']:.1f} s)"
-                    )
-                bar.set_postfix(
-                    loss=f"{record['loss']:.4f}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                    mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}",
+        if stop.agreed(run.device):  # asked to stop while the run started: nothing to save
+            run.summary["stopped"] = {"step": run.start_step, "signal": stop.received, "first": True}
+        for step in bar if "stopped" not in run.summary else ():
+            record = train_one_step(run, step)
+            if progress and HELDOUT_LOSS in record:
+                tqdm.write(
+                    f"step {step + 1}: held-out loss {record[HELDOUT_LOSS]:.4f} "
+                    f"({record['heldout/windows']} windows, {record['heldout/eval_s']:.1f} s)"
                 )
-                saved = (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.optim.steps
-                if saved:
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}",
+            )
+            saved = (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.optim.steps
+            if saved:
+                save(run, step + 1)
+            if step + 1 < config.optim.steps and stop.agreed(run.device):
+                if not saved:
                     save(run, step + 1)
-                if step + 1 < config.optim.steps and stop.agreed(run.device):
-                    if not saved:
-                        save(run, step + 1)
-                    run.summary["stopped"] = {"step": step + 1, "signal": stop.received or "a signal"}
-                    break
+                run.summary["stopped"] = {"step": step + 1, "signal": stop.received}
+                break
     finally:
         bar.close()
         if run.log is not None:
             run.log.close()
-    if run.start_step == config.optim.steps and run.resume_from is not None:
+    if "stopped" not in run.summary and run.start_step == config.optim.steps and run.resume_from is not None:
         export_final(run, run.resume_from)  # a run resumed at its end: finish an export a kill cut short
     run.summary["steps"] = config.optim.steps
     return run.summary
@@ -157,7 +162,6 @@ def build_run(config: TrainConfig) -> Run:
     if parallel is None or parallel.is_output_rank:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         checkpointer.clean_interrupted_writes()
-        clear_stop(config.run_dir)  # a request left by an earlier, stopped run
     model_config = checked_model_config(config, data)
     dims.check(model_config.n_routed_experts if MOE in model_config.mlp_layer_types else None)
     identity = run_identity(config, data.manifest)
@@ -226,7 +230,9 @@ def build_model(
         and is_preset(config.model)
         and not (init_dir / "config.json").exists()
     ):
-        save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
+        needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        with space_checked(init_dir, needed, "the run's initial model (the 'before' model of genomelm eval)"):
+            save_model(model, init_dir)  # the "before" model of `genomelm eval` for a random-init preset
     if parallel is not None:
         param_dtype = fsdp_param_dtype(config.memory.precision, device)
         parallel.prepare(
@@ -256,7 +262,11 @@ def resume_state(
         )
     if resume == "auto":  # the newest checkpoint whose bytes are as written, the ranks sharing the reading
         share = (parallel.rank, parallel.dims.world) if parallel is not None else (0, 1)
-        resume_from = checkpointer.latest_verified(share, _sum_over_ranks if parallel is not None else None)
+        resume_from = checkpointer.latest_verified(
+            share,
+            _gather_over_ranks if parallel is not None else None,
+            set_aside=parallel is None or parallel.is_output_rank,
+        )
     else:
         resume_from = None if resume == "never" else Path(resume)
     if resume_from is None:
@@ -271,11 +281,11 @@ def resume_state(
     return resume_from, state
 
 
-def _sum_over_ranks(count: int) -> int:
-    """`count` summed over every rank of the launched group (on the device its backend takes)."""
-    total = torch.tensor([count], dtype=torch.int64, device=run_device())
-    dist.all_reduce(total)
-    return int(total.item())
+def _gather_over_ranks(problems: list[str]) -> list[str]:
+    """Every rank's `problems`, joined in rank order (on every rank of the launched group)."""
+    found: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problems)
+    return [problem for part in found for problem in part or []]
 
 
 def resume(run: Run, state: dict[str, Any]) -> None:

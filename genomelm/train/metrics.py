@@ -20,9 +20,13 @@ import numpy as np
 import psutil
 import torch
 
+from genomelm.data.errors import space_checked
 from genomelm.train.config import TrainConfig
 
 HELDOUT_LOSS = "heldout/loss"
+SPACE_ADVICE = (
+    "the run's newest checkpoint is intact: free space, and the same command continues (resume=auto)"
+)
 _BUCKET_KEY = re.compile(r"heldout/bucket_(\d+)_(\d+)")
 
 
@@ -92,16 +96,25 @@ def loss_by_position_image(buckets: list[tuple[int, int, float]], step: int) -> 
 
 
 class MetricsLog:
-    """Appends one JSON object per step to `runs/<run>/metrics.jsonl` and mirrors it to wandb."""
+    """Appends one JSON object per step to `runs/<run>/metrics.jsonl` and mirrors it to wandb.
+
+    The file is never deleted: a run that continues from step N keeps the rows up to N and drops those of the
+    steps it will run again (and a torn last line), rewritten through a temporary file. A full disk on an
+    append stops the run with `DiskFull` (its last checkpoint intact)."""
 
     def __init__(self, config: TrainConfig, resumed_step: int) -> None:
         self.path = config.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resumed_step == 0 and self.path.exists():
-            self.path.unlink()
-        elif self.path.exists():  # drop the rows of steps the resumed run will redo, and a torn last line
+        if self.path.exists():
             kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= resumed_step]
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            text = "".join(json.dumps(row) + "\n" for row in kept)
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            with space_checked(self.path, len(text), "the metrics kept on resume", SPACE_ADVICE):
+                try:
+                    tmp.write_text(text)
+                    os.replace(tmp, self.path)
+                finally:
+                    tmp.unlink(missing_ok=True)
         self.wandb_run = None
         if config.log.wandb != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -118,8 +131,12 @@ class MetricsLog:
             )
 
     def log(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        with (
+            space_checked(self.path, len(line), "a metrics row", SPACE_ADVICE),
+            open(self.path, "a") as handle,
+        ):
+            handle.write(line)
         if self.wandb_run is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float, bool))}
             buckets = heldout_buckets(record)

@@ -46,6 +46,8 @@ from genomelm.train.plan_types import Assumptions, Plan, load_assumptions
 class PlanError(RuntimeError):
     """The run does not fit the GPUs it is planned for."""
 
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
+
 
 def make_plan(
     config: TrainConfig, assumptions: Assumptions | None = None, traces: TraceCache | None = None

@@ -10,8 +10,14 @@ rank 0 writes metrics, and each checkpoint under `runs/<run>/checkpoints/` is re
 When a worker dies, Ray stops the group and, up to `max_failures` times, starts it again; the restarted ranks
 run `train(config)` with `resume=auto`, so they continue from the newest complete checkpoint (one a killed
 rank left half-written is a temporary folder that is never read and is removed) with the same data order and
-RNG state, and the losses equal those of an uninterrupted run. At the end rank 0 reports the run's last
-checkpoint and summary to Ray (`Result.checkpoint`, `Result.metrics`).
+RNG state, and the losses equal those of an uninterrupted run. At the end rank 0 leaves its summary in the run
+folder for the driver (Ray Train keeps a worker's reported metrics only with a checkpoint, and a run stopped
+before its first step has none) and reports its last checkpoint to Ray (`Result.checkpoint`).
+
+Signals stay the driver's (`genomelm.train.stop`): `fit` runs in a helper thread, so Ray Train installs no
+SIGINT handler of its own, and the driver's handlers go back in place after Ray's `init` replaced SIGTERM's.
+The first signal becomes the run's stop request, which the workers read from the run folder; a second one
+ends the driver at once and Ray is shut down.
 
 `ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local
 Ray starts with no dashboard and no authentication, and stops when the run ends. The driver's working
@@ -37,9 +43,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from genomelm.parallel.checkpoint import Checkpointer, step_of
+from genomelm.parallel.launch import STOP_SIGNALS, Interrupted
 from genomelm.train.config import TrainConfig
 from genomelm.train.faults import FAULT_ENV
-from genomelm.train.stop import SIGNALS, clear_stop, request_stop
+from genomelm.train.stop import StopSignals
 
 QUIET_ENVIRONMENT = {
     "RAY_AUTH_MODE": "disabled",  # no token prompt for a cluster this process starts on localhost
@@ -56,6 +64,8 @@ QUIET_LOGGERS = {  # Ray modules whose `logger` says what the run does not need 
 
 class RayLaunchError(RuntimeError):
     """A Ray run that could not start or that failed other than by a rank's own exception."""
+
+    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
 
 
 def start_ray(address: str | None = None) -> None:
@@ -82,22 +92,43 @@ def quiet_ray_loggers() -> None:
         importlib.import_module(module).logger.setLevel(level)  # some are named by file, not module
 
 
-def train_with_ray(config: TrainConfig) -> dict[str, Any]:
+def train_with_ray(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     """`train(config)` on dp * cp Ray Train workers; rank 0's summary (as `genomelm.train.loop.train`
-    returns it). A rank's exception is raised here once the restarts allowed by `max_failures` are spent."""
+    returns it). A rank's exception is raised here once the restarts allowed by `max_failures` are spent.
+    `signals` (the driver's, see `genomelm.train.stop`) stay this driver's for the whole run: the workers read
+    the stop request from the run folder; a second signal shuts them down at once."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     started_here = not ray.is_initialized()
-    if started_here:
-        start_ray(config.parallel.ray_address)
+    try:
+        if started_here:
+            _start_watched(config.parallel.ray_address)
+        signals.install()  # Ray's init put its own SIGTERM handler in their place
+    except Interrupted as exc:  # a signal while Ray started: nothing ran yet
+        signals.request(exc.signum)
+        if started_here:
+            ray.shutdown()
+        latest = Checkpointer(config.run_dir).latest()
+        step = step_of(latest) if latest is not None else 0
+        stopped = {"step": step, "signal": signals.received, "first": True}
+        return {"start_step": step, "steps": config.optim.steps, "losses": [], "skipped": 0} | {
+            "checkpoint": latest,
+            "stopped": stopped,
+        }
+    answer = _answer_path(config.run_dir, ".train-")
     try:
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         workers = config.parallel.world
         trainer = TorchTrainer(
             _worker,
-            train_loop_config={"config": config, "cwd": os.getcwd(), "environment": _forwarded_environment()},
+            train_loop_config={
+                "config": config,
+                "answer": str(answer),
+                "cwd": os.getcwd(),
+                "environment": _forwarded_environment(),
+            },
             torch_config=TorchConfig(
                 backend="nccl" if use_gpu else "gloo",
                 timeout_s=math.ceil(config.parallel.collective_timeout_s),  # Ray takes whole seconds
@@ -115,22 +146,14 @@ def train_with_ray(config: TrainConfig) -> dict[str, Any]:
             ),
         )
         try:
-            with _stop_on_signal(config.run_dir):
-                result = trainer.fit()
+            _fit_in_thread(trainer)
         except ray.train.TrainingFailedError as exc:
             raise _rank_error(exc) from exc
+        return _read_answer(answer)
     finally:
-        clear_stop(config.run_dir)
+        shutil.rmtree(answer.parent, ignore_errors=True)
         if started_here:
             ray.shutdown()
-    metrics = result.metrics or {}
-    return {
-        "start_step": metrics.get("start_step", 0),
-        "steps": metrics.get("steps", 0),
-        "losses": metrics.get("losses", []),
-        "skipped": metrics.get("skipped", 0),
-        "checkpoint": Path(result.checkpoint.path) if result.checkpoint else None,
-    } | ({"stopped": metrics["stopped"]} if metrics.get("stopped") else {})
 
 
 def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
@@ -143,12 +166,11 @@ def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     config: TrainConfig = args[1]
-    config.run_dir.mkdir(parents=True, exist_ok=True)
-    answer = Path(tempfile.mkdtemp(prefix=".score-", dir=config.run_dir)).resolve() / "result.pkl"
+    answer = _answer_path(config.run_dir, ".score-")
     started_here = not ray.is_initialized()
-    if started_here:
-        start_ray(config.parallel.ray_address)
     try:
+        if started_here:
+            _start_watched(config.parallel.ray_address)
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         workers = config.parallel.world
         trainer = TorchTrainer(
@@ -175,11 +197,11 @@ def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
             ),
         )
         try:
-            trainer.fit()
+            with _interrupt_on_signal():
+                _fit_in_thread(trainer)
         except ray.train.TrainingFailedError as exc:
             raise _rank_error(exc) from exc
-        with open(answer, "rb") as handle:
-            return pickle.load(handle)
+        return _read_answer(answer)
     finally:
         shutil.rmtree(answer.parent, ignore_errors=True)
         if started_here:
@@ -188,32 +210,78 @@ def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
 
 def _score_worker(payload: dict[str, Any]) -> None:
     """One scoring rank: the driver's working directory, its cores and GPU, then the call; rank 0 writes the
-    result where the driver reads it (a temporary name, renamed into place)."""
+    result where the driver reads it."""
     context = _enter_worker(payload)
     on_rank, args = payload["call"]
     result = on_rank(*args)
     if context.get_world_rank() == 0:
-        answer = Path(payload["answer"])
-        partial = answer.with_suffix(".partial")
-        with open(partial, "wb") as handle:
-            pickle.dump(result, handle)
-        os.replace(partial, answer)
+        _write_answer(Path(payload["answer"]), result)
+
+
+def _answer_path(run_dir: Path, prefix: str) -> Path:
+    """Where rank 0 leaves its result for the driver: a fresh folder of the run folder (on the file system
+    every node shares), since Ray Train keeps the metrics a worker reports only with a checkpoint."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=run_dir)).resolve() / "result.pkl"
+
+
+def _write_answer(answer: Path, result: Any) -> None:
+    """Pickle `result` to `answer` (a temporary name, renamed into place: the driver never reads half)."""
+    partial = answer.with_suffix(".partial")
+    with open(partial, "wb") as handle:
+        pickle.dump(result, handle)
+    os.replace(partial, answer)
+
+
+def _read_answer(answer: Path) -> Any:
+    with open(answer, "rb") as handle:
+        return pickle.load(handle)
+
+
+def _start_watched(address: str | None) -> None:
+    """`start_ray`, with the SIGTERM Ray's init answers by SystemExit(15) (its own handler, in place while it
+    starts) raised as `Interrupted`."""
+    try:
+        start_ray(address)
+    except SystemExit as exc:
+        if exc.code == signal.SIGTERM:
+            raise Interrupted(signal.SIGTERM) from None
+        raise
+
+
+def _fit_in_thread(trainer: Any) -> Any:
+    """`trainer.fit()` in a helper thread while the main thread waits: the main thread keeps the signal
+    handlers in place (Ray Train installs its own SIGINT handler when fit runs in the main thread), and an
+    exception a handler raises ends the wait at once (Ray is then shut down by the caller)."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 @contextmanager
-def _stop_on_signal(run_dir: Path) -> Iterator[None]:
-    """While Ray trains: the first SIGTERM or SIGINT to the driver asks the workers to stop after their step
-    and checkpoint (the stop file, `genomelm.train.stop`); a second one ends the driver at once."""
+def _interrupt_on_signal() -> Iterator[None]:
+    """While Ray scores: a SIGTERM or SIGINT to the driver ends it at once (`Interrupted`; scoring keeps no
+    state to save)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handle(signum: int, frame: FrameType | None) -> None:
-        request_stop(run_dir, signal.Signals(signum).name)
-        for sig in SIGNALS:  # a second signal: the default action
-            signal.signal(sig, previous[sig])
+        raise Interrupted(signum)
 
-    previous = {sig: signal.signal(sig, handle) for sig in SIGNALS}
+    previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -263,7 +331,8 @@ def _enter_worker(payload: dict[str, Any]) -> Any:
 
 def _worker(payload: dict[str, Any]) -> None:
     """One rank: the driver's working directory, its share of the cores, its GPU, then `train(config)`; rank 0
-    reports the summary and the final checkpoint (it lies under the Ray run folder, so nothing is copied)."""
+    writes the summary where the driver reads it, and reports it with the final checkpoint to Ray (the
+    checkpoint lies under the Ray run folder, so nothing is copied)."""
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -274,6 +343,8 @@ def _worker(payload: dict[str, Any]) -> None:
     config: TrainConfig = payload["config"]
     context = _enter_worker(payload)
     summary = train(config, progress=context.get_world_rank() == 0)
+    if context.get_world_rank() == 0:
+        _write_answer(Path(payload["answer"]), summary)
     last = summary["checkpoint"]
     report_checkpoint = context.get_world_rank() == 0 and last is not None
     ray.train.report(

@@ -4,7 +4,8 @@ The lock is a small JSON file (pid, host, start time) created with O_EXCL before
 written, by the process that launches the run (the one process, the local launcher, or the Ray driver; the
 ranks it starts do not take it). A second run on the same folder is refused with a message naming the holder.
 A lock whose pid no longer runs on this host (a killed run) is taken over with a warning; one held from
-another host is never taken over, since this host cannot tell whether that process still runs.
+another host is never taken over, since this host cannot tell whether that process still runs. A run folder
+the lock created is removed again when the run wrote nothing into it (a run refused before it started).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ LOCK_FILE = ".lock"
 
 class RunLocked(RuntimeError):
     """The run folder belongs to another live run; the message names it and the way out."""
+
+    exit_code = 2  # the user's input (`genomelm.train.failures`)
 
 
 def _alive(pid: int) -> bool:
@@ -41,6 +44,7 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self.owner = {"pid": os.getpid(), "host": socket.gethostname()}
+        self.created_folder = False
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -51,6 +55,7 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or take over a stale one; RunLocked when a live run holds it."""
+        self.created_folder = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         record = self.owner | {"started": datetime.now(UTC).isoformat(timespec="seconds")}
         for _attempt in range(3):
@@ -93,10 +98,13 @@ class RunLock:
         )
 
     def release(self) -> None:
-        """Remove the lock if this process holds it."""
+        """Remove the lock if this process holds it, and the run folder if the lock created it and it is
+        empty."""
         try:
             holder = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return
         if holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]:
             self.path.unlink(missing_ok=True)
+            if self.created_folder and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()

@@ -1,16 +1,22 @@
 """Stopping a run on request: SIGTERM (what Kubernetes, Slurm and Ray send before they preempt) or SIGINT.
 
-`StopRequest` turns the first signal into a request: the run finishes its current step, every rank agrees to
-stop after the same step (`agreed`: one all-reduce of a flag per step), a complete checkpoint is written and
-`train` returns normally. Without a launcher, a second signal ends the process at once; under the local
-launcher the ranks only take requests (the launcher forwards SIGTERM to them and, on a second signal, kills
-them, `genomelm.parallel.launch`). Ray workers get no signal from the driver: the driver writes the stop file
-`runs/<run>/.stop` (`request_stop`), which every rank looks for after each step.
+One story for every launcher. The process that holds the run folder's lock (the one process, the local
+launcher or the Ray driver) turns the first signal into a stop request, the file `runs/<run>/.stop` naming it
+(`StopSignals`, entered before anything of the run starts). Every rank, however it was launched, looks for
+that file before its first step and after each step (`StopCheck.agreed`: one all-reduce of a flag, so all
+stop after the same step); ranks under the local launcher ignore the signals themselves
+(`genomelm.parallel.launch`), so a signal to the whole process group acts once. A request before the first
+step ends the run at once with nothing to save; a later one after the current step, with a checkpoint of it.
+A run that stopped early exits with 128 + the signal's number (`stop_exit_code`: 143 after SIGTERM, 130 after
+SIGINT), as shells and torchelastic report it.
+
+A second signal ends the run at once (`Interrupted`, the same exit status): the one process raises it where
+it is, the local launcher kills its ranks, the Ray driver shuts its workers down. The lock holder removes the
+request file when it starts and when it ends; ranks never do, so a request made while they start is kept.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from pathlib import Path
@@ -19,54 +25,106 @@ from types import FrameType, TracebackType
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
-STOP_FILE = ".stop"  # in the run folder: a launcher's request to stop after the current step
+from genomelm.parallel.launch import STOP_SIGNALS, Interrupted
+
+STOP_FILE = ".stop"  # in the run folder: the lock holder's request to stop after the current step
+# the requests this process's `StopSignals` recorded, by run folder (they hold if the file cannot be written)
+_received_here: dict[Path, str] = {}
+
+
+def stop_exit_code(reason: str) -> int:
+    """The exit status of a run stopped by `reason` (a signal's name; 143, as SIGTERM, for any other)."""
+    try:
+        return 128 + signal.Signals[reason].value
+    except KeyError:
+        return 128 + signal.SIGTERM
 
 
 def request_stop(run_dir: Path, reason: str) -> None:
-    """Ask every rank of the run in `run_dir` to stop after its current step (a shared file system: Ray);
-    `reason` (e.g. "SIGTERM") is what the run reports it stopped by."""
-    (Path(run_dir) / STOP_FILE).write_text(reason)
+    """Ask every rank of the run in `run_dir` to stop after its current step; `reason` (e.g. "SIGTERM") is
+    what the run reports it stopped by. On a full disk the file's name alone carries the request."""
+    path = Path(run_dir) / STOP_FILE
+    try:
+        path.write_text(reason)
+    except OSError:
+        path.touch()
 
 
 def clear_stop(run_dir: Path) -> None:
-    """Forget a stop request (at the start of a run, and once a stopped run has ended)."""
+    """Forget a stop request (the lock holder, as a run starts and once it has ended)."""
     (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+    _received_here.pop(Path(run_dir).resolve(), None)
 
 
-class StopRequest:
-    """`with StopRequest(exit_on_second) as stop:` ... `stop.agreed(device)` after each step."""
+def stop_requested(run_dir: Path) -> str | None:
+    """The reason of the stop request of the run in `run_dir`, or None."""
+    if Path(run_dir).resolve() in _received_here:
+        return _received_here[Path(run_dir).resolve()]
+    path = Path(run_dir) / STOP_FILE
+    try:
+        return path.read_text().strip() or "a stop request"
+    except FileNotFoundError:
+        return None
 
-    def __init__(self, exit_on_second: bool, run_dir: Path | None = None) -> None:
-        self.exit_on_second = exit_on_second
-        self.stop_file = Path(run_dir) / STOP_FILE if run_dir is not None else None
-        self.received: str | None = None  # the first signal's name
+
+class StopSignals:
+    """`with StopSignals(run_dir) as signals:` in the lock holder, for the whole run: the first SIGTERM or
+    SIGINT becomes the stop request (`request`), a second raises `Interrupted` where the main thread is.
+    `install()` puts the handlers back after a library replaced them (Ray's `init` does, for SIGTERM)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.received: str | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+    def __enter__(self) -> StopSignals:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        clear_stop(self.run_dir)  # a request an earlier, stopped or killed run left
+        self.install()
         return self
 
     def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        clear_stop(self.run_dir)
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            return
+        for sig in STOP_SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def request(self, signum: int) -> None:
+        """Record the first signal as the run's stop request (what the local launcher calls on a signal)."""
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            _received_here[self.run_dir.resolve()] = self.received
+            request_stop(self.run_dir, self.received)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None and self.exit_on_second:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)  # the default action: end now
-            return
-        self.received = self.received or signal.Signals(signum).name
+        if self.received is not None:
+            raise Interrupted(signum)
+        self.request(signum)
+
+
+class StopCheck:
+    """`StopCheck(run_dir).agreed(device)` on every rank, before the first step and after each one."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.received: str | None = None  # what this rank saw
 
     def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop, by a signal or the stop file (the same answer on every rank;
-        one all-reduce under a launcher, on `device`)."""
-        if self.received is None and self.stop_file is not None and self.stop_file.exists():
-            self.received = self.stop_file.read_text().strip() or "a stop request"
+        """Whether any rank saw a stop request (the same answer on every rank; one all-reduce under a
+        launcher, on `device`)."""
+        if self.received is None:
+            self.received = stop_requested(self.run_dir)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.received is not None
         flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and self.received is None:  # another rank saw it first
+            self.received = stop_requested(self.run_dir) or "a stop request"
         return bool(flag.item() > 0)

@@ -1,0 +1,46 @@
+"""The red team's faults that only a real command line shows (`benchmarks/red_team.py` prints them all as a
+table): each ends with the documented exit status and one line, leaves the run folder as it should and no
+process behind. The faults a test can inject in one process are tested beside their code (test_run_folder,
+test_checkpoint_integrity, test_train_config, test_parallel_launch, test_data_integrity,
+test_eval_variants)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("red_team", ROOT / "benchmarks" / "red_team.py")
+red_team = sys.modules.setdefault("red_team", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(red_team)
+
+IN_THE_SUITE = [
+    "damaged-only-checkpoint-cp2",
+    "start-up-local",
+    "start-up-ray",
+    "damaged-data-cp2",
+    "rank-killed-cp2",
+    "rank-stuck-cp2",
+    "disk-full-init",
+    "disk-full-checkpoint-cp2",
+    "disk-full-metrics",
+    "setting-cp=3",
+    "setting-seq",
+]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> object:
+    return red_team.Lab(tmp_path_factory.mktemp("red-team"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", IN_THE_SUITE)
+def test_the_fault_ends_clean(lab: object, fault: str) -> None:
+    row = red_team.faults()[fault](lab)
+    if row.skipped:
+        pytest.skip(row.skipped)
+    assert row.clean, red_team.format_table([row])
