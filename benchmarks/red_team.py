@@ -438,7 +438,7 @@ def vcf_forms(lab: Lab) -> Row:
     mapping.write_text(f"4 {RECORD}\n")
     lines = []
     for vcf in (plain, zipped, bgzipped):
-        args = [*lab.train(folder, steps=1), f"results_dir={folder / vcf.name}", f"vcf={vcf}"]
+        args = [*lab.train(folder, steps=1), f"results_dir={folder / ('results-' + vcf.name)}", f"vcf={vcf}"]
         args[0] = "variants"
         code, command = run_to_end(lab, folder, [*args, f"contig_map={mapping}", "skip_mismatch=true"])
         lines.append(command.last_line())
