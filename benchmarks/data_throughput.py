@@ -75,7 +75,7 @@ def run_genomelm(fasta: Path, out: Path, code: Path = ROOT, force: bool = True) 
     cmd = [
         sys.executable,
         "-m",
-        "genomelm.data.command",
+        "genomelm.commands.data",
         "--fasta",
         str(fasta.resolve()),
         "--seq",

@@ -29,8 +29,8 @@ import numpy as np
 import xxhash
 from data_throughput import ROOT, make_fasta
 
+from genomelm.commands.data import main as data_main
 from genomelm.data import read_manifest
-from genomelm.data.command import main as data_main
 from genomelm.data.integrity import HASH_BLOCK_BYTES, BlockHasher, FolderCheck, folder_files, split_files
 
 
@@ -88,7 +88,7 @@ def main() -> int:
     command = [
         sys.executable,
         "-m",
-        "genomelm.data.command",
+        "genomelm.commands.data",
         "--fasta",
         str(fasta.resolve()),
         "--seq",

@@ -8,7 +8,7 @@ Each fault runs the real command line (`python -m genomelm.cli ...`) in a sessio
 preset and 512-token windows of the bundled fly genome. The disk-full faults mount small tmpfs folders, which
 needs root; without it those rows say so and are skipped. `tests/test_red_team.py` runs every row and fails
 on one that is not clean. Exit statuses: 0 done, 1 the machine, 2 the input, 128 + N stopped by signal N
-(`genomelm.train.failures`).
+(`genomelm.run.failures`).
 """
 
 from __future__ import annotations

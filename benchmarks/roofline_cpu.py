@@ -1,4 +1,4 @@
-"""The roofline projection (`genomelm.train.roofline`) checked on this CPU: this machine's peaks measured at
+"""The roofline projection (`genomelm.plan.roofline`) checked on this CPU: this machine's peaks measured at
 start (a large fp32 and bf16 matmul's GFLOP/s, the grouped GEMM's, a copy's bandwidth, the cost of one eager
 op in the model's own step at 256 tokens), then the op list of the planner's trace of a whole model's
 training step (fake tensors; fwd + bwd with recompute, AdamW) costed with them, beside the measured seconds
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from genomelm.model import ModelConfig
-from genomelm.train import roofline
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan_trace import StepTrace, real_step, trace_step
+from genomelm.plan import roofline
+from genomelm.plan.trace import StepTrace, real_step, trace_step
+from genomelm.run.config import TrainConfig
 
 CASES = ("tiny:4k", "small:4k", "small:16k")
 # the Makefile's CPU_MALLOC: glibc reuses freed memory instead of mapping fresh pages for each large temporary

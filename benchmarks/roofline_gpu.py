@@ -1,4 +1,4 @@
-"""The roofline projection (`genomelm.train.roofline`) beside the measured time of one forward + backward of a
+"""The roofline projection (`genomelm.plan.roofline`) beside the measured time of one forward + backward of a
 model (gpu_check's full-width slice on a GPU; any model on the CPU), part by part: each KDA layer kind, each
 DSA layer kind, and the rest (embedding, final norm, head and loss).
 
@@ -29,9 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from genomelm.model import GlmForCausalLM
 from genomelm.model.config import KDA
-from genomelm.train import roofline
+from genomelm.plan import roofline
+from genomelm.plan.trace import flop_formula
 from genomelm.train.memory import LayerRunner
-from genomelm.train.plan_trace import flop_formula
 
 REST = "embedding, norm, head, loss"
 

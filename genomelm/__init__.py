@@ -4,9 +4,12 @@ Packages, each importing only those listed before it (`tests/test_layering.py` c
 - `genomelm.data`: genomes -> prepared windows (FASTA / 2bit reading, regions, the vocabulary);
 - `genomelm.model`: GLM-5.3-Flash in plain PyTorch, checkpoints in Hugging Face layout; of `data`, only
   `genomelm.data.vocab`;
-- `genomelm.parallel`: the model over many processes (context, expert and data parallelism, FSDP2, sharded
-  checkpoints, the local launcher);
-- `genomelm.train`: the training run (config, loop, memory plan, launchers);
-- `genomelm.eval`: scoring the model before and after training;
-- `genomelm.cli`: the `genomelm` command.
+- `genomelm.parallel`: the model and a window over many processes (context, expert and data parallelism,
+  FSDP2, sharded checkpoints, the local launcher);
+- `genomelm.run`: the run core every command shares (settings, device and models, launchers, run folder lock
+  and stop request, scoring, metrics, failures);
+- `genomelm.train` and `genomelm.eval`, side by side: the training loop and step; scoring the model before and
+  after training and the genomics read-outs;
+- `genomelm.plan`: will a run fit, and how fast (it traces the training and scoring steps);
+- `genomelm.commands`: one module per `genomelm <stage>`; `genomelm.cli`: the thin dispatcher.
 """

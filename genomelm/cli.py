@@ -1,8 +1,8 @@
 """Command-line entry point: ``genomelm {data,train,eval,probe,track,variants,embed,plan,export} ...``.
 
-Each stage owns its argument parsing in ``genomelm.<stage>.command.main(argv)``; this module only
+Each stage owns its argument parsing in ``genomelm.commands.<stage>.main(argv)``; this module only
 dispatches, and imports a stage lazily so ``genomelm data`` never pays for importing torch models. A failure a
-stage does not report itself still ends as one line and an exit status (`genomelm.train.failures`); with
+stage does not report itself still ends as one line and an exit status (`genomelm.run.failures`); with
 ``--debug`` anywhere on the command line (or GENOMELM_DEBUG=1) its traceback is printed too.
 """
 
@@ -14,22 +14,22 @@ import sys
 import warnings
 
 STAGES = {
-    "data": ("genomelm.data.command", "FASTA or hg38 chromosomes -> token windows"),
-    "train": ("genomelm.train.command", "fine-tune the model on prepared windows"),
-    "eval": ("genomelm.eval.command", "held-out loss per position bucket, before and after training"),
-    "probe": ("genomelm.eval.probe", "copy probe: how far back the model retrieves a copied segment"),
+    "data": ("genomelm.commands.data", "FASTA or hg38 chromosomes -> token windows"),
+    "train": ("genomelm.commands.train", "fine-tune the model on prepared windows"),
+    "eval": ("genomelm.commands.eval", "held-out loss per position bucket, before and after training"),
+    "probe": ("genomelm.commands.probe", "copy probe: how far back the model retrieves a copied segment"),
     "track": (
-        "genomelm.eval.tracks",
+        "genomelm.commands.track",
         "per-base loss tracks (bigWig, bedGraph) before/after, long-context gain",
     ),
-    "variants": ("genomelm.eval.variants", "zero-shot variant effects of a VCF: log-likelihood ratios"),
-    "embed": ("genomelm.eval.embed", "hidden states of windows or regions (safetensors, npy)"),
+    "variants": ("genomelm.commands.variants", "zero-shot variant effects of a VCF: log-likelihood ratios"),
+    "embed": ("genomelm.commands.embed", "hidden states of windows or regions (safetensors, npy)"),
     "plan": (
-        "genomelm.train.plan_command",
+        "genomelm.commands.plan",
         "will a run fit the GPUs, and how fast: traced from the real code",
     ),
     "export": (
-        "genomelm.parallel.export",
+        "genomelm.commands.export",
         "sharded training checkpoint -> Hugging Face folder, layer by layer",
     ),
 }
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = [arg for arg in argv if arg != "--debug"]
         os.environ["GENOMELM_DEBUG"] = "1"  # the ranks a stage launches inherit it
     if os.environ.get("GENOMELM_DEBUG", "") in ("", "0"):
-        from genomelm.train.failures import one_line_warning
+        from genomelm.run.failures import one_line_warning
 
         warnings.formatwarning = one_line_warning
     if not argv or argv[0] in ("-h", "--help"):
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"genomelm {stage}: interrupted (SIGINT)", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the last place a failure becomes one line, not a traceback
-        from genomelm.train.failures import report_failure
+        from genomelm.run.failures import report_failure
 
         return report_failure(f"genomelm {stage}", exc)
 

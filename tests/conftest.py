@@ -12,9 +12,9 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from genomelm.data.command import main as data_main  # noqa: E402
-from genomelm.eval.command import main as eval_main  # noqa: E402
-from genomelm.train.command import main as train_main  # noqa: E402
+from genomelm.commands.data import main as data_main  # noqa: E402
+from genomelm.commands.eval import main as eval_main  # noqa: E402
+from genomelm.commands.train import main as train_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ def build(tmp_path: Path, fasta: Path | list[Path], name: str = "out", **setting
 def fly_windows(out: Path, train: str, seq: int, heldout: str = "200001-201024") -> Path:
     """`genomelm data` on the bundled fly chromosome: training windows of `seq` tokens from region `train`
     ("start-end", 1-based inclusive) and held-out ones from `heldout`, written to `out`."""
-    from genomelm.data.command import main as data_main
+    from genomelm.commands.data import main as data_main
 
     assert (
         data_main(

@@ -10,10 +10,10 @@ from data_fixtures import fly_windows, tiny_run
 
 from genomelm.data.errors import file_system, out_of_space, size_text
 from genomelm.parallel.checkpoint import Checkpointer, verify_checkpoint
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
+from genomelm.run.metrics import read_metrics
+from genomelm.run.models import model_pair
 from genomelm.train.loop import train
-from genomelm.train.metrics import read_metrics
-from genomelm.train.models import model_pair
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_a_truncated_newest_checkpoint_is_skipped_and_eval_falls_back(fly: Path,
 
 
 def _sharded_summary(config: TrainConfig) -> dict:
-    from genomelm.train.command import launch_training
+    from genomelm.commands.train import launch_training
 
     return launch_training(config)
 
@@ -110,8 +110,8 @@ def test_disk_full_while_checkpointing_names_the_device_and_keeps_the_previous(
     """A full disk during the step-4 checkpoint (an OSError, or safetensors' own error): one line saying where
     space ran out and how much the checkpoint needs, exit 1; step 2 stays the newest, intact, and no
     half-written folder is left."""
+    from genomelm.commands.train import main as train_main
     from genomelm.parallel import checkpoint
-    from genomelm.train.command import main as train_main
 
     real_save_model, calls = checkpoint.save_model, []
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from genomelm.cli import main as cli_main
+from genomelm.commands import train as command
 from genomelm.data.errors import DataError, DiskFull
 from genomelm.parallel.launch import Interrupted, LaunchError
-from genomelm.train import command
-from genomelm.train.failures import FAILURE_FILE, exit_code, one_line, report_failure
-from genomelm.train.run_lock import RunLocked
+from genomelm.run.failures import FAILURE_FILE, exit_code, one_line, report_failure
+from genomelm.run.lock import RunLocked
 
 
 @pytest.mark.parametrize(

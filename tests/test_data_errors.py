@@ -23,8 +23,8 @@ from data_fixtures import (
     write_fasta,
 )
 
+from genomelm.commands.data import main
 from genomelm.data import DataError, read_manifest
-from genomelm.data.command import main
 
 FRAG = read_records(HG38_FRAGMENTS)[HG38_RECORDS[1]]
 
@@ -143,7 +143,7 @@ def test_interrupted_run_leaves_nothing_complete(tmp_path: Path, sig: signal.Sig
         "--heldout",
         f"{DMEL_RECORD}:1000001-1348131",
     ]
-    cmd = [sys.executable, "-m", "genomelm.data.command", *slow, "--out", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", "genomelm.commands.data", *slow, "--out", str(out), "--no-progress"]
     # SIGINT as a terminal delivers it: a shell that starts the suite in the background (`cmd &` without job
     # control) leaves it ignored, and a child would inherit that
     proc = subprocess.Popen(

@@ -13,8 +13,8 @@ from Bio.Seq import Seq
 from Bio.SeqRecord import SeqRecord
 from data_fixtures import DMEL, DMEL_RECORD, HG38_FRAGMENTS, HG38_RECORDS, build, read_records, write_fasta
 
+from genomelm.commands.data import main
 from genomelm.data import DataError, read_manifest
-from genomelm.data.command import main
 
 BINS = ("train.bin", "train.idx", "train.softmask.bin", "heldout.bin", "heldout.idx", "heldout.softmask.bin")
 FLY = read_records(DMEL)[DMEL_RECORD]

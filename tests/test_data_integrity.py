@@ -16,8 +16,8 @@ import pytest
 import xxhash
 from data_fixtures import DMEL, DMEL_RECORD, fly_windows
 
+from genomelm.commands.data import main as data_main
 from genomelm.data import DataError, WindowDataset, read_manifest
-from genomelm.data.command import main as data_main
 from genomelm.data.integrity import BlockHasher, block_digests
 
 TRAIN, SEQ = "1-16384", 1024  # 16 training windows of the fly chromosome, 1 held out

@@ -17,8 +17,8 @@ import py2bit
 import pytest
 from data_fixtures import HG38_FRAGMENTS, HG38_RECORDS, build, read_records, write_fasta
 
+from genomelm.commands.data import main
 from genomelm.data import DataError
-from genomelm.data.command import main
 from genomelm.data.fasta import FastaStream, open_stream
 from genomelm.data.twobit import TwoBitStream
 

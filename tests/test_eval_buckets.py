@@ -10,22 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from genomelm.commands.eval import main
 from genomelm.data.vocab import BUILTIN, N
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucketed_loss, compare
-from genomelm.eval.command import (
-    EvalError,
-    HeldoutSet,
-    check_bucket,
-    evaluate_sets,
-    main,
-    pick_windows,
-    write_outputs,
-)
+from genomelm.eval.evaluate import EvalError, HeldoutSet, check_bucket, evaluate_sets, write_outputs
 from genomelm.eval.report import format_table
-from genomelm.train.config import TrainConfig
-from genomelm.train.models import ModelChoiceError, model_pair
-from genomelm.train.scoring import score_windows
+from genomelm.run.config import TrainConfig
+from genomelm.run.models import ModelChoiceError, model_pair
+from genomelm.run.scoring import pick_windows, score_windows
 
 # W=2 windows of S=5 positions, buckets of 2: [0, 2), [2, 4) and the uneven last one [4, 5)
 LOSS = np.array([[1, 2, 3, 4, 5], [3, 6, 1, 9, 7]], dtype=np.float32)

@@ -16,11 +16,11 @@ from data_fixtures import DMEL, DMEL_RECORD, fly_windows, read_records, tiny_run
 from safetensors import safe_open
 
 from genomelm.cli import main as cli_main
+from genomelm.commands.train import main as train_main
 from genomelm.data import WindowDataset
 from genomelm.eval.embed import as_hf_dataset
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model
 from genomelm.model.mhc import hc_head
-from genomelm.train.command import main as train_main
 
 FLY = read_records(DMEL)[DMEL_RECORD]
 CODE = {"A": 1, "C": 2, "G": 3, "T": 4, "N": 5}

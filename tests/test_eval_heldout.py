@@ -10,18 +10,18 @@ import pytest
 from data_fixtures import HG38_FRAGMENTS, HG38_RECORDS
 from test_eval_buckets import VOCAB, EmaUnigram, make_windows
 
-from genomelm.data.command import main as data_main
-from genomelm.eval.command import (
+from genomelm.commands.data import main as data_main
+from genomelm.commands.eval import main
+from genomelm.eval.evaluate import (
     EvalError,
     HeldoutSet,
     evaluate_sets,
     heldout_folders,
     load_heldout,
-    main,
     write_outputs,
 )
 from genomelm.eval.report import format_table, result_sets
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 
 def synthetic_sets() -> list[HeldoutSet]:

@@ -14,11 +14,14 @@ from data_fixtures import DMEL, DMEL_RECORD, read_records
 from test_eval_buckets import run_synthetic_eval
 from test_eval_probe import Recorder, window
 
-from genomelm.eval import command, probe
-from genomelm.eval.command import HeldoutSet
+from genomelm.commands import eval as command
+from genomelm.commands import probe
+from genomelm.eval import evaluate
+from genomelm.eval import probe as probe_outputs
+from genomelm.eval.evaluate import HeldoutSet
 from genomelm.eval.probe import run_probe, write_probe_outputs
 from genomelm.eval.report import WriteError, file_system, write_error, write_result_set
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 EVAL_FILES = ("buckets.json", "buckets.csv", "loss_by_position.png")
 PROBE_FILES = ("copy_probe.json", "copy_probe.csv", "copy_probe.png")
@@ -63,7 +66,7 @@ def probe_result(distances: str = "32,64") -> dict:
 def test_disk_full_mid_set_keeps_the_previous_set_whole(tmp_path, monkeypatch) -> None:
     run_synthetic_eval(tmp_path, seq=10, bucket=4)
     previous = contents(tmp_path, EVAL_FILES)
-    monkeypatch.setattr(command, "save_figure", no_space)
+    monkeypatch.setattr(evaluate, "save_figure", no_space)
     with pytest.raises(WriteError) as raised:
         run_synthetic_eval(tmp_path, seq=12, bucket=3)
     message = str(raised.value)
@@ -83,7 +86,7 @@ def test_an_exception_in_plotting_leaves_the_previous_set(tmp_path, monkeypatch)
     def broken(result: dict, path: Path) -> None:
         raise ValueError("a bug in the figure")
 
-    monkeypatch.setattr(command, "save_figure", broken)
+    monkeypatch.setattr(evaluate, "save_figure", broken)
     with pytest.raises(ValueError, match="a bug in the figure"):
         run_synthetic_eval(tmp_path, seq=12, bucket=3)
     assert contents(tmp_path, EVAL_FILES) == previous
@@ -118,7 +121,7 @@ def test_probe_and_eval_sets_share_the_folder(tmp_path, monkeypatch) -> None:
     assert json.loads((tmp_path / "buckets.json").read_text())["settings"]["seq"] == 12
     eval_files = contents(tmp_path, EVAL_FILES)
 
-    monkeypatch.setattr(probe, "save_probe_figure", no_space_probe)
+    monkeypatch.setattr(probe_outputs, "save_probe_figure", no_space_probe)
     with pytest.raises(WriteError, match="no space left on .* writing .*copy_probe.png"):
         write_probe_outputs(probe_result(), tmp_path)
     assert contents(tmp_path, EVAL_FILES) == eval_files
@@ -182,7 +185,7 @@ def test_commands_print_a_full_disk_as_one_line(tmp_path, monkeypatch, capsys) -
     argv = ["run=synthetic", f"results_dir={tmp_path}"]
     monkeypatch.setattr(command, "model_pair", lambda config, before, after: ("before", "after"))
     monkeypatch.setattr(command, "run_scoring", lambda score, config, *args: result)
-    monkeypatch.setattr(command, "save_figure", no_space)
+    monkeypatch.setattr(evaluate, "save_figure", no_space)
     capsys.readouterr()
     assert command.main(argv) == 1
     out, err = capsys.readouterr()
@@ -194,7 +197,7 @@ def test_commands_print_a_full_disk_as_one_line(tmp_path, monkeypatch, capsys) -
 
     monkeypatch.setattr(probe, "model_pair", lambda config, before, after: ("a", "b"))
     monkeypatch.setattr(probe, "run_scoring", lambda score, config, *args: probe_result())
-    monkeypatch.setattr(probe, "save_probe_figure", no_space_probe)
+    monkeypatch.setattr(probe_outputs, "save_probe_figure", no_space_probe)
     assert probe.main([*argv, "probe_distances=32,64", "probe_length=16"]) == 1
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("genomelm probe: no space left on ")

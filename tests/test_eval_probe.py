@@ -15,7 +15,7 @@ from data_fixtures import DMEL, DMEL_RECORD, read_records
 from genomelm.cli import main as cli_main
 from genomelm.data import BUILTIN
 from genomelm.data.windows import Window
-from genomelm.eval.command import HeldoutSet
+from genomelm.eval.evaluate import HeldoutSet
 from genomelm.eval.probe import (
     ProbeError,
     ProbeSite,
@@ -27,7 +27,7 @@ from genomelm.eval.probe import (
     score_probe,
     write_probe_outputs,
 )
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 FLY = read_records(DMEL)[DMEL_RECORD]
 CODE = {"A": 1, "C": 2, "G": 3, "T": 4, "N": 5}

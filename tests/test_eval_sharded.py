@@ -12,10 +12,10 @@ import pytest
 import torch
 from data_fixtures import fly_windows
 
-from genomelm.eval.command import main as eval_main
+from genomelm.commands.eval import main as eval_main
 from genomelm.parallel.checkpoint import Checkpointer
-from genomelm.train.config import TrainConfig
-from genomelm.train.scoring import (
+from genomelm.run.config import TrainConfig
+from genomelm.run.scoring import (
     ScoringRun,
     WindowShare,
     load_scoring_model,
@@ -57,7 +57,7 @@ def test_scoring_model_is_stored_in_the_run_precision(tmp_path: Path) -> None:
 def train_sharded(root: Path, model: str) -> list[str]:
     """A run of `model` trained for 2 steps on dp 2 x ep 2 ranks in `root`: its settings. Its checkpoints
     (steps 1 and 2) are sharded and no Hugging Face export of them is written."""
-    from genomelm.train.command import launch_training
+    from genomelm.commands.train import launch_training
 
     data = fly_windows(root / "fly", "1-4096", 256, heldout=HELDOUT)
     run = [
@@ -124,7 +124,7 @@ def test_small_eval_on_dp2_cp2_ep2_equals_one_process(tmp_path: Path, capsys) ->
 
 @pytest.mark.slow
 def test_probe_on_dp2_ep2_equals_one_process(sharded_run: list[str], tmp_path: Path, capsys) -> None:
-    from genomelm.eval.probe import main as probe_main
+    from genomelm.commands.probe import main as probe_main
 
     results = {}
     for name, layout in (("one", []), ("two", ["dp=2", "ep=2"])):

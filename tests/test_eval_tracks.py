@@ -17,12 +17,13 @@ from test_data_twobit import write_2bit
 from test_eval_buckets import EmaUnigram
 
 from genomelm.cli import main as cli_main
+from genomelm.commands.train import main as train_main
 from genomelm.data import BUILTIN, WindowDataset
 from genomelm.data.faidx import region_index
 from genomelm.data.reference import read_reference
 from genomelm.data.vocab import CODE_MASK, CODE_TABLE, SOFT_BIT
 from genomelm.data.windows import Window
-from genomelm.eval.command import load_heldout
+from genomelm.eval.evaluate import load_heldout
 from genomelm.eval.tracks import (
     TRACKS,
     TrackError,
@@ -38,9 +39,8 @@ from genomelm.eval.tracks import (
     write_tracks,
 )
 from genomelm.model import load_model
-from genomelm.train.command import main as train_main
-from genomelm.train.config import TrainConfig
-from genomelm.train.scoring import token_losses
+from genomelm.run.config import TrainConfig
+from genomelm.run.scoring import token_losses
 
 SEQ = 128
 CODE = {"A": 1, "C": 2, "G": 3, "T": 4, "N": 5}

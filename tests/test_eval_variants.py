@@ -14,6 +14,7 @@ import torch
 from data_fixtures import DMEL, DMEL_RECORD, fly_windows, read_records, tiny_run, write_fasta
 
 from genomelm.cli import main as cli_main
+from genomelm.commands.train import main as train_main
 from genomelm.data.faidx import region_index
 from genomelm.data.vocab import CODE_LETTERS
 from genomelm.eval.variants import (
@@ -28,8 +29,7 @@ from genomelm.eval.variants import (
     write_variant_outputs,
 )
 from genomelm.model import load_model
-from genomelm.train.command import main as train_main
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 FLY = read_records(DMEL)[DMEL_RECORD]
 CODE = {"A": 1, "C": 2, "G": 3, "T": 4, "N": 5}

@@ -351,7 +351,7 @@ def test_torch_route_under_context_parallelism_names_its_summaries(one_rank_grou
 
 
 def test_simulation_stand_ins_check_what_fla_checks() -> None:
-    from genomelm.train.fla_stand_in import _causal_conv1d_call, _chunk_kda_call
+    from genomelm.plan.fla_stand_in import _causal_conv1d_call, _chunk_kda_call
 
     q = torch.randn(1, 16, 2, 8)
     with pytest.raises(ValueError, match="fp32 initial state"):
@@ -370,8 +370,8 @@ def test_simulated_cp2_step_runs_kda_through_the_fla_stand_ins() -> None:
     """The training step on fake CUDA at cp=2 with the in-kernel gate: KDA takes the GPU's route (fla conv,
     fla summaries, fla core from the handed-over state) and the step completes through the stand-ins."""
     from genomelm.model import ModelConfig
-    from genomelm.train.config import TrainConfig
-    from genomelm.train.simulate import simulate_step
+    from genomelm.plan.simulate import simulate_step
+    from genomelm.run.config import TrainConfig
 
     settings = ["model=tiny", "fsdp=false", "precision=bf16", "seq=512", "cp=2", "kda_gate_in_kernel=true"]
     chunks = ["loss_chunk_tokens=64", "indexer_query_block=32", "attention_query_block=32"]
@@ -390,7 +390,7 @@ def test_stand_ins_trace_on_fake_tensors_and_count_their_flops() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from genomelm.model.kda_chunk import chunk_kda_bytes, chunk_kda_flops
-    from genomelm.train.fla_stand_in import _causal_conv1d_call, _chunk_kda_call
+    from genomelm.plan.fla_stand_in import _causal_conv1d_call, _chunk_kda_call
 
     batch, seq, heads, dk, dv = 1, 256, 4, 32, 64
     with FakeTensorMode():

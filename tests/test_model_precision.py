@@ -181,7 +181,7 @@ def test_eval_buckets_in_bf16_match_fp32(tmp_path) -> None:
     from genomelm.data.vocab import BUILTIN
     from genomelm.data.windows import Window
     from genomelm.eval.buckets import bucketed_loss
-    from genomelm.train.scoring import score_windows
+    from genomelm.run.scoring import score_windows
 
     model = preset_model("tiny")
     windows = []

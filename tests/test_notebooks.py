@@ -12,9 +12,9 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from genomelm.data.command import main as data_main
-from genomelm.eval.command import main as eval_main
-from genomelm.eval.probe import main as probe_main
+from genomelm.commands.data import main as data_main
+from genomelm.commands.eval import main as eval_main
+from genomelm.commands.probe import main as probe_main
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"

@@ -440,7 +440,7 @@ def test_collective_export_failing_on_one_rank_raises_on_all_and_leaves_nothing(
     ],
 )
 def test_writes_final_export_follows_the_setting_and_the_node_count(settings, writes):
-    from genomelm.train.config import TrainConfig
+    from genomelm.run.config import TrainConfig
     from genomelm.train.loop import writes_final_export
 
     assert writes_final_export(TrainConfig.load(None, settings)) is writes
@@ -470,7 +470,7 @@ def train_dp2(fly: Path, runs: Path, **settings) -> Path:
     """One step of `tiny` at dp 2 x ep 2 (2 gloo ranks); its checkpoint folder."""
     from data_fixtures import tiny_run
 
-    from genomelm.train.config import TrainConfig
+    from genomelm.run.config import TrainConfig
 
     run = tiny_run(fly, runs, dp=2, ep=2, steps=1, save_every=1, **settings)
     launch(train_on_rank, 2, TrainConfig.load(None, run), SHARD_BYTES, timeout_s=TIMEOUT_S)

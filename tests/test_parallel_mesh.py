@@ -11,13 +11,13 @@ import torch
 from data_fixtures import fly_windows
 
 from genomelm.parallel.mesh import ParallelDims
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_layouts_refused_with_the_reason() -> None:
-    from genomelm.train.command import check_context_parallel
+    from genomelm.run.launchers import check_layout
 
     assert ParallelDims(2, 4, 8).coordinates(5) == {"dp": 1, "cp": 1, "ep": 5, "edp": 0}
     assert ParallelDims(2, 4, 4).coordinates(5) == {"dp": 1, "cp": 1, "ep": 1, "edp": 1}
@@ -30,15 +30,11 @@ def test_layouts_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="dp=0"):
         ParallelDims(0, 1, 1).check()
     with pytest.raises(ValueError, match="does not divide the model's 8 routed experts"):  # the tiny preset
-        check_context_parallel(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=3", "cp=2", "ep=6"]))
+        check_layout(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=3", "cp=2", "ep=6"]))
     with pytest.raises(ValueError, match="optimizer_offload=true runs on GPUs only"):
-        check_context_parallel(
-            TrainConfig.load(None, ["model=tiny", "seq=512", "dp=2", "optimizer_offload=true"])
-        )
+        check_layout(TrainConfig.load(None, ["model=tiny", "seq=512", "dp=2", "optimizer_offload=true"]))
     with pytest.raises(ValueError, match="needs fsdp=true"):
-        check_context_parallel(
-            TrainConfig.load(None, ["model=tiny", "dp=2", "fsdp=false", "optimizer_offload=true"])
-        )
+        check_layout(TrainConfig.load(None, ["model=tiny", "dp=2", "fsdp=false", "optimizer_offload=true"]))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +44,7 @@ def fly_data(tmp_path_factory) -> Path:
 
 def train_losses(data: Path, runs: Path, name: str, *settings: str) -> list[float]:
     """`genomelm train` on the tiny preset (3 steps unless set); the losses of metrics.jsonl in step order."""
-    from genomelm.train.command import main as train_main
+    from genomelm.commands.train import main as train_main
 
     args = [
         f"data={data}",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from data_fixtures import fly_windows
 
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 420  # per test; a Ray run of 5 steps takes ~1 min on 2 busy cores
@@ -41,7 +41,7 @@ def time_limit() -> Iterator[None]:
 def ray_cluster() -> Iterator[None]:
     import ray
 
-    from genomelm.train.ray_launch import start_ray
+    from genomelm.run.ray_launch import start_ray
 
     start_ray()
     yield
@@ -80,7 +80,7 @@ def step_losses(runs: Path, run: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def local_losses(fly: Path, tmp_path_factory) -> dict[int, float]:
     """Per-step losses of the same run on the local launcher, uninterrupted."""
-    from genomelm.train.command import main as train_main
+    from genomelm.commands.train import main as train_main
 
     runs = tmp_path_factory.mktemp("local-runs")
     assert train_main(run_settings(fly, runs, "local")) == 0
@@ -93,7 +93,7 @@ def local_losses(fly: Path, tmp_path_factory) -> dict[int, float]:
 def test_ray_run_equals_local_launcher(
     ray_cluster: None, fly: Path, local_losses: dict[int, float], tmp_path: Path
 ) -> None:
-    from genomelm.train.command import launch_training
+    from genomelm.commands.train import launch_training
 
     summary = launch_training(TrainConfig.load(None, run_settings(fly, tmp_path, "ray", "launcher=ray")))
     assert summary["start_step"] == 0 and summary["steps"] == 5
@@ -110,7 +110,7 @@ def test_killed_worker_restarts_from_last_checkpoint(
 ) -> None:
     """Rank 1 exits hard after step 3; checkpoints at steps 2 and 4: the group restarts from step 2, redoes
     step 3 and ends with the losses of the uninterrupted run."""
-    from genomelm.train.command import launch_training
+    from genomelm.commands.train import launch_training
     from genomelm.train.faults import FAULT_ENV
 
     monkeypatch.setenv(FAULT_ENV, "3:1")
@@ -128,9 +128,9 @@ def test_killed_worker_without_restarts_fails_with_its_exit(
     ray_cluster: None, fly: Path, tmp_path: Path, monkeypatch
 ) -> None:
     """max_failures=0: the run stops at the first lost worker, and the error says which rank died."""
-    from genomelm.train.command import launch_training
+    from genomelm.commands.train import launch_training
+    from genomelm.run.ray_launch import RayLaunchError
     from genomelm.train.faults import FAULT_ENV
-    from genomelm.train.ray_launch import RayLaunchError
 
     monkeypatch.setenv(FAULT_ENV, "1:1")
     settings = run_settings(fly, tmp_path, "lost", "launcher=ray", "steps=2")
@@ -139,9 +139,9 @@ def test_killed_worker_without_restarts_fails_with_its_exit(
 
 
 def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
-    from genomelm.train import command
+    from genomelm.commands import train as command
 
-    monkeypatch.setattr(command, "train_with_ray", None)  # nothing may start
+    monkeypatch.setattr(command, "on_ranks", None)  # nothing may start
     with pytest.raises(ValueError, match=r"ep=3 does not divide dp\*cp=4"):  # the mesh checks run first
         command.launch_training(
             TrainConfig.load(None, ["model=tiny", "launcher=ray", "dp=2", "cp=2", "ep=3"])
@@ -164,7 +164,7 @@ def test_sigterm_to_the_driver_stops_the_workers_after_a_step_with_a_checkpoint(
     folder's stop file), they checkpoint the step they finished, and the driver exits 0 saying how to go
     on."""
     from genomelm.parallel.checkpoint import Checkpointer
-    from genomelm.train.stop import STOP_FILE
+    from genomelm.run.stop import STOP_FILE
 
     settings = run_settings(fly, tmp_path, "stopped", "launcher=ray", "steps=1000", "save_every=1000")
     driver = subprocess.Popen(
@@ -197,8 +197,8 @@ def test_sigterm_to_the_driver_stops_the_workers_after_a_step_with_a_checkpoint(
 def test_ray_eval_equals_one_process(ray_cluster: None, fly: Path, tmp_path: Path, capsys) -> None:
     """`genomelm eval launcher=ray dp=2 ep=2`: 2 Ray Train workers score a run trained on Ray (its sharded
     checkpoint, no Hugging Face export) as one local process does."""
-    from genomelm.eval.command import main as eval_main
-    from genomelm.train.command import launch_training
+    from genomelm.commands.eval import main as eval_main
+    from genomelm.commands.train import launch_training
 
     run = run_settings(fly, tmp_path, "scored", "steps=2", "export_final=false", "bucket=64")
     launch_training(TrainConfig.load(None, [*run, "launcher=ray"]))

@@ -21,19 +21,19 @@ from data_fixtures import fly_windows
 
 from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
 from genomelm.parallel.fsdp import fp32_declared
-from genomelm.train import plan as planner
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan import PlanError, check_fits, make_plan
-from genomelm.train.plan_memory import (
+from genomelm.plan import check as planner
+from genomelm.plan.check import PlanError, check_fits, make_plan
+from genomelm.plan.layouts import GIB, Assumptions, load_assumptions
+from genomelm.plan.memory import (
     TraceCache,
     extrapolate_line,
     extrapolate_quadratic,
     model_numel,
     resolve_model_config,
 )
-from genomelm.train.plan_report import refusal
-from genomelm.train.plan_search import plan_layout, rank
-from genomelm.train.plan_trace import (
+from genomelm.plan.report import refusal
+from genomelm.plan.search import plan_layout, rank
+from genomelm.plan.trace import (
     StepTrace,
     grouped_mm_flops,
     layer_kind,
@@ -42,7 +42,7 @@ from genomelm.train.plan_trace import (
     trace_forward,
     trace_step,
 )
-from genomelm.train.plan_types import GIB, Assumptions, load_assumptions
+from genomelm.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_CHUNKS = [
@@ -371,7 +371,7 @@ def test_optimizer_offload_and_layer_input_offload_move_bytes_to_the_host():
 def test_optimizer_offload_counts_the_host_adamw_step():
     """With optimizer offload the AdamW step runs on the host CPU (one tensor at a time): its memory traffic
     at the host's bandwidth share is part of the step, beside the PCIe copies of gradients and parameters."""
-    from genomelm.train.plan_time import HOST_ADAMW_BYTES_PER_PARAMETER, HOST_MEMORY_GBS_PER_GPU
+    from genomelm.plan.timing import HOST_ADAMW_BYTES_PER_PARAMETER, HOST_MEMORY_GBS_PER_GPU
 
     on, _, numel = _stub_plan(optimizer_offload=True)
     off, _, _ = _stub_plan(optimizer_offload=False)
@@ -409,7 +409,7 @@ def test_refusal_names_the_best_fitting_layout(monkeypatch):
 def test_trainer_logs_tracked_peak_next_to_the_plan(tmp_path):
     """`track_memory=true`: the trainer logs `peak_tracked_gb` (MemTracker on the real step) and the host peak
     RSS; at the second step (AdamW state live) the tracked peak is within 10% of the plan for the same run."""
-    from genomelm.train.command import main as train_main
+    from genomelm.commands.train import main as train_main
 
     data = fly_windows(tmp_path / "fly", "1-2048", 512, heldout="200001-200512")
     settings = [
@@ -508,7 +508,7 @@ def test_eval_time_arithmetic(tmp_path):
     from data_fixtures import fly_windows
 
     from genomelm.data import WindowDataset
-    from genomelm.train.scoring import last_bucket_start
+    from genomelm.run.scoring import last_bucket_start
 
     model_config = ModelConfig.preset("tiny")
     traced = reduced_layers(model_config)
@@ -562,7 +562,7 @@ def test_check_fits_refuses_an_evaluation_that_does_not_fit():
 def test_plan_command_prints_and_writes_the_evaluation(tmp_path, capsys):
     """`genomelm plan ... stage=eval device=cpu`: the evaluation's peak, seconds per window, the held-out
     windows with their source and the hours for before + after, in plan-eval.json beside the training's."""
-    from genomelm.train.plan_command import main
+    from genomelm.commands.plan import main
 
     settings = ["model=tiny", "seq=512", "bucket=128", "gpus=4", "dp=2", "cp=2", "ep=2", "eval_windows=3"]
     assert main([*settings, "stage=eval", "device=cpu", f"runs_dir={tmp_path}"]) == 0
@@ -597,7 +597,7 @@ def test_a_module_whose_peak_moment_changes_with_size_is_not_understated():
     (a constant size) and, at large ones, in the indexer's per-block scores ([block, heads, P]: P grows with
     the window). A line through the layer's own peaks at 256 and 512 tokens misses the change; the plan reads
     each forward moment (by module and function) on its own line and takes the largest."""
-    from genomelm.train.plan_memory import ScaledTraces, chunked_transients
+    from genomelm.plan.memory import ScaledTraces, chunked_transients
 
     config = ModelConfig.preset("tiny")
     args = ["model=tiny", "seq=4096", "offload=false", "indexer_backend=torch", "dsa_backend=sparse"]

@@ -1,4 +1,4 @@
-"""The roofline projection (`genomelm.train.roofline`): its rules table, ops costed by hand, the collectives'
+"""The roofline projection (`genomelm.plan.roofline`): its rules table, ops costed by hand, the collectives'
 ring factors, the op log of a traced step (source lines, the backward named by its forward, recompute),
 the two-trace extrapolation, the planner's report and plan.json, and (slow) the CPU check: the roofline of
 `tiny`'s and `small`'s traced steps at 4k tokens with this machine's measured peaks within 30% of the
@@ -19,11 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from genomelm.model import ModelConfig
 from genomelm.model.norms import RMSNorm
-from genomelm.train import roofline
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan import make_plan
-from genomelm.train.plan_report import describe
-from genomelm.train.plan_trace import trace_step
+from genomelm.plan import roofline
+from genomelm.plan.check import make_plan
+from genomelm.plan.report import describe
+from genomelm.plan.trace import trace_step
+from genomelm.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,8 +196,8 @@ def test_traces_past_the_dsa_selection_saturation():
     """The indexer's top-k stops growing once a window holds index_topk tokens (K pools to take): the planner
     traces past that (`traced_assumptions`), so that a line through its two traces does not keep growing
     it."""
-    from genomelm.train.plan_search import traced_assumptions
-    from genomelm.train.plan_types import Assumptions
+    from genomelm.plan.layouts import Assumptions
+    from genomelm.plan.search import traced_assumptions
 
     config = ModelConfig.preset("tiny")  # index_topk 16
     assert traced_assumptions(Assumptions(trace_tokens=8), config, 1).trace_tokens == 32

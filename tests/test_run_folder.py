@@ -17,11 +17,11 @@ from data_fixtures import fly_windows, tiny_run
 
 from genomelm.data.errors import file_system
 from genomelm.parallel.checkpoint import Checkpointer
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
+from genomelm.run.lock import LOCK_FILE, RunLock, RunLocked
+from genomelm.run.metrics import read_metrics
 from genomelm.train.guards import RunMismatch
 from genomelm.train.loop import train
-from genomelm.train.metrics import read_metrics
-from genomelm.train.run_lock import LOCK_FILE, RunLock, RunLocked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def test_the_only_checkpoint_damaged_is_refused_and_the_history_kept(
     """keep_checkpoints=1 (the demo's setting) and its one checkpoint damaged: `genomelm train` refuses to
     start the run over (exit 2), naming the damaged file and the way out; metrics.jsonl and the checkpoint are
     as they were."""
-    from genomelm.train.command import main as train_main
+    from genomelm.commands.train import main as train_main
 
     run = settings(fly, tmp_path, keep_checkpoints=1)
     assert train_main(run) == 0
@@ -129,8 +129,9 @@ def test_a_full_disk_at_the_start_or_on_a_metrics_append_is_one_line(
 ) -> None:
     """ENOSPC (injected) while the run saves its initial model, then while it appends its second metrics row:
     one line each, naming the device, the path and the size needed, exit 1; the rows written stay."""
-    from genomelm.train import loop, metrics
-    from genomelm.train.command import main as train_main
+    from genomelm.commands.train import main as train_main
+    from genomelm.run import metrics
+    from genomelm.train import loop
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -186,7 +187,7 @@ def test_torn_metrics_line_is_skipped_and_repaired_on_resume(fly: Path, tmp_path
 def test_rerun_finishes_a_final_export_a_kill_cut_short(fly: Path, tmp_path: Path) -> None:
     """A cp=2 run killed while rank 0 exported its last checkpoint has `step-N/` without `model/`: running it
     again writes the export (and says there is nothing left to train) instead of exiting with nothing done."""
-    from genomelm.train.command import main as train_main
+    from genomelm.commands.train import main as train_main
 
     run = settings(fly, tmp_path, cp=2, steps=2, save_every=2)
     assert train_main(run) == 0

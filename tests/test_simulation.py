@@ -1,5 +1,5 @@
 """The multi-GPU step simulated on the CPU: fake CUDA tensors, collectives checked as NCCL would, host syncs
-counted (`genomelm.parallel.simulation`, `genomelm.parallel.fake_cuda`, `genomelm.train.simulate`)."""
+counted (`genomelm.parallel.simulation`, `genomelm.parallel.fake_cuda`, `genomelm.plan.simulate`)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from data_fixtures import fly_windows
 from genomelm.model import ModelConfig
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
 from genomelm.parallel.simulation import Collective, CollectiveError, SimulationMode, check_ranks_agree
-from genomelm.train.config import TrainConfig
-from genomelm.train.simulate import (
+from genomelm.plan.simulate import (
     Simulation,
     describe_simulation,
     simulate_eval_layout,
     simulate_eval_step,
     simulate_step,
 )
+from genomelm.run.config import TrainConfig
 
 CHUNKS = ["loss_chunk_tokens=64", "indexer_query_block=32", "attention_query_block=32"]
 
@@ -105,7 +105,7 @@ def _mesh_collectives_off_the_step() -> list[str]:
     from genomelm.model import GlmForCausalLM
     from genomelm.parallel.mesh import ParallelDims
     from genomelm.parallel.training import ParallelRun
-    from genomelm.train.simulate import simulated_gpu
+    from genomelm.plan.simulate import simulated_gpu
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
@@ -183,8 +183,8 @@ def _tracked_peak(device_type: str) -> int:
     from genomelm.model import GlmForCausalLM
     from genomelm.model.backends import as_on_gpu, tracing_kernels
     from genomelm.model.config import RunOptions
+    from genomelm.plan.simulate import simulated_gpu
     from genomelm.train.memory import LayerRunner
-    from genomelm.train.simulate import simulated_gpu
 
     options = as_on_gpu(RunOptions(kda_backend="torch", moe_chunk_tokens=512))[0]  # as the planner traces
     with simulated_gpu("h200"), tracing_kernels(), FakeTensorMode(), SimulationMode(device_type):

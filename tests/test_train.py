@@ -16,7 +16,7 @@ from data_fixtures import fly_windows
 
 from genomelm.model import load_model
 from genomelm.parallel.checkpoint import TMP_PREFIX, Checkpointer
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 from genomelm.train.loop import NonFiniteLoss, train
 from genomelm.train.memory import LayerRunner
 

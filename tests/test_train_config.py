@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from genomelm.model import RunOptions
-from genomelm.train.config import TrainConfig, setting_names
+from genomelm.run.config import TrainConfig, setting_names
 
 ROOT = Path(__file__).resolve().parents[1]
 

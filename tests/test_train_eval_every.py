@@ -14,18 +14,18 @@ import torch
 from data_fixtures import fly_windows, tiny_run
 from test_notebooks import outputs, run_notebook
 
+from genomelm.commands.train import main as train_main
 from genomelm.data import WindowDataset
 from genomelm.eval.buckets import bucketed_loss
-from genomelm.eval.command import load_heldout
+from genomelm.eval.evaluate import load_heldout
 from genomelm.model import load_model
+from genomelm.run.config import TrainConfig
+from genomelm.run.metrics import HELDOUT_LOSS, heldout_bucket_key, heldout_buckets, read_metrics
+from genomelm.run.scoring import ScoringRun, load_scoring_model, score_windows
 from genomelm.train import heldout as heldout_module
-from genomelm.train.command import main as train_main
-from genomelm.train.config import TrainConfig
 from genomelm.train.guards import RunMismatch
 from genomelm.train.heldout import HeldoutEval, bucket_means
 from genomelm.train.loop import train
-from genomelm.train.metrics import HELDOUT_LOSS, heldout_bucket_key, heldout_buckets, read_metrics
-from genomelm.train.scoring import ScoringRun, load_scoring_model, score_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = 128  # 4 buckets of the 512-token windows

@@ -12,7 +12,7 @@ from data_fixtures import fly_windows
 
 from genomelm.data.errors import DataError
 from genomelm.parallel.checkpoint import Checkpointer
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 from genomelm.train.feed import TrainingData
 from genomelm.train.loop import train
 

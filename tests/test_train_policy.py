@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from genomelm.data.command import main as data_main
+from genomelm.commands.data import main as data_main
 from genomelm.model import GlmForCausalLM, RunOptions, load_model, save_model
 from genomelm.model.moe import Experts
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 from genomelm.train.guards import RunMismatch
 from genomelm.train.loop import train
 from genomelm.train.memory import LayerRunner, set_chunk_recompute

@@ -9,8 +9,8 @@ import torch
 from data_fixtures import fly_windows
 
 from genomelm.model import ModelConfig
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan_trace import _Counter, trace_step
+from genomelm.plan.trace import _Counter, trace_step
+from genomelm.run.config import TrainConfig
 
 CHUNKS = ["moe_chunk_tokens=64", "loss_chunk_tokens=64", "indexer_query_block=32", "attention_query_block=32"]
 

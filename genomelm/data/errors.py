@@ -24,7 +24,7 @@ class DiskFull(OSError):
     """A write that ran out of disk space or quota; the message names the device, the path, the size the
     write needed and what is free."""
 
-    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+    exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
     def __str__(self) -> str:  # the message alone, not OSError's "[Errno 28] ...: 'path'"
         return str(self.strerror)

@@ -51,7 +51,6 @@ import json
 import os
 import secrets
 import struct
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -67,15 +66,12 @@ from genomelm.data.prepare import MANIFEST, read_manifest
 from genomelm.data.reference import read_reference, source_files
 from genomelm.data.regions import Interval, is_bed, read_bed, static_interval
 from genomelm.data.vocab import CODE_MASK, N, Vocabulary
-from genomelm.eval.command import SCORING_ERRORS, parse_run_args, pick_windows, run_scoring
-from genomelm.eval.report import WriteError, write_atomic, write_error, write_result_set
+from genomelm.eval.report import write_atomic, write_error, write_result_set
 from genomelm.parallel.training import ContextParallelScorer
-from genomelm.train.config import TrainConfig
-from genomelm.train.failures import report_failure
-from genomelm.train.models import model_config_of, model_pair
-from genomelm.train.precision import autocast_for
-from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source
-from genomelm.train.step import device_rows
+from genomelm.run.config import TrainConfig
+from genomelm.run.models import device_rows, model_config_of
+from genomelm.run.precision import autocast_for
+from genomelm.run.scoring import ScoringRun, WindowShare, load_scoring_model, pick_windows, scoring_source
 
 SET = "embeddings"  # the result set's name (write_result_set) and the folder under results/<run>/
 TENSORS = "embeddings.safetensors"
@@ -90,7 +86,7 @@ INDEX_COLUMNS = ("record", "start", "end", "strand", "bases", "real_bases", "ten
 class EmbedError(Exception):
     """Bad embed settings or inputs; the message says how to fix them."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 @dataclass(frozen=True)
@@ -527,24 +523,6 @@ def write_embeddings(
     return write_result_set(folder, SET, {TENSORS: tensors, INDEX: lambda path: write_index(rows, path)})
 
 
-def embed(config: TrainConfig, model: str, role: str) -> tuple[Request, dict[str, Path]]:
-    """`genomelm embed`: check the inputs (nothing written on a bad one), run the forward (on the mesh with
-    dp, cp or ep above 1), write the set into results/<run>/embeddings/. Returns the request and the files."""
-    request = prepare_request(config, model, role)
-    folder = config.results_path / SET
-    if config.embed.embed_pool == "base":
-        request = create_part(folder, config, request)
-    try:
-        # the context cut is eval's: nothing here scores it, so its window length is not checked
-        result = run_scoring(embed_on_rank, config.replace(context_cut=False), request)
-        print(f"  {result['seconds']:.1f} s", flush=True)
-        paths = write_embeddings(folder, config, request, result["embedding"])
-    finally:
-        if request.part is not None:
-            Path(request.part).unlink(missing_ok=True)  # moved into the set, or a failed run's
-    return request, paths
-
-
 # ------------------------------------------------------------------------------------------ reading them
 def as_hf_dataset(folder: str | Path, cache_dir: str | None = None):
     """The embeddings `genomelm embed` wrote into `folder` (results/<run>/embeddings) as a `datasets.Dataset`,
@@ -598,45 +576,3 @@ def _dataset_rows(path: str) -> Iterator[dict]:
             yield {key: row[key] for key in ("record", "start", "end", "strand")} | {
                 "embedding": vector.numpy()
             }
-
-
-# ------------------------------------------------------------------------------------------ command line
-def parse_args(argv: list[str]):
-    return parse_run_args(
-        argv,
-        prog="genomelm embed",
-        description="Hidden states of held-out windows or regions (safetensors), of the model after "
-        "training (--after, default: the newest checkpoint) or before it (--before PATH).",
-        epilog="example: genomelm embed configs/train/demo.yaml region=NC_004353.4:1000001-1010000 "
-        "embed_pool=base",
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-        if args.before and args.after:
-            raise EmbedError("give --after PATH or --before PATH, not both: one model is embedded per run")
-        role = "before" if args.before else "after"
-        model = args.before or args.after or model_pair(config)[1]
-        request, paths = embed(config, model, role)
-    except (WriteError, EmbedError, *SCORING_ERRORS) as exc:
-        return report_failure("genomelm embed", exc)
-    pool = config.embed.embed_pool
-    what = (
-        f"[{len(request.items)}, {request.width}]"
-        if pool == "mean"
-        else f"{len(request.items)} x [bases, {request.width}]"
-    )
-    print(
-        f"\n{len(request.items)} item(s), layer {request.layer} of {request.layers} (embed_layer="
-        f"{config.embed.embed_layer}), {'mean over A/C/G/T bases' if pool == 'mean' else 'per base'}, "
-        f"{config.embed.embed_dtype} {what}"
-    )
-    print(f"wrote {paths[TENSORS]} and {paths[INDEX]}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

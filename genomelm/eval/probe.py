@@ -14,12 +14,10 @@ or ep above 1 it runs on the run's mesh as `genomelm eval` does (the dp replicas
 
 from __future__ import annotations
 
-import argparse
 import csv
 import functools
 import io
 import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,22 +34,14 @@ from genomelm.data.regions import parse_seq
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import window_stats
-from genomelm.eval.command import (
-    SCORING_ERRORS,
-    load_heldout,
-    parse_run_args,
-    print_written,
-    run_scoring,
-)
+from genomelm.eval.evaluate import load_heldout
 from genomelm.eval.plot import save_probe_figure
 from genomelm.eval.report import format_number, jsonable, write_atomic, write_result_set
-from genomelm.train.config import TrainConfig
-from genomelm.train.failures import report_failure
-from genomelm.train.models import model_pair
-from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
+from genomelm.run.config import TrainConfig
+from genomelm.run.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
 
 if TYPE_CHECKING:
-    from genomelm.eval.command import HeldoutSet
+    from genomelm.eval.evaluate import HeldoutSet
 
 MODELS = ("before", "after")
 CURVES = ("planted", "baseline", "gap")  # per model and distance: loss with the copy, without it, and the gap
@@ -60,7 +50,7 @@ CURVES = ("planted", "baseline", "gap")  # per model and distance: loss with the
 class ProbeError(Exception):
     """Bad probe settings or inputs; the message says how to fix them."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 def parse_distances(text: str) -> list[int]:
@@ -359,35 +349,6 @@ def format_probe_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-
-    return parse_run_args(
-        argv,
-        prog="genomelm probe",
-        description="Copy probe: loss on a copied segment with its first copy d tokens earlier vs without "
-        "it, before and after training.",
-        epilog="example: genomelm probe configs/train/demo.yaml probe_distances=1k,4k probe_windows=2",
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-
-    try:
-        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-        parse_distances(config.probe.probe_distances)
-    except (ProbeError, ValueError, FileNotFoundError) as exc:
-        return report_failure("genomelm probe", exc)
-
-    try:
-        before, after = model_pair(config, args.before, args.after)
-        result = run_scoring(probe_config, config, before, after)
-    except (ProbeError, *SCORING_ERRORS) as exc:
-        return report_failure("genomelm probe", exc)
-    table = format_probe_table(result)
-    return print_written("genomelm probe", table, lambda: write_probe_outputs(result, config.results_path))
-
-
 def probe_config(config: TrainConfig, before: str, after: str) -> dict:
     """`genomelm probe`'s result: the run's held-out windows probed with the models `before` and `after`."""
     heldout = load_heldout(config.data_dir, config.probe.probe_windows)
@@ -395,7 +356,3 @@ def probe_config(config: TrainConfig, before: str, after: str) -> dict:
     load = functools.partial(load_scoring_model, config=config, run=run)
     before, after = scoring_source(before, run), scoring_source(after, run)
     return run_probe(config, heldout, load, before, after, run.share)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

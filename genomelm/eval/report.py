@@ -1,6 +1,6 @@
 """Writers of an evaluation result: `buckets.json`, `buckets.csv` and the printed bucket table.
 
-A result is the dict `genomelm.eval.command.evaluate_sets` builds; for one held-out folder: settings, buckets
+A result is the dict `genomelm.commands.eval.evaluate_sets` builds; for one held-out folder: settings, buckets
 (from `buckets.compare`), overall, context_cut, provenance. With several folders (`heldout=dirA,dirB`) it
 is {settings, sets: [{name, **one-folder result}, ...], provenance}; `result_sets` gives the per-folder
 results of either form. NaN (no tokens, fewer than 2 windows) is written as JSON null and as an empty CSV

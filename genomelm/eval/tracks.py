@@ -43,10 +43,8 @@ split the windows (`WindowShare.run`), rank 0 writes.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -61,13 +59,10 @@ from genomelm.data.reference import read_reference, source_files
 from genomelm.data.regions import Interval, is_bed, read_bed, static_interval
 from genomelm.data.vocab import CODE_MASK, IGNORE_INDEX, SOFT_BIT, Vocabulary
 from genomelm.data.windows import Window
-from genomelm.eval.command import SCORING_ERRORS, load_heldout, parse_run_args, run_scoring
-from genomelm.eval.report import WriteError, format_number, jsonable, write_result_set
-from genomelm.train.command import check_mesh
-from genomelm.train.config import TrainConfig
-from genomelm.train.failures import report_failure
-from genomelm.train.models import model_pair
-from genomelm.train.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
+from genomelm.eval.evaluate import load_heldout
+from genomelm.eval.report import format_number, jsonable, write_result_set
+from genomelm.run.config import TrainConfig
+from genomelm.run.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
 
 MODELS = ("before", "after")
 DESCRIPTIONS = {
@@ -86,7 +81,7 @@ CHUNK = 1 << 20  # entries per pyBigWig call and per bedGraph write: bounds the 
 class TrackError(Exception):
     """Bad `genomelm track` settings or inputs; the message names the file or setting and the fix."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 # ------------------------------------------------------------------------------------ the short context
@@ -578,49 +573,3 @@ def format_track_table(result: dict) -> str:
         f"whole context, from position {2 * cut:,} of each {settings['seq']:,}-token window)"
     )
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------- command
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    return parse_run_args(
-        argv,
-        prog="genomelm track",
-        description="Per-base loss tracks (bigWig, bedGraph) before and after training, their change and the "
-        "long-context gain, of the held-out windows or of region=chr:start-end|file.bed.",
-        epilog="example: genomelm track configs/train/demo.yaml region=NC_004353.4:1200001-1232766 "
-        "(2 windows of SEQ - 1 = 16,383 bases)",
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-        cut = cut_tokens(config, config.seq_len)
-        before, after = model_pair(config, args.before, args.after)
-        plan = plan_tracks(config)
-        check_mesh(config, [config.seq_len])
-        try:
-            check_mesh(config, [2 * cut])
-        except ValueError as exc:
-            raise TrackError(
-                f"the short-context loss reads crops of 2 x {cut} tokens, which cp={config.parallel.cp} "
-                f"cannot split ({exc}); give a context_cut_tokens= that it can"
-            ) from None
-        # the tracks run their own short context (checked above), not the evaluator's context cut
-        result = run_scoring(track_config, config.replace(context_cut=False), before, after, plan)
-    except (TrackError, *SCORING_ERRORS) as exc:
-        return report_failure("genomelm track", exc)
-    print()
-    print(format_track_table(result))
-    folder = config.results_path / "tracks"
-    try:
-        paths = write_tracks(result, folder)
-    except WriteError as exc:
-        return report_failure("genomelm track", exc)
-    print(f"\nwrote {folder}/: {', '.join(paths)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,7 +42,6 @@ eval` does, the dp replicas splitting the forward passes.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import csv
 import dataclasses
@@ -51,7 +50,6 @@ import io
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -79,13 +77,10 @@ from genomelm.data.vocab import (
     SOFT_BIT,
 )
 from genomelm.data.windows import Window
-from genomelm.eval.command import SCORING_ERRORS, parse_run_args, run_scoring
-from genomelm.eval.report import WriteError, write_result_set
-from genomelm.train.command import check_mesh
-from genomelm.train.config import TrainConfig
-from genomelm.train.failures import report_failure
-from genomelm.train.models import model_pair
-from genomelm.train.scoring import (
+from genomelm.eval.report import write_result_set
+from genomelm.run.config import TrainConfig
+from genomelm.run.launchers import check_mesh
+from genomelm.run.scoring import (
     ScoringRun,
     WindowShare,
     load_scoring_model,
@@ -150,7 +145,7 @@ class VariantError(Exception):
     """Bad variants input (VCF, reference, contig names, settings); the message names the file and line and
     says how to fix it."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 # ------------------------------------------------------------------------------------------ the reference
@@ -962,7 +957,6 @@ def summary(variants: VariantSet, rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------------ command line
 def window_tokens(config: TrainConfig) -> int:
     """Tokens of every window scored: `variant_context`, or the run's SEQ; VariantError when no VCF is given,
     a window cannot hold an SNV with its context, or cp cannot split it."""
@@ -984,46 +978,3 @@ def window_tokens(config: TrainConfig) -> int:
             "variant_context it can"
         ) from None
     return tokens
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    return parse_run_args(
-        argv,
-        prog="genomelm variants",
-        description="Zero-shot variant effects of a VCF's records: log P(ALT window) - log P(REF window), "
-        "before and after training.",
-        epilog="example: genomelm variants configs/train/demo.yaml vcf=variants.vcf.gz variant_context=4096",
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-        tokens = window_tokens(config)
-    except (VariantError, ValueError, FileNotFoundError) as exc:
-        return report_failure("genomelm variants", exc)
-
-    try:
-        before, after = model_pair(config, args.before, args.after)
-        variants = load_variants(config, tokens)
-        scores = None
-        if variants.plan.sites:
-            # the passes are `tokens` long: the mesh and (on GPUs) the plan are checked for those
-            scoring = config.replace(seq=str(tokens), data=str(config.data_dir), context_cut=False)
-            scores = allele_scores(run_scoring(score_variants, scoring, variants.plan, before, after))
-    except (VariantError, *SCORING_ERRORS) as exc:
-        return report_failure("genomelm variants", exc)
-    rows = result_rows(variants, scores)
-    print()
-    print(summary(variants, rows))
-    try:
-        paths = write_variant_outputs(variants, rows, {"before": before, "after": after}, config.results_path)
-    except WriteError as exc:
-        return report_failure("genomelm variants", exc)
-    print(f"\nwrote {paths['variants.vcf.gz']} (+ .tbi) and {paths['variants.tsv']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -547,7 +547,7 @@ def combine_traffic(
     return 2 * streams + block, 3 * streams + 2 * block
 
 
-# the roofline's per-op estimates (`genomelm.train.roofline`): each takes its op's own arguments
+# the roofline's per-op estimates (`genomelm.plan.roofline`): each takes its op's own arguments
 def _streams_of_mix(x: Tensor, fn: Tensor) -> tuple[int, int, int]:
     """(tokens, N, D) of a mix over x [T, N*D] with fn [(2+N)*N, N*D]."""
     n = math.isqrt(fn.shape[0] + 1) - 1

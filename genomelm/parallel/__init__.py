@@ -1,6 +1,6 @@
-"""Running one model over many processes: between `genomelm.model` (which never communicates) and
-`genomelm.train`. This package imports `genomelm.model` and `genomelm.data`, never `genomelm.train`,
-`genomelm.eval` or `genomelm.cli` (`tests/test_layering.py` checks it).
+"""Running one model over many processes: between `genomelm.model` (which never communicates) and the run
+core `genomelm.run`. This package imports `genomelm.model` and `genomelm.data`, never a package above it
+(`tests/test_layering.py` checks it).
 
 Context parallelism for the KDA and DSA layers:
 - `layout`: how a window is split over the ranks (`ContextLayout`: zigzag or contiguous, shard / restore,
@@ -11,7 +11,7 @@ Context parallelism for the KDA and DSA layers:
   module;
 - `launch`: `launch(fn, world_size, ...)`, N local ranks (gloo on CPU, NCCL on CUDA) with failures and hangs
   turned into errors in the parent (the Ray launcher runs the training loop, so it lives in
-  `genomelm.train.ray_launch`).
+  `genomelm.run.ray_launch`).
 The mesh and the rest of the split:
 - `mesh`: `ParallelDims(dp, cp, ep)` and the process groups / device meshes of a run (`Mesh`);
 - `expert`: `apply_expert_parallel(model, group)`, each rank's share of the routed experts (`ExpertShard`,

@@ -78,7 +78,7 @@ SPACE_ADVICE = (
 class DamagedCheckpoints(ValueError):
     """Every checkpoint of a run is damaged; the message names the files and the choices."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 def _listed(damaged: list[tuple[Path, list[str]]], most: int = 6) -> str:

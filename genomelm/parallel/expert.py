@@ -63,7 +63,7 @@ class ExpertCapacityError(RuntimeError):
     """A rank would receive more rows in one exchange than `capacity_factor` x the mean; raised on every
     rank."""
 
-    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+    exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`genomelm export RUN_DIR OUT [--dtype bf16|fp32] [--force]`: sharded training checkpoint -> HF folder.
+"""A sharded training checkpoint as a Hugging Face folder (`genomelm export`, `genomelm.commands.export`).
 
 The source is a `step-*` folder of `runs/<run>/checkpoints/` (RUN_DIR may be the run or the step folder; a run
 gives its newest complete checkpoint) holding `config.json` and `state/`, a torch.distributed.checkpoint (DCP)
@@ -18,13 +18,11 @@ its share of the output files (training's export of its last checkpoint: hundred
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import itertools
 import json
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -375,40 +373,3 @@ def export_checkpoint_collective(
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return [out / name for name in written]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="genomelm export",
-        description="Turn a sharded training checkpoint (torch.distributed.checkpoint) into a Hugging Face "
-        "folder that genomelm and transformers load, one layer at a time.",
-    )
-    parser.add_argument(
-        "run_dir", help="run folder (runs/<run>: its newest complete checkpoint) or a step folder"
-    )
-    parser.add_argument("out", help="output folder (written atomically)")
-    parser.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default="bf16",
-        help="dtype of the weights (fp32-declared parameters stay fp32); default bf16",
-    )
-    parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT")
-    parser.add_argument(
-        "--max-shard-bytes",
-        type=int,
-        default=DEFAULT_MAX_SHARD_BYTES,
-        help="largest output shard in bytes (one tensor may exceed it)",
-    )
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        step = export_checkpoint(args.run_dir, args.out, DTYPES[args.dtype], args.force, args.max_shard_bytes)
-    except ExportError as exc:
-        print(f"genomelm export: {exc}", file=sys.stderr)
-        return 2
-    print(f"exported {step} -> {args.out} ({args.dtype})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

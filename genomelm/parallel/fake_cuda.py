@@ -42,7 +42,7 @@ _BOOT = (  # this file as a plain module (the genomelm.parallel package imports 
 class FakeCudaError(RuntimeError):
     """The fake-CUDA process could not be built, started, or finish in time."""
 
-    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+    exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
 def _torch_lib_dir() -> Path:

@@ -26,7 +26,7 @@ Failures end the whole launch instead of hanging it:
 Signals: the ranks and the forkserver they fork from ignore SIGINT and SIGTERM (`rank_signals`), so a signal
 to the whole process group acts once, through the launching process. There, while the launch runs (start-up
 included), the first SIGTERM or SIGINT goes to `on_signal` (the caller turns it into a request its ranks act
-on, `genomelm.train.stop`) and the launch goes on collecting their reports; without `on_signal`, or on a
+on, `genomelm.run.stop`) and the launch goes on collecting their reports; without `on_signal`, or on a
 second signal, the ranks are killed and `Interrupted` is raised.
 """
 
@@ -83,7 +83,7 @@ PROCESS_STATES = {  # /proc/<pid>/stat's state letter, as the report says it
 class LaunchError(RuntimeError):
     """A launch that failed other than by a rank's own exception."""
 
-    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+    exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
 class LaunchTimeout(LaunchError):

@@ -81,13 +81,13 @@ _THIS = Path(__file__).resolve()
 class CollectiveError(RuntimeError):
     """A collective NCCL would reject (or that would deadlock the ranks)."""
 
-    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+    exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
 class SimulationError(RuntimeError):
     """An op the simulation cannot size (its output depends on values it does not have)."""
 
-    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+    exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from genomelm.data import WindowDataset
 from genomelm.data.augment import CROP_MULTIPLE, BlendedOrder, check_compatible, crop_length
 from genomelm.data.vocab import Vocabulary
 from genomelm.data.windows import Window
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 
 class TrainingData:

@@ -24,19 +24,11 @@ from genomelm.data.windows import Window
 from genomelm.parallel.checkpoint import rng_state, set_rng_state
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.training import ContextParallelScorer, ContextRun, ParallelRun
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
+from genomelm.run.metrics import HELDOUT_LOSS, device_peak_gb, heldout_bucket_key
+from genomelm.run.precision import autocast_for
+from genomelm.run.scoring import WindowShare, pick_windows, score_windows
 from genomelm.train.guards import RunMismatch
-from genomelm.train.metrics import HELDOUT_LOSS, device_peak_gb, heldout_bucket_key
-from genomelm.train.precision import autocast_for
-from genomelm.train.scoring import WindowShare, score_windows
-
-
-def pick_windows(total: int, wanted: int) -> list[int]:
-    """Indices of `wanted` of `total` windows (0 = all) spread evenly, in order: the rule `genomelm eval`,
-    the read-outs and the evaluation during training share, so all score the same windows."""
-    if wanted <= 0 or wanted >= total:
-        return list(range(total))
-    return [int(i) for i in np.linspace(0, total - 1, wanted).round()]
 
 
 def bucket_means(

@@ -30,23 +30,23 @@ from genomelm.parallel.export import export_checkpoint_collective
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ParallelRun
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
+from genomelm.run.metrics import HELDOUT_LOSS, MetricsLog, device_peak_gb, host_memory_gb
+from genomelm.run.models import device_rows, model_config_of, run_device
+from genomelm.run.precision import fsdp_param_dtype
+from genomelm.run.stop import StopCheck
 from genomelm.train.faults import inject_fault
 from genomelm.train.feed import TrainingData, Window
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
 from genomelm.train.heldout import HeldoutEval
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
-from genomelm.train.metrics import HELDOUT_LOSS, MetricsLog, device_peak_gb, host_memory_gb
-from genomelm.train.models import model_config_of, run_device
-from genomelm.train.precision import fsdp_param_dtype
-from genomelm.train.step import StepOutcome, TrainStep, device_rows, lr_factor, make_optimizer
-from genomelm.train.stop import StopCheck
+from genomelm.train.step import StepOutcome, TrainStep, lr_factor, make_optimizer
 
 
 class NonFiniteLoss(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 @dataclass

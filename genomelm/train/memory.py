@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from genomelm.model.chunking import run_directly
-from genomelm.train.config import MemoryConfig
+from genomelm.run.config import MemoryConfig
 
 Packed = tuple[torch.device, Any]
 

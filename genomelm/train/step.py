@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.parallel.training import ContextRun, ParallelRun
+from genomelm.run.config import OptimConfig, TrainConfig
+from genomelm.run.precision import autocast_for
 from genomelm.train.balance import ExpertLoad, update_expert_bias
-from genomelm.train.config import OptimConfig, TrainConfig
-from genomelm.train.precision import autocast_for
 
 LayerRunnerFn = Callable[..., object]
 
@@ -50,14 +50,6 @@ def window_loss(
     if model.last_indexer_loss:
         loss = loss + sum(model.last_indexer_loss.values())
     return loss, totals
-
-
-def device_rows(rows: list[Tensor], device: torch.device) -> list[Tensor]:
-    """A window's rows [S] (ids, labels, weights) as model rows [1, S] on `device`: on a GPU through pinned
-    host memory, so the copies are queued without stopping the host."""
-    if device.type != "cuda":
-        return [t[None].to(device) for t in rows]
-    return [t[None].pin_memory().to(device, non_blocking=True) for t in rows]
 
 
 def make_optimizer(

@@ -1,6 +1,6 @@
 """`genomelm plan`: whether a run fits and how fast it goes, measured from one traced step of the real code.
 
-`make_plan(config)` traces one rank's training step (`genomelm.train.plan_trace.trace_step`: the trainer's
+`make_plan(config)` traces one rank's training step (`genomelm.plan.trace.trace_step`: the trainer's
 `window_loss`, `LayerRunner`, context parallelism and AdamW on fake tensors) over one decoder layer of each
 kind at the real widths, then scales by the layer counts (`plan_memory`):
 - activations: the traced forward/backward peak + what each untraced layer leaves live until its backward
@@ -24,7 +24,7 @@ Every layout of the GPUs, ranked: `plan_search`; the tables and plan.json: `plan
 assumptions: `plan_types`.
 
 With stage=eval the plan is the evaluator's instead: its forward of one window traced the same way
-(`genomelm.train.plan_trace.trace_forward`: no_grad, the parameters as the evaluator stores them, the
+(`genomelm.plan.trace.trace_forward`: no_grad, the parameters as the evaluator stores them, the
 context-parallel scorer), its peak per GPU (`plan_memory.EVAL_RULE`), one window's forward and the context
 cut's, and the whole before/after evaluation of the held-out set (`plan_time.evaluation_time`).
 
@@ -35,18 +35,18 @@ before it starts (`check_fits`, `describe_run`).
 from __future__ import annotations
 
 from genomelm.model import GlmForCausalLM
-from genomelm.train.config import TrainConfig
+from genomelm.plan.layouts import Assumptions, Plan, load_assumptions
+from genomelm.plan.memory import TraceCache, resolve_model_config
+from genomelm.plan.report import describe, refusal
+from genomelm.plan.search import plan_layout, search
+from genomelm.run.config import TrainConfig
 from genomelm.train.memory import LayerRunner
-from genomelm.train.plan_memory import TraceCache, resolve_model_config
-from genomelm.train.plan_report import describe, refusal
-from genomelm.train.plan_search import plan_layout, search
-from genomelm.train.plan_types import Assumptions, Plan, load_assumptions
 
 
 class PlanError(RuntimeError):
     """The run does not fit the GPUs it is planned for."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 def make_plan(

@@ -2,7 +2,7 @@
 
 - `run_device()`: this process's device (its launcher's GPU, else the CPU);
 - `model_config_of(model)`: a preset name or a checkpoint folder -> `ModelConfig`, without loading weights;
-- `base_model_path` / `model_pair`: the run's model before training and after it (`genomelm.train.scoring`
+- `base_model_path` / `model_pair`: the run's model before training and after it (`genomelm.run.scoring`
   reads them for scoring).
 """
 
@@ -12,11 +12,12 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from genomelm.model import ModelConfig
 from genomelm.model.config import is_preset
 from genomelm.parallel.checkpoint import Checkpointer, is_sharded, verify_checkpoint
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 
 class ModelChoiceError(ValueError):
@@ -73,3 +74,11 @@ def _newest_intact_model(checkpointer: Checkpointer) -> Path:
             return checkpoint / "model"
         damaged += problems
     raise ModelChoiceError(f"every trained model in {checkpointer.root} is damaged: {'; '.join(damaged)}")
+
+
+def device_rows(rows: list[Tensor], device: torch.device) -> list[Tensor]:
+    """A window's rows [S] (ids, labels, weights) as model rows [1, S] on `device`: on a GPU through pinned
+    host memory, so the copies are queued without stopping the host."""
+    if device.type != "cuda":
+        return [t[None].to(device) for t in rows]
+    return [t[None].pin_memory().to(device, non_blocking=True) for t in rows]

@@ -44,7 +44,7 @@ from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
 from genomelm.model.config import PRESET_DIR, RunOptions, is_preset
 from genomelm.parallel.mesh import ParallelDims
-from genomelm.train.precision import PRECISIONS
+from genomelm.run.precision import PRECISIONS
 
 CP_LAYOUTS = ("zigzag", "contiguous")
 LAUNCHERS = ("local", "ray")

@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from genomelm.train.config import PlanConfig, TrainConfig
-from genomelm.train.metrics import read_metrics
+from genomelm.run.config import PlanConfig, TrainConfig
+from genomelm.run.metrics import read_metrics
 
 GIB = 2**30
 GPUS = {  # usable device memory (GiB), dense bf16 peak (TFLOP/s), NVLink per GPU per direction (GB/s)

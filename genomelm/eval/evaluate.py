@@ -1,57 +1,41 @@
-"""`genomelm eval CONFIG [key=value ...] [--before PATH] [--after PATH]`.
+"""`genomelm eval`'s work: held-out windows scored with the model before and after training, the loss per
+position bucket, and its files `results/<run>/buckets.json`, `buckets.csv` and `loss_by_position.png`.
 
-Scores held-out windows with the model before and after training and writes `results/<run>/buckets.json`,
-`buckets.csv` and `loss_by_position.png`. The windows are those of the run's own prepared folder, or with
-`heldout=dirA,dirB` those of each folder given (same SEQ and vocabulary), reported side by side: the JSON
-then holds one single-folder result per folder under "sets" (see `genomelm.eval.report`).
-
-With `dp`, `cp` or `ep` above 1 the evaluation runs on the training's mesh (`run_scoring`, which `genomelm
-probe` uses too): dp * cp processes, local or Ray Train workers (`launcher=ray`), the model split over them as
-in training (`genomelm.train.scoring`), the dp replicas scoring different windows. "after" is by default the
-run's newest checkpoint, read directly when it is sharded.
+The windows are those of the run's own prepared folder, or with `heldout=dirA,dirB` those of each folder given
+(same SEQ and vocabulary), reported side by side: the JSON then holds one single-folder result per folder
+under "sets" (see `genomelm.eval.report`). `evaluate_config` runs on every rank of the run's mesh
+(`genomelm.run.launchers.on_ranks`): the model split over the ranks as in training (`genomelm.run.scoring`),
+the dp replicas scoring different windows. The command itself is `genomelm.commands.eval`.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import functools
-import io
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Subset
 
-from genomelm.data import DataError, WindowDataset
+from genomelm.data import WindowDataset
 from genomelm.data.augment import check_compatible
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucketed_loss, compare, relative_change
 from genomelm.eval.plot import save_figure
-from genomelm.eval.report import WriteError, format_table, write_csv, write_json, write_result_set
-from genomelm.model.config import ConfigError
-from genomelm.parallel.launch import launch
-from genomelm.train.command import check_mesh
-from genomelm.train.config import TrainConfig
-from genomelm.train.failures import report_failure
-from genomelm.train.heldout import pick_windows
-from genomelm.train.models import model_pair, run_device
-from genomelm.train.plan import PlanError, check_fits
-from genomelm.train.ray_launch import RayLaunchError, score_with_ray
-from genomelm.train.scoring import (
+from genomelm.eval.report import write_csv, write_json, write_result_set
+from genomelm.run.config import TrainConfig
+from genomelm.run.launchers import check_mesh
+from genomelm.run.scoring import (
     Scores,
     ScoringRun,
     WindowShare,
     context_cut_tokens,
     last_bucket_start,
     load_scoring_model,
+    pick_windows,
     score_windows,
     scoring_source,
 )
@@ -60,19 +44,7 @@ from genomelm.train.scoring import (
 class EvalError(Exception):
     """Bad settings or missing inputs for `genomelm eval`; the message says how to fix it."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
-
-
-# what a scoring command (eval, probe, track, variants, embed) reports as one line `genomelm <command>: ...`
-SCORING_ERRORS: tuple[type[Exception], ...] = (
-    EvalError,
-    DataError,
-    ConfigError,
-    FileNotFoundError,
-    ValueError,
-    PlanError,
-    RayLaunchError,
-)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 def check_bucket(bucket: int, seq: int) -> int:
@@ -261,103 +233,6 @@ def write_outputs(result: dict, folder: Path) -> dict[str, Path]:
     }
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    return parse_run_args(
-        argv,
-        prog="genomelm eval",
-        description="Held-out loss per position bucket, before and after training.",
-        epilog="example: genomelm eval configs/train/hg38-512k.yaml bucket=65536 eval_windows=8",
-    )
-
-
-def parse_run_args(argv: list[str], prog: str, description: str, epilog: str) -> argparse.Namespace:
-    """`CONFIG [key=value ...] [--before PATH] [--after PATH]`, as `genomelm eval` and `genomelm probe`
-    take."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
-    parser.add_argument("config", nargs="?", help="run config YAML (configs/train/...)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="run settings to override")
-    parser.add_argument("--before", help="model before training (default: the run's base model)")
-    parser.add_argument("--after", help="model after training (default: the run's newest checkpoint)")
-    return parser.parse_intermixed_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
-        check_bucket(config.eval.bucket, config.seq_len)
-    except (EvalError, ValueError, FileNotFoundError) as exc:
-        return report_failure("genomelm eval", exc)
-
-    try:
-        before, after = model_pair(config, args.before, args.after)
-        result = run_scoring(evaluate_config, config, before, after)
-    except SCORING_ERRORS as exc:
-        return report_failure("genomelm eval", exc)
-    return print_written(
-        "genomelm eval", format_table(result), lambda: write_outputs(result, config.results_path)
-    )
-
-
-def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -> int:
-    """Print the result table, `write()` the result's files, then print where its JSON, CSV and figure went:
-    0. When the write fails (WriteError: disk full, no permission) the table is printed all the same and the
-    error as one line `prog: ...` on stderr: 1."""
-    print()
-    print(table)
-    try:
-        paths = write()
-    except WriteError as exc:
-        return report_failure(prog, exc)
-    print(f"\nwrote {paths['json']} and {paths['csv']}")
-    print(f"figure: {paths['figure']}")
-    return 0
-
-
-def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:
-    """`score(config, *args)` in this process, or with dp * cp > 1 or ep > 1 on the run's mesh: dp * cp local
-    ranks (`genomelm.parallel.launch`) or Ray Train workers (`launcher=ray`): rank 0's result. On GPUs (or
-    planned for them: gpus=N, a Ray cluster) the evaluation is planned first and refused if it cannot fit.
-    `score` is a module-level function (the ranks receive it pickled)."""
-    check_mesh(config, [config.seq_len])  # dp x cp x ep against the model, windows the cp ranks can split
-    cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
-    if cut:
-        try:
-            check_mesh(config, [cut])
-        except ValueError as exc:
-            raise EvalError(
-                f"the context cut scores the last bucket with the one before it, {cut} tokens, which "
-                f"cp={config.parallel.cp} cannot split ({exc}); give a bucket= that can, or context_cut=false"
-            ) from None
-    if (
-        torch.cuda.is_available()
-        or (config.parallel.launcher == "ray" and config.parallel.ray_address)
-        or config.plan.gpus
-    ):
-        check_fits(config.replace(stage="eval"))
-    if config.parallel.launcher == "ray":
-        return score_with_ray(_score_on_rank, score, config, *args)
-    ranks = config.parallel.world
-    if ranks == 1:
-        return score(config, *args)
-    device = run_device().type
-    if device == "cuda" and torch.cuda.device_count() < ranks:
-        raise EvalError(
-            f"dp={config.parallel.dp} x cp={config.parallel.cp} needs {ranks} GPUs on this machine, found "
-            f"{torch.cuda.device_count()}"
-        )
-    timeout = config.parallel.collective_timeout_s
-    return launch(_score_on_rank, ranks, score, config, *args, device=device, collective_timeout_s=timeout)[0]
-
-
-def _score_on_rank(score: Callable[..., dict], config: TrainConfig, *args: Any) -> dict:
-    """`score(config, *args)` on one rank of `run_scoring`'s group; only rank 0 prints its progress."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world))
-    quiet = dist.get_rank() != 0
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        return score(config, *args)
-
-
 def evaluate_config(config: TrainConfig, before: str, after: str) -> dict:
     """`genomelm eval`'s result: the run's held-out sets scored with the models `before` and `after`, on this
     rank's place in the run's mesh (or in this one process)."""
@@ -369,3 +244,17 @@ def evaluate_config(config: TrainConfig, before: str, after: str) -> dict:
     load = functools.partial(load_scoring_model, config=config, run=run)
     before, after = scoring_source(before, run), scoring_source(after, run)
     return evaluate_sets(config, sets, load, before, after, run.share)
+
+
+def check_context_cut(config: TrainConfig) -> None:
+    """Refuse a context cut (the last bucket scored with only the one before it) the run's cp cannot split."""
+    cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
+    if not cut:
+        return
+    try:
+        check_mesh(config, [cut])
+    except ValueError as exc:
+        raise EvalError(
+            f"the context cut scores the last bucket with the one before it, {cut} tokens, which "
+            f"cp={config.parallel.cp} cannot split ({exc}); give a bucket= that can, or context_cut=false"
+        ) from None

@@ -16,9 +16,8 @@ import torch
 
 from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
 from genomelm.model.config import is_preset
-from genomelm.train.config import TrainConfig
-from genomelm.train.models import model_config_of
-from genomelm.train.plan_trace import (
+from genomelm.plan.layouts import GIB, GPUS, Assumptions, Layout
+from genomelm.plan.trace import (
     StepTrace,
     eval_param_dtype,
     layer_kind,
@@ -26,7 +25,8 @@ from genomelm.train.plan_trace import (
     trace_forward,
     trace_step,
 )
-from genomelm.train.plan_types import GIB, GPUS, Assumptions, Layout
+from genomelm.run.config import TrainConfig
+from genomelm.run.models import model_config_of
 
 SHARDING_RULE = (
     "bytes per rank from the model's parameter count (meta device), W = dp*cp ranks: with FSDP2 (fsdp=true, "

@@ -11,8 +11,8 @@ import torch
 from genomelm.model import ModelConfig
 from genomelm.model.backends import as_on_gpu
 from genomelm.model.config import DSA
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan_memory import (
+from genomelm.plan.layouts import GIB, Assumptions, EvalTime, Layout, Plan, load_assumptions
+from genomelm.plan.memory import (
     EVAL_RULE,
     MOE_RULE,
     OFFLOAD_RULE,
@@ -29,7 +29,8 @@ from genomelm.train.plan_memory import (
     scaled_traces,
     trace_token_counts,
 )
-from genomelm.train.plan_time import (
+from genomelm.plan.roofline import OVERLAP_RULE
+from genomelm.plan.timing import (
     StepTime,
     context_cut_tokens,
     evaluation_time,
@@ -37,9 +38,8 @@ from genomelm.train.plan_time import (
     roofline_summary,
     step_time,
 )
-from genomelm.train.plan_trace import eval_param_dtype, eval_precision, reduced_layers
-from genomelm.train.plan_types import GIB, Assumptions, EvalTime, Layout, Plan, load_assumptions
-from genomelm.train.roofline import OVERLAP_RULE
+from genomelm.plan.trace import eval_param_dtype, eval_precision, reduced_layers
+from genomelm.run.config import TrainConfig
 
 
 def traced_assumptions(a: Assumptions, model_config: ModelConfig, cp: int) -> Assumptions:

@@ -21,7 +21,7 @@ On fake tensors each kernel switch left at "auto" (indexer, sparse attention, mH
 kernel (`backends.as_on_gpu`): its custom op's fake implementation is traced, so the plan holds the kernel's
 outputs and what it saves, not the torch path's transients (the torch paths when triton is not installed, with
 a note). The KDA layers' memory is traced on the KDA torch path (`kda_backend="torch"`): fla's stand-ins
-(`genomelm/train/fla_stand_in.py`) know fla's outputs but not its workspace, and the torch path holds more
+(`genomelm/plan/fla_stand_in.py`) know fla's outputs but not its workspace, and the torch path holds more
 (per-chunk pairwise gate decays), so a plan of a GPU run's KDA layers is an upper bound. Their kernels (the op
 classes and FLOPs the roofline costs) come from a second pass over the KDA layers alone on fla's route, as a
 GPU runs them (`kda_backend` auto or fla): fla's conv, delta rule and context-parallel summary as the
@@ -62,11 +62,11 @@ from genomelm.model.moe import Experts
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
-from genomelm.train.config import OptimConfig, TrainConfig
-from genomelm.train.fla_stand_in import fla_stand_in
+from genomelm.plan.fla_stand_in import fla_stand_in
+from genomelm.plan.roofline import OpClass, OpLog, SourceTags, source_line
+from genomelm.run.config import OptimConfig, TrainConfig
+from genomelm.run.precision import autocast_for, resolve_precision
 from genomelm.train.memory import HostCopier, LayerRunner, Packed, set_chunk_recompute
-from genomelm.train.precision import autocast_for, resolve_precision
-from genomelm.train.roofline import OpClass, OpLog, SourceTags, source_line
 from genomelm.train.step import StepPhases, TrainStep, make_optimizer
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
@@ -114,7 +114,7 @@ class StepTrace:
     # forward's peak over its start while that code ran: the moments `chunked_transients` extrapolates apart
     ops: dict[str, dict[str, OpClass]] = field(
         default_factory=dict
-    )  # "layers.<i>"/"rest"/"update" -> op class key -> its kernels (`genomelm.train.roofline.OpLog`)
+    )  # "layers.<i>"/"rest"/"update" -> op class key -> its kernels (`genomelm.plan.roofline.OpLog`)
 
     @property
     def step_peak_total(self) -> int:
@@ -171,7 +171,7 @@ class _Counter(TorchDispatchMode):
         self.bytes: dict[str, dict[str, int]] = {}
         self.flops: dict[str, int] = {}
         self.expert_flops: dict[str, int] = {}  # of them, the routed experts' grouped GEMMs
-        self.ops = OpLog()  # every kernel by op class, for the roofline (`genomelm.train.roofline`)
+        self.ops = OpLog()  # every kernel by op class, for the roofline (`genomelm.plan.roofline`)
         self.updating = False  # the update phase: its kernels go to the part "update"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

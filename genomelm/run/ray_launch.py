@@ -1,23 +1,20 @@
-"""Run `train(config)` as Ray Train workers, one per rank: `genomelm train launcher=ray dp=D cp=C [ep=E]`.
+"""A run's ranks as Ray Train workers, one per rank: `launcher=ray` (`genomelm.run.launchers.on_ranks`).
 
 Ray Train's `TorchTrainer` starts dp * cp workers (one GPU each on a cluster with GPUs, NCCL; else CPU workers
 sharing the cores, gloo), sets up the default process group (its timeout `collective_timeout_s`), and each
-worker runs the same `train(config)` as a rank of the local launcher (`genomelm.parallel.launch`): each dp
-rank reads its own windows of every step, the cp ranks of one dp rank each keep their shard of its window,
-rank 0 writes metrics, and each checkpoint under `runs/<run>/checkpoints/` is renamed into place once complete
-(`genomelm.parallel.checkpoint`).
+worker runs the same function as a rank of the local launcher (`genomelm.parallel.launch`): training's
+`train(config)` or a command's scoring. Rank 0 leaves its result in the run folder for the driver (Ray Train
+keeps a worker's reported metrics only with a checkpoint).
 
-When a worker dies, Ray stops the group and, up to `max_failures` times, starts it again; the restarted ranks
-run `train(config)` with `resume=auto`, so they continue from the newest complete checkpoint (one a killed
-rank left half-written is a temporary folder that is never read and is removed) with the same data order and
-RNG state, and the losses equal those of an uninterrupted run. At the end rank 0 leaves its summary in the run
-folder for the driver (Ray Train keeps a worker's reported metrics only with a checkpoint, and a run stopped
-before its first step has none) and reports its last checkpoint to Ray (`Result.checkpoint`).
+When a worker dies, Ray stops the group and, up to `max_failures` times, starts it again; restarted training
+ranks continue from the newest complete checkpoint (`resume=auto`; one a killed rank left half-written is a
+temporary folder that is never read and is removed) with the same data order and RNG state, so the losses
+equal those of an uninterrupted run; scoring keeps no state and scores from the start.
 
-Signals stay the driver's (`genomelm.train.stop`): `fit` runs in a helper thread, so Ray Train installs no
-SIGINT handler of its own, and the driver's handlers go back in place after Ray's `init` replaced SIGTERM's.
-The first signal becomes the run's stop request, which the workers read from the run folder; a second one
-ends the driver at once and Ray is shut down.
+Signals stay the driver's: `fit` runs in a helper thread, so Ray Train installs no SIGINT handler of its own,
+and the driver's handlers go back in place after Ray's `init` replaced SIGTERM's. In training the first signal
+becomes the run's stop request (`genomelm.run.stop`), which the workers read from the run folder; a second
+one, or any signal while scoring, ends the driver at once and Ray is shut down.
 
 `ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local
 Ray starts with no dashboard and no authentication, and stops when the run ends. The driver's working
@@ -43,11 +40,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from genomelm.parallel.checkpoint import Checkpointer, step_of
 from genomelm.parallel.launch import STOP_SIGNALS, Interrupted
-from genomelm.train.config import TrainConfig
-from genomelm.train.faults import FAULT_ENV
-from genomelm.train.stop import StopSignals
+from genomelm.run.config import TrainConfig
+from genomelm.run.stop import StopSignals
 
 QUIET_ENVIRONMENT = {
     "RAY_AUTH_MODE": "disabled",  # no token prompt for a cluster this process starts on localhost
@@ -65,7 +60,7 @@ QUIET_LOGGERS = {  # Ray modules whose `logger` says what the run does not need 
 class RayLaunchError(RuntimeError):
     """A Ray run that could not start or that failed other than by a rank's own exception."""
 
-    exit_code = 1  # the machine's failure (`genomelm.train.failures`)
+    exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
 def start_ray(address: str | None = None) -> None:
@@ -92,39 +87,30 @@ def quiet_ray_loggers() -> None:
         importlib.import_module(module).logger.setLevel(level)  # some are named by file, not module
 
 
-def train_with_ray(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
-    """`train(config)` on dp * cp Ray Train workers; rank 0's summary (as `genomelm.train.loop.train`
-    returns it). A rank's exception is raised here once the restarts allowed by `max_failures` are spent.
-    `signals` (the driver's, see `genomelm.train.stop`) stay this driver's for the whole run: the workers read
-    the stop request from the run folder; a second signal shuts them down at once."""
+def run_with_ray(
+    fn: Callable[..., Any], config: TrainConfig, *args: Any, signals: StopSignals | None = None
+) -> Any:
+    """`fn(config, *args)` on dp * cp Ray Train workers, the process group set up as for the local launcher;
+    rank 0's result, which it pickles into a file of the run folder (on the file system every node shares)
+    for this driver to read. A rank's exception is raised here once the restarts allowed by `max_failures`
+    are spent. With `signals` (training's, `genomelm.run.stop`) the first signal becomes the run's stop
+    request, which the workers read from the run folder; without them, or on a second signal, the driver ends
+    at once (`Interrupted`) and Ray is shut down."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     started_here = not ray.is_initialized()
+    answer = _answer_path(config.run_dir)
     try:
         if started_here:
             _start_watched(config.parallel.ray_address)
-        signals.install()  # Ray's init put its own SIGTERM handler in their place
-    except Interrupted as exc:  # a signal while Ray started: nothing ran yet
-        signals.request(exc.signum)
-        if started_here:
-            ray.shutdown()
-        latest = Checkpointer(config.run_dir).latest()
-        step = step_of(latest) if latest is not None else 0
-        stopped = {"step": step, "signal": signals.received, "first": True}
-        return {"start_step": step, "steps": config.optim.steps, "losses": [], "skipped": 0} | {
-            "checkpoint": latest,
-            "stopped": stopped,
-        }
-    answer = _answer_path(config.run_dir, ".train-")
-    try:
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         workers = config.parallel.world
         trainer = TorchTrainer(
             _worker,
             train_loop_config={
-                "config": config,
+                "call": (fn, (config, *args)),
                 "answer": str(answer),
                 "cwd": os.getcwd(),
                 "environment": _forwarded_environment(),
@@ -142,62 +128,10 @@ def train_with_ray(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
                 name=config.run,
                 storage_path=str(Path(config.runs_dir).resolve()),
                 failure_config=FailureConfig(max_failures=config.parallel.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=None),  # `keep_checkpoints` prunes them
             ),
         )
         try:
-            _fit_in_thread(trainer)
-        except ray.train.TrainingFailedError as exc:
-            raise _rank_error(exc) from exc
-        return _read_answer(answer)
-    finally:
-        shutil.rmtree(answer.parent, ignore_errors=True)
-        if started_here:
-            ray.shutdown()
-
-
-def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
-    """`on_rank(*args)` (the evaluator's scoring, `args[1]` its run config) on dp * cp Ray Train workers, the
-    process group set up as for training; rank 0's result, which it pickles into a file of the run folder
-    (on the file system every node shares) for this driver to read: Ray Train keeps reported metrics only with
-    a checkpoint. Scoring keeps no state, so a restart (`max_failures`) scores from the start."""
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    config: TrainConfig = args[1]
-    answer = _answer_path(config.run_dir, ".score-")
-    started_here = not ray.is_initialized()
-    try:
-        if started_here:
-            _start_watched(config.parallel.ray_address)
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        workers = config.parallel.world
-        trainer = TorchTrainer(
-            _score_worker,
-            train_loop_config={
-                "call": (on_rank, args),
-                "answer": str(answer),
-                "cwd": os.getcwd(),
-                "environment": _forwarded_environment(),
-            },
-            torch_config=TorchConfig(
-                backend="nccl" if use_gpu else "gloo",
-                timeout_s=math.ceil(config.parallel.collective_timeout_s),
-            ),
-            scaling_config=ScalingConfig(
-                num_workers=workers,
-                use_gpu=use_gpu,
-                resources_per_worker=_resources_per_worker(workers, use_gpu),
-            ),
-            run_config=RunConfig(
-                name=f"{config.run}-score",
-                storage_path=str(Path(config.runs_dir).resolve()),
-                failure_config=FailureConfig(max_failures=config.parallel.max_failures),
-            ),
-        )
-        try:
-            with _interrupt_on_signal():
+            with _signals_while_fitting(signals):
                 _fit_in_thread(trainer)
         except ray.train.TrainingFailedError as exc:
             raise _rank_error(exc) from exc
@@ -208,21 +142,21 @@ def score_with_ray(on_rank: Callable[..., dict], *args: Any) -> dict:
             ray.shutdown()
 
 
-def _score_worker(payload: dict[str, Any]) -> None:
-    """One scoring rank: the driver's working directory, its cores and GPU, then the call; rank 0 writes the
-    result where the driver reads it."""
+def _worker(payload: dict[str, Any]) -> None:
+    """One rank: the driver's working directory, environment, its cores and GPU, then the call; rank 0 writes
+    the result where the driver reads it."""
     context = _enter_worker(payload)
-    on_rank, args = payload["call"]
-    result = on_rank(*args)
+    fn, args = payload["call"]
+    result = fn(*args)
     if context.get_world_rank() == 0:
         _write_answer(Path(payload["answer"]), result)
 
 
-def _answer_path(run_dir: Path, prefix: str) -> Path:
+def _answer_path(run_dir: Path) -> Path:
     """Where rank 0 leaves its result for the driver: a fresh folder of the run folder (on the file system
     every node shares), since Ray Train keeps the metrics a worker reports only with a checkpoint."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=run_dir)).resolve() / "result.pkl"
+    return Path(tempfile.mkdtemp(prefix=".ray-result-", dir=run_dir)).resolve() / "result.pkl"
 
 
 def _write_answer(answer: Path, result: Any) -> None:
@@ -271,10 +205,14 @@ def _fit_in_thread(trainer: Any) -> Any:
 
 
 @contextmanager
-def _interrupt_on_signal() -> Iterator[None]:
-    """While Ray scores: a SIGTERM or SIGINT to the driver ends it at once (`Interrupted`; scoring keeps no
-    state to save)."""
+def _signals_while_fitting(signals: StopSignals | None) -> Iterator[None]:
+    """While Ray runs the workers: `signals` in place of the SIGTERM handler Ray's `init` installed; without
+    them a SIGTERM or SIGINT to the driver ends it at once (`Interrupted`)."""
     if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signals is not None:
+        signals.install()
         yield
         return
 
@@ -290,8 +228,9 @@ def _interrupt_on_signal() -> Iterator[None]:
 
 
 def _forwarded_environment() -> dict[str, str]:
-    """The driver's variables a worker must see: the test fault hook (`genomelm.train.faults`)."""
-    return {FAULT_ENV: os.environ[FAULT_ENV]} if FAULT_ENV in os.environ else {}
+    """The driver's variables a worker must see: genomelm's own (GENOMELM_DEBUG, the test fault hook
+    GENOMELM_FAULT of `genomelm.train.faults`)."""
+    return {key: value for key, value in os.environ.items() if key.startswith("GENOMELM_")}
 
 
 def _resources_per_worker(workers: int, use_gpu: bool) -> dict[str, float]:
@@ -327,37 +266,6 @@ def _enter_worker(payload: dict[str, Any]) -> Any:
     if torch.cuda.is_available():
         torch.cuda.set_device(ray.train.torch.get_device())
     return ray.train.get_context()
-
-
-def _worker(payload: dict[str, Any]) -> None:
-    """One rank: the driver's working directory, its share of the cores, its GPU, then `train(config)`; rank 0
-    writes the summary where the driver reads it, and reports it with the final checkpoint to Ray (the
-    checkpoint lies under the Ray run folder, so nothing is copied)."""
-    import ray.train
-    from ray.train import Checkpoint, CheckpointUploadMode
-
-    from genomelm.train.loop import (
-        train,  # the training stack: not in every Ray process the setup hook runs in
-    )
-
-    config: TrainConfig = payload["config"]
-    context = _enter_worker(payload)
-    summary = train(config, progress=context.get_world_rank() == 0)
-    if context.get_world_rank() == 0:
-        _write_answer(Path(payload["answer"]), summary)
-    last = summary["checkpoint"]
-    report_checkpoint = context.get_world_rank() == 0 and last is not None
-    ray.train.report(
-        {
-            "start_step": summary["start_step"],
-            "steps": summary["steps"],
-            "losses": summary["losses"],
-            "skipped": summary["skipped"],
-        }
-        | ({"stopped": summary["stopped"]} if "stopped" in summary else {}),
-        checkpoint=Checkpoint.from_directory(str(Path(last).resolve())) if report_checkpoint else None,
-        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-    )
 
 
 def _rank_error(exc: Exception) -> BaseException:

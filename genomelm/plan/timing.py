@@ -1,4 +1,4 @@
-"""Time per window, op by op (`genomelm.train.roofline`): every kernel of the traced step at the roofline of
+"""Time per window, op by op (`genomelm.plan.roofline`): every kernel of the traced step at the roofline of
 the unit it runs on (each traced layer standing for the layers of its kind; the busiest expert-parallel
 rank's grouped GEMMs x `imbalance`), plus the collectives at the link of their group with their ring factor,
 plus the offload copies over PCIe; FSDP2's collectives and the layer-input offload copies run on side streams
@@ -17,10 +17,11 @@ from typing import Any
 
 from genomelm.data import read_manifest
 from genomelm.model import ModelConfig
-from genomelm.train import roofline, scoring
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan_memory import ParameterShare, ScaledTraces
-from genomelm.train.plan_types import Assumptions, EvalTime, Layout
+from genomelm.plan import roofline
+from genomelm.plan.layouts import Assumptions, EvalTime, Layout
+from genomelm.plan.memory import ParameterShare, ScaledTraces
+from genomelm.run import scoring
+from genomelm.run.config import TrainConfig
 
 # With optimizer_offload the AdamW step runs on the host CPU, one parameter tensor at a time (`foreach=False`:
 # FSDP2's DTensors on two meshes, the experts' and the rest's, cannot share a foreach kernel): about seven
@@ -357,7 +358,7 @@ def forward_comm_bytes(
 
 
 def context_cut_tokens(config: TrainConfig) -> int:
-    """Tokens of the run's context-cut forward (`genomelm.train.scoring.context_cut_tokens`; 0 where the
+    """Tokens of the run's context-cut forward (`genomelm.run.scoring.context_cut_tokens`; 0 where the
     evaluator skips it)."""
     return scoring.context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
 

@@ -24,7 +24,7 @@ LOCK_FILE = ".lock"
 class RunLocked(RuntimeError):
     """The run folder belongs to another live run; the message names it and the way out."""
 
-    exit_code = 2  # the user's input (`genomelm.train.failures`)
+    exit_code = 2  # the user's input (`genomelm.run.failures`)
 
 
 def _alive(pid: int) -> bool:

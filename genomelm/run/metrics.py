@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from genomelm.data.errors import space_checked
-from genomelm.train.config import TrainConfig
+from genomelm.run.config import TrainConfig
 
 HELDOUT_LOSS = "heldout/loss"
 SPACE_ADVICE = (

@@ -22,7 +22,7 @@ What the simulation cannot see, and what stands in for it:
   the host gives zeros (`host_numpy`: the read-back itself, `.cpu()`, is recorded as the sync it is);
 - kernels: fla's and any Triton kernel cannot run on fake tensors. fla's `chunk_kda` (with and without its
   in-kernel gate) and `causal_conv1d` enter as custom ops with fake implementations (`fla_stand_in`, in
-  `genomelm/train/fla_stand_in.py`:
+  `genomelm/plan/fla_stand_in.py`:
   outputs and final state of the right shapes and dtypes, fla's saved inputs, gradients of the inputs'
   shapes), so KDA takes the route it takes on a GPU (`auto` -> fla: the conv, the context-parallel summary
   and the delta rule on fla's kernels) whether or not fla is installed here;
@@ -68,13 +68,13 @@ from genomelm.parallel.simulation import (
     source_line,
 )
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
-from genomelm.train import scoring
-from genomelm.train.config import TrainConfig
-from genomelm.train.fla_stand_in import fla_stand_in, replaced
-from genomelm.train.memory import LayerRunner, set_chunk_recompute
-from genomelm.train.plan_trace import reduced_layers, sub_config
-from genomelm.train.precision import fsdp_param_dtype
-from genomelm.train.scoring import (
+from genomelm.plan.fla_stand_in import fla_stand_in, replaced
+from genomelm.plan.trace import reduced_layers, sub_config
+from genomelm.run import scoring
+from genomelm.run.config import TrainConfig
+from genomelm.run.models import device_rows
+from genomelm.run.precision import fsdp_param_dtype
+from genomelm.run.scoring import (
     ScoringRun,
     WindowShare,
     build_scoring_model,
@@ -82,7 +82,8 @@ from genomelm.train.scoring import (
     score_windows,
     scoring_dtype,
 )
-from genomelm.train.step import StepPhases, TrainStep, device_rows, make_optimizer
+from genomelm.train.memory import LayerRunner, set_chunk_recompute
+from genomelm.train.step import StepPhases, TrainStep, make_optimizer
 
 GPU_CAPABILITY = {"b200": (10, 0), "h200": (9, 0), "h100": (9, 0)}
 

@@ -14,17 +14,17 @@ import argparse
 import sys
 
 from genomelm.data import DataError
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan import make_plan
-from genomelm.train.plan_memory import TraceCache, resolve_model_config
-from genomelm.train.plan_report import describe, describe_search, refusal, write_plan
-from genomelm.train.plan_search import search
-from genomelm.train.simulate import (
+from genomelm.plan.check import make_plan
+from genomelm.plan.memory import TraceCache, resolve_model_config
+from genomelm.plan.report import describe, describe_search, refusal, write_plan
+from genomelm.plan.search import search
+from genomelm.plan.simulate import (
     describe_simulation,
     simulate_eval_layout,
     simulate_layout,
     simulates_cuda,
 )
+from genomelm.run.config import TrainConfig
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,7 @@ fp32), never an fp32 copy of a bf16 run's model. Under context parallelism the m
 window its per-token loss, and with the context cut its last bucket again with only the preceding bucket as
 context. A model is anything with ``.loss(input_ids[B, S], labels[B, S], reduction="none") -> [B, S]`` (nats,
 0 where labels == -100) and parameters; a window is a `genomelm.data.windows.Window`. This is the one scoring
-step the evaluator, the probe and the planner's simulation (`genomelm.train.simulate`) run.
+step the evaluator, the probe and the planner's simulation (`genomelm.plan.simulate`) run.
 
 `WindowShare.run(jobs)` gives each dp replica every dp-th job (each one or more forward passes of one window)
 and gathers the results, in job order, on every rank. Every replica runs the same number of jobs: FSDP's
@@ -53,10 +53,9 @@ from genomelm.parallel.checkpoint import (
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
-from genomelm.train.config import TrainConfig
-from genomelm.train.models import model_config_of, run_device
-from genomelm.train.precision import autocast_for, fsdp_param_dtype, resolve_precision
-from genomelm.train.step import device_rows
+from genomelm.run.config import TrainConfig
+from genomelm.run.models import device_rows, model_config_of, run_device
+from genomelm.run.precision import autocast_for, fsdp_param_dtype, resolve_precision
 
 T = TypeVar("T")
 
@@ -323,3 +322,11 @@ def score_windows(
     loss = np.stack([row[0] for row in rows])
     cut_loss = np.stack([row[1] for row in rows]) if context_cut else None
     return Scores(loss, valid, softmask, cut_loss, cut_start)
+
+
+def pick_windows(total: int, wanted: int) -> list[int]:
+    """Indices of `wanted` of `total` windows (0 = all) spread evenly, in order: the rule `genomelm eval`,
+    the read-outs and the evaluation during training share, so all score the same windows."""
+    if wanted <= 0 or wanted >= total:
+        return list(range(total))
+    return [int(i) for i in np.linspace(0, total - 1, wanted).round()]

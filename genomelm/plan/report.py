@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from genomelm.train.config import TrainConfig
-from genomelm.train.plan_types import Plan
+from genomelm.plan.layouts import Plan
+from genomelm.run.config import TrainConfig
 
 
 def layout_args(plan: Plan) -> str:
