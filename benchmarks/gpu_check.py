@@ -81,7 +81,7 @@ from genomelm.model.config import DSA, KDA, MOE  # noqa: E402
 from genomelm.model.indexer import TOPK_SORT_RATIO  # noqa: E402
 from genomelm.model.kda_chunk import SUB_CHUNK, fla_chunk_kda  # noqa: E402
 from genomelm.parallel.training import ParallelRun  # noqa: E402
-from genomelm.plan.trace import grouped_mm_flops  # noqa: E402
+from genomelm.plan.recording import grouped_mm_flops  # noqa: E402
 from genomelm.run.config import OptimConfig  # noqa: E402
 from genomelm.train.memory import LayerRunner  # noqa: E402
 from genomelm.train.step import StepOutcome, TrainStep, make_optimizer  # noqa: E402

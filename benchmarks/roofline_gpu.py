@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from genomelm.model import GlmForCausalLM
 from genomelm.model.config import KDA
 from genomelm.plan import roofline
-from genomelm.plan.trace import flop_formula
+from genomelm.plan.recording import flop_formula
 from genomelm.train.memory import LayerRunner
 
 REST = "embedding, norm, head, loss"

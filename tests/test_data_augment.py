@@ -12,15 +12,8 @@ from Bio.Seq import reverse_complement as bio_reverse_complement
 from data_fixtures import DMEL, DMEL_RECORD, HG38_FRAGMENTS, HG38_RECORDS, build, read_records, write_fasta
 
 from genomelm.data import DataError, Vocabulary, WindowDataset
-from genomelm.data.augment import (
-    BlendedOrder,
-    check_compatible,
-    crop_length,
-    labels_for,
-    parse_blend,
-    predicted_softmask,
-    reverse_complement,
-)
+from genomelm.data.augment import BlendedOrder, check_compatible, crop_length, parse_blend
+from genomelm.data.tokens import labels_for, predicted_softmask, reverse_complement
 
 LETTER_CODE = {"-": 0, "A": 1, "C": 2, "G": 3, "T": 4, "N": 5}
 TOKENIZER_VOCAB = Vocabulary(code_to_id=(0, 7, 8, 9, 10, 11), vocab_size=12, tokenizer="test")

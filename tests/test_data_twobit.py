@@ -19,7 +19,8 @@ from data_fixtures import HG38_FRAGMENTS, HG38_RECORDS, build, read_records, wri
 
 from genomelm.commands.data import main
 from genomelm.data import DataError
-from genomelm.data.fasta import FastaStream, open_stream
+from genomelm.data.fasta import FastaStream
+from genomelm.data.streams import open_stream
 from genomelm.data.twobit import TwoBitStream
 
 _PACK = np.zeros(256, dtype=np.uint8)  # T=0 C=1 A=2 G=3; N is stored as T, like faToTwoBit does

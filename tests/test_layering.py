@@ -113,8 +113,59 @@ def test_a_violation_names_the_file_line_and_import(tmp_path) -> None:
     root = tmp_path / "genomelm"
     (root / "model").mkdir(parents=True)
     (root / "model" / "x.py").write_text(
-        "from genomelm.data.vocab import IGNORE_INDEX\nfrom genomelm.data.augment import labels_for\n"
+        "from genomelm.data.vocab import IGNORE_INDEX\nfrom genomelm.data.tokens import labels_for\n"
     )
     assert violations(root / "model" / "x.py", root) == [
-        "genomelm/model/x.py:2: from genomelm.data.augment import labels_for"
+        "genomelm/model/x.py:2: from genomelm.data.tokens import labels_for"
     ]
+
+
+def module_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the genomelm modules it imports (module level or inside functions; a package's
+    `__init__` counts as the package)."""
+    modules = {module_name(path, root): path for path in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for _, imported, _ in imported_names(path, root):
+            if imported in modules:
+                targets.add(imported)
+            elif imported.rpartition(".")[0] in modules:
+                targets.add(imported.rpartition(".")[0])
+        graph[name] = targets - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle (modules that reach themselves through others), once, from its least name; a
+    package importing its own modules (its `__init__` re-exporting them) does not count."""
+    found: set[tuple[str, ...]] = set()
+
+    def walk(path: list[str]) -> None:
+        for following in sorted(graph.get(path[-1], ())):
+            if following == path[0]:
+                found.add(tuple(path))
+            elif following not in path and following > path[0]:
+                walk([*path, following])
+
+    for start in sorted(graph):
+        walk([start])
+    return [list(c) for c in sorted(found) if not any(within(m, c[0]) and m != c[0] for m in c)]
+
+
+def test_no_module_reaches_itself_through_others() -> None:
+    """The data stage's former circles (augment <-> prepare <-> windows; fasta <-> flatfile / twobit) and any
+    new one."""
+    graph = module_graph()
+    assert graph["genomelm.data.windows"] and graph["genomelm.data.streams"]  # the walk sees imports
+    assert cycles(graph) == []
+
+
+def test_a_circle_is_found_once_and_a_package_init_is_not_one() -> None:
+    graph = {
+        "genomelm.data.fasta": {"genomelm.data.twobit"},
+        "genomelm.data.twobit": {"genomelm.data.fasta"},
+        "genomelm.parallel": {"genomelm.parallel.launch"},
+        "genomelm.parallel.launch": {"genomelm.parallel"},
+    }
+    assert cycles(graph) == [["genomelm.data.fasta", "genomelm.data.twobit"]]

@@ -23,7 +23,7 @@ LENGTH = 256  # tokens per rank (one window each)
 CHUNK_TOKENS = 64  # 4 MoE chunks per layer and pass
 MOE_LAYERS = 3  # tiny: layers 1-3
 LAYERS = 4
-COLLECTIVES = {  # c10d ops (as `genomelm.plan.trace._Counter` sees them) -> kind
+COLLECTIVES = {  # c10d ops (as `genomelm.plan.recording.OpCounter` sees them) -> kind
     "_allgather_base_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather",
     "_reduce_scatter_base_": "reduce_scatter",

@@ -31,11 +31,11 @@ from genomelm.plan.memory import (
     model_numel,
     resolve_model_config,
 )
+from genomelm.plan.recording import grouped_mm_flops
 from genomelm.plan.report import refusal
 from genomelm.plan.search import plan_layout, rank
 from genomelm.plan.trace import (
     StepTrace,
-    grouped_mm_flops,
     layer_kind,
     reduced_layers,
     sub_config,

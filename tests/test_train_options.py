@@ -49,7 +49,7 @@ def metrics(cfg: TrainConfig) -> list[dict]:
 
 
 def test_reverse_complement_windows(tmp_path, folders) -> None:
-    from genomelm.data.augment import reverse_complement
+    from genomelm.data.tokens import reverse_complement
 
     data = TrainingData(settings(tmp_path, data=folders["a"], rc_aug=1.0))
     window = data.next(0, 0)

@@ -9,7 +9,8 @@ import torch
 from data_fixtures import fly_windows
 
 from genomelm.model import ModelConfig
-from genomelm.plan.trace import _Counter, trace_step
+from genomelm.plan.recording import OpCounter
+from genomelm.plan.trace import trace_step
 from genomelm.run.config import TrainConfig
 
 CHUNKS = ["moe_chunk_tokens=64", "loss_chunk_tokens=64", "indexer_query_block=32", "attention_query_block=32"]
@@ -22,7 +23,7 @@ def _trainer_collectives(config: TrainConfig) -> dict[str, int]:
 
     torch.set_num_threads(1)
     run = build_run(config)
-    counter = _Counter(lambda: "step")
+    counter = OpCounter(lambda: "step")
     with counter:
         outcome = run.step.run(1e-3, step_windows(run, 0, []))
     assert outcome.finite

@@ -95,22 +95,6 @@ def detect_records_format(path: Path) -> str:
     return "fasta"
 
 
-def open_stream(path: str | Path, block_bytes: int = BLOCK_BYTES, table: bytes | None = None) -> FastaStream:
-    """Events of a genome file: a :class:`FastaStream`, or with the same events a ``TwoBitStream`` for .2bit
-    and a ``FlatFileStream`` for GenBank and EMBL (plain or gzip)."""
-    path = Path(path)
-    if detect_format(path) == "2bit":
-        from genomelm.data.twobit import TwoBitStream  # imports this module
-
-        return TwoBitStream(path, block_bytes, table)
-    records_format = detect_records_format(path)
-    if records_format != "fasta":
-        from genomelm.data.flatfile import FlatFileStream  # imports this module
-
-        return FlatFileStream(path, records_format, block_bytes, table)
-    return FastaStream(path, block_bytes, table)
-
-
 class FastaStream:
     """Iterate a FASTA file as events: ``str`` (a new record's name) then ``bytes`` (its next bases).
 

@@ -29,7 +29,7 @@ from genomelm.data.config import DataConfig
 from genomelm.data.download import check_md5, expected_md5, fetch, md5_of
 from genomelm.data.errors import DataError
 from genomelm.data.faidx import IndexedFasta, region_index
-from genomelm.data.fasta import BLOCK_BYTES, INVALID_BYTE, detect_format, open_stream
+from genomelm.data.fasta import BLOCK_BYTES, INVALID_BYTE, detect_format
 from genomelm.data.indexed import IndexedWriter
 from genomelm.data.integrity import (
     FORMAT_VERSION,
@@ -52,6 +52,7 @@ from genomelm.data.regions import (
     read_bed,
     static_interval,
 )
+from genomelm.data.streams import open_stream
 from genomelm.data.vocab import (
     BUILTIN,
     CODE_MASK,

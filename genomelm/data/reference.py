@@ -13,9 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from genomelm.data.streams import open_stream
+
 from .errors import DataError
 from .faidx import IndexedFasta, region_index
-from .fasta import BLOCK_BYTES, detect_format, open_stream
+from .fasta import BLOCK_BYTES, detect_format
 from .twobit import read_index
 from .vocab import INVALID, SCAN_BYTES
 

@@ -17,7 +17,7 @@ import numpy as np
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from genomelm.data.vocab import Vocabulary
+from genomelm.data.vocab import Vocabulary
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 
@@ -67,14 +67,14 @@ class Window:
     def labels(self) -> Tensor:
         """LongTensor[L]: the next token of each position read; -100 where it is N, padding or past the
         end."""
-        from genomelm.data.augment import labels_for
+        from genomelm.data.tokens import labels_for  # torch: only when a window's labels are read
 
         return labels_for(self.ids, self.vocab)[self.span]
 
     @property
     def predicted_softmask(self) -> Tensor:
         """BoolTensor[L]: whether the base each position predicts (the next one) is soft-masked."""
-        from genomelm.data.augment import predicted_softmask
+        from genomelm.data.tokens import predicted_softmask
 
         return predicted_softmask(self.softmask)[self.span]
 
@@ -90,7 +90,7 @@ class Window:
 
     def reverse_complement(self) -> Window:
         """The same window read from the other strand (see `genomelm.data.augment.reverse_complement`)."""
-        from genomelm.data.augment import reverse_complement
+        from genomelm.data.tokens import reverse_complement
 
         ids, softmask = reverse_complement(self.ids, self.softmask, self.vocab)
         return dataclasses.replace(self, ids=ids, softmask=softmask, strand="+" if self.reverse else "-")

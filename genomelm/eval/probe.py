@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from genomelm.data.augment import unpadded_length
 from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq
+from genomelm.data.tokens import unpadded_length
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import window_stats
@@ -249,21 +249,7 @@ def run_probe(
         del model
         summaries[name] = summarise(scores)
         print(f"  {time.perf_counter() - began:.1f} s", flush=True)
-    rows = []
-    for j, d in enumerate(distances):
-        row: dict = {
-            "distance": d,
-            "windows": int(summaries["after"]["gap"]["windows"][j]),
-            "tokens": int(summaries["after"]["gap"]["tokens"][j]),
-        }
-        for name in MODELS:
-            stats = summaries[name]
-            row[name] = {
-                f"{curve}{suffix}": float(stats[curve][key][j])
-                for curve in CURVES
-                for suffix, key in (("", "loss"), ("_se", "se"))
-            }
-        rows.append(row)
+    rows = [distance_row(summaries, j, d) for j, d in enumerate(distances)]
     settings = {
         "run": config.run,
         "seq": len(windows[0].input_ids),
@@ -283,6 +269,24 @@ def run_probe(
         "distances": rows,
         "provenance": {**models, **heldout.provenance, "timestamp": timestamp},
     }
+
+
+def distance_row(summaries: dict[str, dict], j: int, distance: int) -> dict:
+    """The result row of the j-th distance: windows and tokens scored, each model's curves with their
+    standard errors."""
+    row: dict = {
+        "distance": distance,
+        "windows": int(summaries["after"]["gap"]["windows"][j]),
+        "tokens": int(summaries["after"]["gap"]["tokens"][j]),
+    }
+    for name in MODELS:
+        stats = summaries[name]
+        row[name] = {
+            f"{curve}{suffix}": float(stats[curve][key][j])
+            for curve in CURVES
+            for suffix, key in (("", "loss"), ("_se", "se"))
+        }
+    return row
 
 
 def csv_columns() -> list[str]:

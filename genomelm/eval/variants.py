@@ -32,7 +32,8 @@ The reference is the run's own source (the prepared folder's manifest names its 
 format `genomelm data` reads, through its readers and the run's vocabulary). VCF contigs are matched to its
 records by `contig_rule`, or by a `contig_map=` file. Records whose REF differs from the reference are an
 error naming the VCF line (`skip_mismatch=true`: counted and listed); symbolic ALTs (`<DEL>`, `*`,
-breakends) and records without an ALT are skipped and counted.
+breakends) and records without an ALT are skipped and counted. Reading the VCF is `genomelm.eval.vcf`,
+reading the reference `genomelm.eval.variant_reference`.
 
 Writes `results/<run>/variants.vcf.gz` (bgzipped, with its tabix index `.tbi`: the input's records with the
 scores as INFO fields) and `variants.tsv` (one row per ALT, scored or not, with why not) as one set
@@ -42,42 +43,47 @@ eval` does, the dp replicas splitting the forward passes.
 
 from __future__ import annotations
 
-import bisect
 import csv
 import dataclasses
 import functools
 import io
 import math
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import pysam
 import torch
-from isal import igzip
 
-from genomelm.data import DataError, Vocabulary, read_manifest
-from genomelm.data.errors import space_checked
-from genomelm.data.faidx import IndexedFasta, region_index
-from genomelm.data.fasta import BLOCK_BYTES, INVALID_BYTE, open_stream
+from genomelm.data import Vocabulary
 from genomelm.data.vocab import (
     CODE_LETTERS,
     CODE_MASK,
-    CODE_TABLE,
     IGNORE_INDEX,
-    INVALID,
     PAD,
-    SCAN_BYTES,
     SOFT_BIT,
 )
 from genomelm.data.windows import Window
 from genomelm.eval.report import write_result_set
+from genomelm.eval.variant_reference import RecordBases, read_reference, reference_files, run_manifest
+from genomelm.eval.vcf import (
+    INFO_FIELDS,
+    MISMATCH,
+    NO_ALT,
+    SCORED,
+    SYMBOLIC,
+    TOO_LONG,
+    Allele,
+    VariantError,
+    codes_of,
+    contig_rule,
+    describe_records,
+    open_vcf,
+    read_contig_map,
+    read_vcf,
+)
 from genomelm.run.config import TrainConfig
 from genomelm.run.launchers import check_mesh
 from genomelm.run.scoring import (
@@ -89,37 +95,7 @@ from genomelm.run.scoring import (
 )
 
 FOLLOWING_BASES = 32  # reference bases after the allele scored with it at the window's end
-MITOCHONDRION = ("chrM", "MT", "M", "chrMT")  # the names references give the mitochondrial genome
 MODELS = ("before", "after")
-SCORED, MISMATCH, SYMBOLIC, NO_ALT, TOO_LONG = "scored", "ref_mismatch", "symbolic", "no_alt", "too_long"
-INFO_FIELDS = {  # ID: (Number, Type, Description), as the output VCF's header describes them
-    "GLM_LLR_BEFORE": (
-        "A",
-        "Float",
-        "log P(ALT window) - log P(REF window) under the model before training, nats, summed over the allele "
-        "and the following bases scored (genomelm variants)",
-    ),
-    "GLM_LLR_AFTER": ("A", "Float", "As GLM_LLR_BEFORE, under the model after training"),
-    "GLM_LLR_BEFORE_PER_BASE": (
-        "A",
-        "Float",
-        "Mean log-probability per scored base of the ALT window minus that of the REF window, before "
-        "training, nats per base (length-normalised for indels)",
-    ),
-    "GLM_LLR_AFTER_PER_BASE": ("A", "Float", "As GLM_LLR_BEFORE_PER_BASE, after training"),
-    "GLM_SKIPPED": (
-        "A",
-        "String",
-        "Why an ALT allele was not scored: symbolic (<DEL>, *, breakend), ref_mismatch (REF differs from the "
-        "reference), too_long (longer than the context); missing where scored",
-    ),
-    "GLM_SHORT_CONTEXT": (
-        "0",
-        "Flag",
-        "The window held fewer reference bases before (or after) the variant than variant_context and "
-        "variant_position ask for: it is near a record's start (or end)",
-    ),
-}
 TSV_COLUMNS = (
     "line",
     "chrom",
@@ -139,376 +115,6 @@ TSV_COLUMNS = (
     "short_context",
     "reference",
 )
-
-
-class VariantError(Exception):
-    """Bad variants input (VCF, reference, contig names, settings); the message names the file and line and
-    says how to fix it."""
-
-    exit_code = 2  # the user's input (`genomelm.run.failures`)
-
-
-# ------------------------------------------------------------------------------------------ the reference
-class RecordBases:
-    """The parts of one reference record the windows read: merged intervals [start, end) (0-based), each as
-    scan codes (uint8 [end - start]: base code, | SOFT_BIT where lower case), and the record's length
-    (bases) once it has been read."""
-
-    def __init__(self, intervals: Sequence[tuple[int, int]]) -> None:
-        merged: list[list[int]] = []
-        for lo, hi in sorted(intervals):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.starts = [lo for lo, _ in merged]
-        self.parts = [np.zeros(hi - lo, dtype=np.uint8) for lo, hi in merged]
-        self.length = 0
-
-    def feed(self, offset: int, scan: bytes) -> None:
-        """Bases [offset, offset + len(scan)) of the record, as scan codes."""
-        end = offset + len(scan)
-        first = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        for start, part in zip(self.starts[first:], self.parts[first:]):
-            if start >= end:
-                break
-            lo, hi = max(start, offset), min(start + len(part), end)
-            if lo < hi:
-                part[lo - start : hi - start] = np.frombuffer(scan, np.uint8, hi - lo, lo - offset)
-
-    def finish(self, length: int) -> None:
-        """The record has `length` bases: the parts end there."""
-        self.length = length
-        self.parts = [part[: max(0, length - start)] for start, part in zip(self.starts, self.parts)]
-
-    def fetch(self, start: int, end: int) -> np.ndarray:
-        """Scan codes of bases [start, end), clipped to the record's end; inside one of the intervals read."""
-        end = min(end, self.length)
-        if end <= start:
-            return np.zeros(0, dtype=np.uint8)
-        i = bisect.bisect_right(self.starts, start) - 1
-        if i < 0 or end - self.starts[i] > len(self.parts[i]):
-            raise AssertionError(f"bases [{start}, {end}) were not read")
-        return self.parts[i][start - self.starts[i] : end - self.starts[i]]
-
-
-def run_manifest(config: TrainConfig) -> dict:
-    """The manifest of the run's prepared folder: its vocabulary (the model's token ids) and sources."""
-    manifest = read_manifest(config.data_dir)
-    if manifest is None:
-        raise VariantError(
-            f"{config.data_dir}: no prepared data (no manifest.json), so the model's token ids are unknown; "
-            "prepare the run's data first (make data)"
-        )
-    return manifest
-
-
-def reference_files(config: TrainConfig, manifest: dict) -> list[Path]:
-    """`fasta=` (comma-separated files), or else the source files the run's data was prepared from (the
-    manifest's `sources`); VariantError naming a missing file."""
-    if config.variants.fasta:
-        paths = [Path(item.strip()) for item in str(config.variants.fasta).split(",")]
-        named = f"fasta={config.variants.fasta} names"
-    else:
-        paths = [Path(source["path"]) for source in manifest["sources"]]
-        named = f"{config.data_dir / 'manifest.json'} names the run's reference"
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise VariantError(
-            f"{named} {', '.join(missing)}, which is not there; give an existing reference file as fasta=FILE"
-        )
-    return paths
-
-
-def invalid_base(path: Path, record: str, offset: int, at: int, char: str) -> DataError:
-    """The data stage's error for a character that is no base, at `offset + at` (0-based) of `record`."""
-    return DataError(
-        f"{path}: record {record}, base {offset + at + 1:,} (1-based): invalid character {char!r}; only "
-        "A C G T N, IUPAC codes R Y K M S W B D H V (either case) are allowed"
-    )
-
-
-def read_reference(
-    paths: Sequence[Path], wanted: Callable[[str], list[tuple[int, int]] | None]
-) -> tuple[dict[str, int], dict[str, RecordBases]]:
-    """Every record's length (name -> bases, in file order) and the bases of the records `wanted(name)`
-    gives intervals for (None: not read). FASTA (plain, gzip, BGZF), .2bit, GenBank and EMBL through the data
-    stage's readers; a FASTA with an up-to-date samtools index only where the intervals lie."""
-    lengths: dict[str, int] = {}
-    bases: dict[str, RecordBases] = {}
-
-    def begin(path: Path, name: str) -> RecordBases | None:
-        if name in lengths:
-            raise VariantError(
-                f"{path}: record {name!r} is in the reference twice; record names must be unique"
-            )
-        intervals = wanted(name)
-        if intervals is None:
-            return None
-        bases[name] = RecordBases(intervals)
-        return bases[name]
-
-    for path in paths:
-        index, _ = region_index(path)
-        if index is not None:
-            fasta = IndexedFasta(path, index)
-            try:
-                for name, length in fasta.records():
-                    record = begin(path, name)
-                    lengths[name] = length
-                    if record is None:
-                        continue
-                    record.finish(length)
-                    for start, part in zip(record.starts, record.parts):
-                        offset = start
-                        for raw in fasta.bases(name, start, start + len(part), BLOCK_BYTES):
-                            piece = raw.translate(SCAN_BYTES)
-                            at = piece.find(INVALID_BYTE)
-                            if at >= 0:
-                                raise invalid_base(path, name, offset, at, chr(raw[at]))
-                            record.feed(offset, piece)
-                            offset += len(raw)
-            finally:
-                fasta.close()
-            continue
-        stream = open_stream(path, table=SCAN_BYTES)
-        name, offset, record = "", 0, None
-        for event in stream:
-            if isinstance(event, str):
-                if name:
-                    lengths[name] = offset
-                    if record is not None:
-                        record.finish(offset)
-                name, offset, record = event, 0, begin(path, event)
-                continue
-            if record is not None:
-                if stream.invalid is not None:
-                    raise invalid_base(path, name, offset, *stream.invalid)
-                record.feed(offset, event)
-            offset += len(event)
-        if name:
-            lengths[name] = offset
-            if record is not None:
-                record.finish(offset)
-    return lengths, bases
-
-
-# ------------------------------------------------------------------------------------------ contig names
-def contig_rule(contig: str) -> list[str]:
-    """Reference record names the VCF contig `contig` may be, in the order tried: itself; then with the
-    `chr` prefix added or removed (`20` <-> `chr20`); the mitochondrion's names (chrM, MT, M, chrMT) stand
-    for each other."""
-    names = [contig, contig[3:] if contig.startswith("chr") else f"chr{contig}"]
-    if contig in MITOCHONDRION:
-        names += [name for name in MITOCHONDRION if name not in names]
-    return [name for name in dict.fromkeys(names) if name]
-
-
-def read_contig_map(path: str | Path) -> dict[str, str]:
-    """A `contig_map=` file: one `VCF-contig record-name` pair per line (whitespace-separated; blank lines and
-    `#` comments skipped) -> {VCF contig: reference record}."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise VariantError(f"contig_map={path}: cannot read it ({exc.strerror}); check the path") from None
-    mapping: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
-            continue
-        if len(fields) != 2:
-            raise VariantError(
-                f"{path}, line {number}: {line.strip()!r} has {len(fields)} columns; give two per line: the "
-                "VCF's contig name and the reference's record name (e.g. '4 NC_004353.4')"
-            )
-        if fields[0] in mapping:
-            raise VariantError(f"{path}, line {number}: contig {fields[0]!r} is mapped twice; map it once")
-        mapping[fields[0]] = fields[1]
-    return mapping
-
-
-def describe_records(lengths: dict[str, int], most: int = 20) -> str:
-    """The reference's records with their lengths, the first `most` of them."""
-    items = [f"{name} ({length:,} bases)" for name, length in list(lengths.items())[:most]]
-    more = len(lengths) - most
-    return ", ".join(items) + (f" and {more:,} more" if more > 0 else "")
-
-
-# ------------------------------------------------------------------------------------------ the VCF
-@dataclass(frozen=True)
-class Allele:
-    """One ALT allele of a VCF record as read: its VCF line (1-based), record index and ALT index, CHROM,
-    POS (1-based), REF and ALT as written, and `status`: None to score, or why it is not scored."""
-
-    line: int
-    record: int
-    index: int
-    contig: str
-    pos: int
-    ref: str
-    alt: str
-    status: str | None = None
-
-    @property
-    def shared(self) -> int:
-        """Leading bases REF and ALT share (an indel's anchor base): context, not allele."""
-        n = 0
-        while n < min(len(self.ref), len(self.alt)) and self.ref[n].upper() == self.alt[n].upper():
-            n += 1
-        return n
-
-    @property
-    def start(self) -> int:
-        """0-based position of the first base that differs."""
-        return self.pos - 1 + self.shared
-
-    @property
-    def longer(self) -> int:
-        """Bases of the longer of the two alleles after the shared leading bases."""
-        return max(len(self.ref), len(self.alt)) - self.shared
-
-
-def is_symbolic(alt: str) -> bool:
-    """A symbolic ALT: `<DEL>`-style, the spanning deletion `*`, or a breakend (`G]17:198982]`, `.A`)."""
-    return (
-        alt.startswith("<")
-        or alt == "*"
-        or "[" in alt
-        or "]" in alt
-        or alt.startswith(".")
-        or alt.endswith(".")
-    )
-
-
-def codes_of(letters: str) -> np.ndarray:
-    """uint8 base codes of `letters` (IUPAC codes as N; INVALID for anything else)."""
-    return CODE_TABLE[np.frombuffer(letters.encode("ascii", errors="replace"), dtype=np.uint8)]
-
-
-def open_text(path: Path) -> BinaryIO:
-    """The VCF's lines as bytes, decompressed when it is gzip or BGZF."""
-    with open(path, "rb") as handle:
-        compressed = handle.read(2) == b"\x1f\x8b"
-    return igzip.open(path, "rb") if compressed else open(path, "rb")  # noqa: SIM115 - the caller closes it
-
-
-def decompressed_copy(path: Path) -> Path:
-    """A plain-text copy of the gzip file `path` in the temporary folder (DiskFull when it does not fit)."""
-    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".vcf")
-    copy = Path(name)
-    with space_checked(copy, 0, f"the decompressed copy of {path}"):
-        try:
-            with os.fdopen(handle, "wb") as out, open_text(path) as source:
-                shutil.copyfileobj(source, out, 8 << 20)
-        except BaseException:
-            copy.unlink(missing_ok=True)
-            raise
-    return copy
-
-
-def header_lines(path: Path) -> int:
-    """Lines of the VCF's header (the `##` lines and the `#CHROM` line): record i (0-based) is on line
-    header_lines + i + 1, as htslib refuses blank lines between records."""
-    count = 0
-    with open_text(path) as handle:
-        for line in handle:
-            count += 1
-            if not line.startswith(b"##"):
-                break
-    return count
-
-
-def line_text(path: Path, number: int) -> str:
-    """Line `number` (1-based) of the VCF, shortened to 200 characters."""
-    with open_text(path) as handle:
-        for i, line in enumerate(handle, 1):
-            if i == number:
-                text = line.decode(errors="replace").rstrip("\n")
-                return text if len(text) <= 200 else text[:200] + "..."
-    return "(past the end of the file)"
-
-
-def is_plain_gzip(path: Path) -> bool:
-    """Whether `path` is gzip but not BGZF (whose header carries the extra field "BC": htslib's own)."""
-    with open(path, "rb") as handle:
-        head = handle.read(14)
-    return head[:2] == b"\x1f\x8b" and not (head[3:4] == b"\x04" and head[12:14] == b"BC")
-
-
-def open_vcf(path: Path) -> pysam.VariantFile:
-    """The VCF (plain text, gzip, or bgzipped with or without its index) opened for reading, with INFO/END and
-    the output's INFO fields declared in its header: htslib writes a record with a symbolic allele only when
-    END is declared, and records read after the declarations can carry the scores. htslib cannot open plain
-    gzip (it seeks), so such a file is decompressed to a temporary file first (the records are read into
-    memory anyway), which is unlinked once opened."""
-    if not path.is_file():
-        raise VariantError(f"vcf={path}: no such file; give the VCF (.vcf or .vcf.gz) to score")
-    quiet = pysam.set_verbosity(0)  # htslib would report a bgzipped VCF's missing tabix index: none is needed
-    plain = None
-    try:
-        if is_plain_gzip(path):
-            plain = decompressed_copy(path)
-        vcf = pysam.VariantFile(str(plain or path))
-    except (OSError, ValueError, EOFError) as exc:
-        raise VariantError(
-            f"{path}: not a readable VCF ({exc}); check that it is a VCF with a #CHROM header line"
-        ) from None
-    finally:
-        pysam.set_verbosity(quiet)
-        if plain is not None:
-            plain.unlink(missing_ok=True)
-    header = vcf.header
-    if "END" not in header.info:
-        header.info.add("END", 1, "Integer", "End position of the variant described in this record")
-    for key, (number, kind, text) in INFO_FIELDS.items():
-        if key not in header.info:  # re-scoring an output of this command keeps its declarations
-            header.info.add(key, number, kind, text)
-    return vcf
-
-
-def read_vcf(path: Path, vcf: pysam.VariantFile) -> tuple[list[pysam.VariantRecord], list[Allele]]:
-    """Every record of `vcf` (read from `path`) and its ALT alleles; VariantError naming the line of a record
-    pysam cannot parse or with alleles that are no bases."""
-    first = header_lines(path) + 1
-    records: list[pysam.VariantRecord] = []
-    alleles: list[Allele] = []
-    iterator = iter(vcf)
-    while True:
-        line = first + len(records)
-        try:
-            rec = next(iterator)
-        except StopIteration:
-            break
-        except (OSError, ValueError) as exc:
-            raise VariantError(
-                f"{path}, line {line}: pysam cannot parse this record ({exc}): {line_text(path, line)!r}; "
-                "fix the line (tab-separated CHROM POS ID REF ALT QUAL FILTER INFO, declared in the header)"
-            ) from None
-        if rec.pos < 1:
-            raise VariantError(f"{path}, line {line}: POS {rec.pos}; positions are 1-based, give POS >= 1")
-        ref = rec.ref or ""
-        if not ref or (codes_of(ref) == INVALID).any():
-            raise VariantError(
-                f"{path}, line {line}: REF {ref!r} is not a sequence of bases; give REF in A C G T N"
-            )
-        index = len(records)
-        records.append(rec)
-        if not rec.alts:
-            alleles.append(Allele(line, index, 0, rec.contig, rec.pos, ref, ".", NO_ALT))
-            continue
-        for i, alt in enumerate(rec.alts):
-            if is_symbolic(alt):
-                status = SYMBOLIC
-            elif (codes_of(alt) == INVALID).any():
-                raise VariantError(
-                    f"{path}, line {line}: ALT {alt!r} is neither bases (A C G T N) nor a symbolic allele "
-                    "(<DEL>, *, a breakend); fix the record"
-                )
-            else:
-                status = None
-            alleles.append(Allele(line, index, i, rec.contig, rec.pos, ref, alt, status))
-    return records, alleles
 
 
 # ------------------------------------------------------------------------------------------ the windows

@@ -10,8 +10,8 @@ Context parallelism for the KDA and DSA layers:
 - `context`: `apply_context_parallel(model, group, kind)`, the CP forward of each KDA and DSA attention
   module;
 - `launch`: `launch(fn, world_size, ...)`, N local ranks (gloo on CPU, NCCL on CUDA) with failures and hangs
-  turned into errors in the parent (the Ray launcher runs the training loop, so it lives in
-  `genomelm.run.ray_launch`).
+  turned into errors in the parent (the Ray launcher, and the choice between them, live in the run core:
+  `genomelm.run.launchers`).
 The mesh and the rest of the split:
 - `mesh`: `ParallelDims(dp, cp, ep)` and the process groups / device meshes of a run (`Mesh`);
 - `expert`: `apply_expert_parallel(model, group)`, each rank's share of the routed experts (`ExpertShard`,

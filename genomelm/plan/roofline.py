@@ -149,7 +149,7 @@ NO_KERNEL = {
 CUSTOM_NAMESPACES = ("genomelm", "genomelm_simulation")
 FP8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 _ROOT = Path(__file__).resolve().parents[1]  # genomelm/
-_SKIPPED = {str(_ROOT / "plan" / name) for name in ("roofline.py", "trace.py")}
+_SKIPPED = {str(_ROOT / "plan" / name) for name in ("roofline.py", "trace.py", "recording.py")}
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,19 @@ FSDP2, stored in the run's precision, placed on the device), the `ContextParalle
 What the simulation cannot see, and what stands in for it:
 - values: fake tensors hold none; the routing is balanced (every expert receives its share), a loss or norm
   read returns a placeholder, the step is taken as finite; the evaluator's `.numpy()` of a loss read back to
-  the host gives zeros (`host_numpy`: the read-back itself, `.cpu()`, is recorded as the sync it is);
+  the host gives zeros (`stand_ins.host_numpy`: the read-back itself, `.cpu()`, is recorded as the sync it
+  is);
 - kernels: fla's and any Triton kernel cannot run on fake tensors. fla's `chunk_kda` (with and without its
   in-kernel gate) and `causal_conv1d` enter as custom ops with fake implementations (`fla_stand_in`, in
   `genomelm/plan/fla_stand_in.py`:
   outputs and final state of the right shapes and dtypes, fla's saved inputs, gradients of the inputs'
   shapes), so KDA takes the route it takes on a GPU (`auto` -> fla: the conv, the context-parallel summary
   and the delta rule on fla's kernels) whether or not fla is installed here;
-- FSDP2 (the evaluation only): its side streams and events need the CUDA runtime, so `fsdp_stand_in` gives
-  it streams that only keep their order (no timing; a host wait on one is recorded as a sync) and builds its
-  device meshes' rank tables as the host tensors they are. The training step's simulated mesh runs without
-  FSDP (`fsdp=false`: the replicated gradients' all-reduce stands in for its reduce-scatters), its FSDP2
-  collectives counted on gloo instead (tests/test_parallel_fsdp.py);
+- FSDP2 (the evaluation only): its side streams and events need the CUDA runtime, so
+  `stand_ins.fsdp_stand_in` gives it streams that only keep their order (no timing; a host wait on one is
+  recorded as a sync) and builds its device meshes' rank tables as the host tensors they are. The training
+  step's simulated mesh runs without FSDP (`fsdp=false`: the replicated gradients' all-reduce stands in for
+  its reduce-scatters), its FSDP2 collectives counted on gloo instead (tests/test_parallel_fsdp.py);
 - the evaluator's results gather (`all_gather_object` of pickled numpy arrays over the dp group, once per
   evaluation after the last window): it needs the values, so the simulated path stops right before it;
 - NCCL's timing, real overlap, kernel-internal behaviour and memory fragmentation.
@@ -39,13 +40,10 @@ What the simulation cannot see, and what stands in for it:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import sys
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,13 +60,16 @@ from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.simulation import (
     Collective,
     HostSync,
-    SimulationError,
     SimulationMode,
     check_ranks_agree,
-    source_line,
 )
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
 from genomelm.plan.fla_stand_in import fla_stand_in, replaced
+from genomelm.plan.stand_ins import (
+    fsdp_stand_in,
+    host_numpy,
+    until_results_gather,
+)
 from genomelm.plan.trace import reduced_layers, sub_config
 from genomelm.run import scoring
 from genomelm.run.config import TrainConfig
@@ -76,7 +77,6 @@ from genomelm.run.models import device_rows
 from genomelm.run.precision import fsdp_param_dtype
 from genomelm.run.scoring import (
     ScoringRun,
-    WindowShare,
     build_scoring_model,
     context_cut_tokens,
     score_windows,
@@ -342,7 +342,7 @@ def _simulate_eval_rank(
                 "simulated", 0, "simulated", start=0, end=seq, ids=ids, softmask=softmask, vocab=BUILTIN
             )
             phase[0] = "window"
-            with _until_results_gather():
+            with until_results_gather():
                 score_windows(
                     scorer,
                     [window],
@@ -380,146 +380,6 @@ def _scoring_model(
     model.eval()
     context = run.parallel.context if run.parallel is not None else None
     return (ContextParallelScorer(model, context) if context is not None else model), model
-
-
-class _Event:
-    """A CUDA event of the simulation (`torch.cuda.Event`): marks a point of its stream; waiting for it on
-    the host is a host sync, recorded."""
-
-    def __init__(self, mode: SimulationMode, *args: Any, **kwargs: Any) -> None:
-        self.mode = mode
-
-    def record(self, stream: _Stream | None = None) -> None:
-        """Marks the stream's queue here: nothing to do in one queue without timing."""
-
-    def wait(self, stream: _Stream | None = None) -> None:
-        """The stream's later work waits for this point: in one queue it does already."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        _record_wait(self.mode, "event synchronize")
-
-
-class _Stream:
-    """A CUDA stream of the simulation (`torch.cuda.Stream`, FSDP2's all-gather and reduce-scatter streams):
-    the simulation has one queue and no timing, so ordering one stream after another is already so; waiting
-    for it on the host is a host sync, recorded."""
-
-    def __init__(self, mode: SimulationMode, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        self.mode, self.priority = mode, priority
-
-    def wait_stream(self, stream: _Stream) -> None:
-        """Later work on this stream waits for `stream`'s: in one queue it does already."""
-
-    def wait_event(self, event: _Event) -> None:
-        """Later work on this stream waits for `event`: in one queue it does already."""
-
-    def record_event(self, event: _Event | None = None) -> _Event:
-        return event if event is not None else _Event(self.mode)
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        _record_wait(self.mode, "stream synchronize")
-
-
-def _record_wait(mode: SimulationMode, op: str) -> None:
-    mode.syncs.append(HostSync("stream wait", op, source_line(), mode.phase()))
-
-
-@contextmanager
-def fsdp_stand_in(mode: SimulationMode) -> Iterator[None]:
-    """FSDP2 on fake CUDA while inside: `torch.cuda`'s streams and events (FSDP2's side streams) are
-    `_Stream`s and `_Event`s of `mode` (the current one switched by `torch.cuda.stream`), and a device mesh
-    built from a process group (`DeviceMesh.from_group`: FSDP's meshes of its parameter groups) keeps its
-    rank table a real host tensor, as on a GPU machine: it is host bookkeeping, which a fake tensor (all
-    tensors are, inside `FakeTensorMode`) cannot index by value."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    current = [_Stream(mode)]
-
-    @contextmanager
-    def stream(selected: _Stream | None) -> Iterator[None]:
-        saved = current[0]
-        current[0] = selected if selected is not None else saved
-        try:
-            yield
-        finally:
-            current[0] = saved
-
-    original = DeviceMesh.from_group
-
-    def from_group(*args: Any, **kwargs: Any) -> DeviceMesh:
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
-
-    cuda = {
-        "Stream": functools.partial(_Stream, mode),
-        "Event": functools.partial(_Event, mode),
-        "current_stream": lambda device=None: current[0],
-        "stream": stream,
-    }
-    with ExitStack() as stack:
-        for name, value in cuda.items():
-            stack.enter_context(replaced(torch.cuda, name, value))
-        stack.enter_context(replaced(DeviceMesh, "from_group", staticmethod(from_group)))
-        yield
-
-
-@contextmanager
-def host_numpy() -> Iterator[None]:
-    """`.numpy()` of a fake host tensor while inside: zeros of its shape and dtype (fake tensors hold no
-    values; the copy to the host before it, `.cpu()`, is the sync the simulation records). A device tensor
-    is refused, as torch refuses it."""
-    import numpy as np
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-
-    original = torch.Tensor.numpy
-
-    def numpy(self: torch.Tensor, *, force: bool = False) -> np.ndarray:
-        if not isinstance(self, FakeTensor):
-            return original(self, force=force)
-        if self.device.type != "cpu":
-            raise TypeError(
-                f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
-                "tensor to host memory first."
-            )
-        with unset_fake_temporarily():
-            dtype = original(torch.empty(0, dtype=self.dtype)).dtype
-        return np.zeros(tuple(self.shape), dtype=dtype)
-
-    with replaced(torch.Tensor, "numpy", numpy):
-        yield
-
-
-class _ResultsGather(Exception):
-    """The evaluator's results gather was reached: where the simulated path ends."""
-
-
-@contextmanager
-def _until_results_gather() -> Iterator[None]:
-    """Runs the body up to `WindowShare.run`'s `all_gather_object` of the results (pickled numpy arrays:
-    values the simulation does not have), which ends it; an `all_gather_object` from anywhere else is
-    refused."""
-
-    def gather(*args: Any, **kwargs: Any) -> None:
-        caller = sys._getframe(1)
-        if caller.f_code is not WindowShare.run.__code__:
-            raise SimulationError(
-                f"all_gather_object at {caller.f_code.co_filename}:{caller.f_lineno}: it sends values the "
-                "simulation does not have"
-            )
-        raise _ResultsGather
-
-    with replaced(dist, "all_gather_object", gather):
-        try:
-            yield
-        except _ResultsGather:
-            pass
 
 
 def describe_simulation(
