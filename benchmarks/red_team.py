@@ -285,7 +285,7 @@ def signal_during_start_up(lab: Lab, launcher: str) -> Row:
 
     command.wait_until(starting)
     if launcher == "ray":
-        time.sleep(2.0)  # the workers are being set up
+        time.sleep(0.5)  # Ray is starting its node
         os.kill(command.process.pid, signal.SIGTERM)  # Ray's own processes are in sessions of their own
     else:
         command.signal_group(signal.SIGTERM)

@@ -11,10 +11,11 @@ ranks continue from the newest complete checkpoint (`resume=auto`; one a killed 
 temporary folder that is never read and is removed) with the same data order and RNG state, so the losses
 equal those of an uninterrupted run; scoring keeps no state and scores from the start.
 
-Signals stay the driver's: `fit` runs in a helper thread, so Ray Train installs no SIGINT handler of its own,
-and the driver's handlers go back in place after Ray's `init` replaced SIGTERM's. In training the first signal
-becomes the run's stop request (`genomelm.run.stop`), which the workers read from the run folder; a second
-one, or any signal while scoring, ends the driver at once and Ray is shut down.
+Signals stay the driver's from start to end. While Ray's `init` starts the node, a signal is held and acted
+on once it is up (`_StartingRay`: `init` would answer SIGTERM with SystemExit halfway, leaving its agents
+running); `fit` runs in a helper thread so Ray Train installs no SIGINT handler. In training the first signal
+becomes the run's stop request (`genomelm.run.stop`), which the workers read from the run folder before their
+first step; a second one, or any signal while scoring, ends the driver at once and Ray is shut down.
 
 `ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local
 Ray starts with no dashboard and no authentication, and stops when the run ends. The driver's working
@@ -37,7 +38,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 from genomelm.parallel.launch import STOP_SIGNALS, Interrupted
@@ -103,38 +104,39 @@ def run_with_ray(
     started_here = not ray.is_initialized()
     answer = _answer_path(config.run_dir)
     try:
-        if started_here:
-            _start_watched(config.parallel.ray_address)
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        workers = config.parallel.world
-        trainer = TorchTrainer(
-            _worker,
-            train_loop_config={
-                "call": (fn, (config, *args)),
-                "answer": str(answer),
-                "cwd": os.getcwd(),
-                "environment": _forwarded_environment(),
-            },
-            torch_config=TorchConfig(
-                backend="nccl" if use_gpu else "gloo",
-                timeout_s=math.ceil(config.parallel.collective_timeout_s),  # Ray takes whole seconds
-            ),
-            scaling_config=ScalingConfig(
-                num_workers=workers,
-                use_gpu=use_gpu,
-                resources_per_worker=_resources_per_worker(workers, use_gpu),
-            ),
-            run_config=RunConfig(
-                name=config.run,
-                storage_path=str(Path(config.runs_dir).resolve()),
-                failure_config=FailureConfig(max_failures=config.parallel.max_failures),
-            ),
-        )
-        try:
-            with _signals_while_fitting(signals):
-                _fit_in_thread(trainer)
-        except ray.train.TrainingFailedError as exc:
-            raise _rank_error(exc) from exc
+        with _signals_while_running(signals):
+            if started_here:
+                with _StartingRay(signals):
+                    start_ray(config.parallel.ray_address)
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+            workers = config.parallel.world
+            trainer = TorchTrainer(
+                _worker,
+                train_loop_config={
+                    "call": (fn, (config, *args)),
+                    "answer": str(answer),
+                    "cwd": os.getcwd(),
+                    "environment": _forwarded_environment(),
+                },
+                torch_config=TorchConfig(
+                    backend="nccl" if use_gpu else "gloo",
+                    timeout_s=math.ceil(config.parallel.collective_timeout_s),  # Ray takes whole seconds
+                ),
+                scaling_config=ScalingConfig(
+                    num_workers=workers,
+                    use_gpu=use_gpu,
+                    resources_per_worker=_resources_per_worker(workers, use_gpu),
+                ),
+                run_config=RunConfig(
+                    name=config.run,
+                    storage_path=str(Path(config.runs_dir).resolve()),
+                    failure_config=FailureConfig(max_failures=config.parallel.max_failures),
+                ),
+            )
+            try:
+                _InThread(trainer.fit, "ray-train-fit").wait()
+            except ray.train.TrainingFailedError as exc:
+                raise _rank_error(exc) from exc
         return _read_answer(answer)
     finally:
         shutil.rmtree(answer.parent, ignore_errors=True)
@@ -172,42 +174,72 @@ def _read_answer(answer: Path) -> Any:
         return pickle.load(handle)
 
 
-def _start_watched(address: str | None) -> None:
-    """`start_ray`, with the SIGTERM Ray's init answers by SystemExit(15) (its own handler, in place while it
-    starts) raised as `Interrupted`."""
-    try:
-        start_ray(address)
-    except SystemExit as exc:
-        if exc.code == signal.SIGTERM:
-            raise Interrupted(signal.SIGTERM) from None
-        raise
+class _StartingRay:
+    """`with _StartingRay(signals): ray.init(...)`: SIGTERM and SIGINT are held while Ray starts its node,
+    then acted on as `signals` would (or as `Interrupted` without them). Ray's `init` would put in a handler
+    that exits mid-start; replacing Ray's private `set_sigterm_handler` for the call is the one way to keep
+    ours, since Ray starts its processes from the calling thread and they die with it (a prctl death
+    signal), so `init` cannot run in a helper thread."""
+
+    def __init__(self, signals: StopSignals | None) -> None:
+        self.signals = signals
+        self.held: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> None:
+        import ray._private.utils
+
+        self._ray_setter = ray._private.utils.set_sigterm_handler
+        ray._private.utils.set_sigterm_handler = lambda handler: None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._hold) for sig in STOP_SIGNALS}
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        self.held.append(signum)
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        import ray._private.utils
+
+        ray._private.utils.set_sigterm_handler = self._ray_setter
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if error is not None:
+            return
+        for signum in self.held:
+            if self.signals is None:
+                raise Interrupted(signum)
+            self.signals.handle(signum)
 
 
-def _fit_in_thread(trainer: Any) -> Any:
-    """`trainer.fit()` in a helper thread while the main thread waits: the main thread keeps the signal
-    handlers in place (Ray Train installs its own SIGINT handler when fit runs in the main thread), and an
-    exception a handler raises ends the wait at once (Ray is then shut down by the caller)."""
-    outcome: dict[str, Any] = {}
+class _InThread:
+    """`call()` in a helper thread while the main thread waits in short joins (`wait`): the main thread keeps
+    the signal handlers in place (Ray Train installs its own SIGINT handler when `fit` runs in the main
+    thread), and an exception a handler raises ends the wait within 0.2 s. `call`'s own exception is raised
+    by `wait`."""
 
-    def fit() -> None:
+    def __init__(self, call: Callable[[], Any], name: str) -> None:
+        self.outcome: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
+
+    def _run(self, call: Callable[[], Any]) -> None:
         try:
-            outcome["result"] = trainer.fit()
+            self.outcome["result"] = call()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
-            outcome["error"] = exc
+            self.outcome["error"] = exc
 
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.2)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+    def wait(self) -> Any:
+        self.thread.start()
+        while self.thread.is_alive():
+            self.thread.join(0.2)
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        return self.outcome["result"]
 
 
 @contextmanager
-def _signals_while_fitting(signals: StopSignals | None) -> Iterator[None]:
-    """While Ray runs the workers: `signals` in place of the SIGTERM handler Ray's `init` installed; without
-    them a SIGTERM or SIGINT to the driver ends it at once (`Interrupted`)."""
+def _signals_while_running(signals: StopSignals | None) -> Iterator[None]:
+    """While Ray starts and runs the workers: `signals` in place; without them a SIGTERM or SIGINT to the
+    driver ends it at once (`Interrupted`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -103,10 +103,14 @@ class StopSignals:
             _received_here[self.run_dir.resolve()] = self.received
             request_stop(self.run_dir, self.received)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def handle(self, signum: int) -> None:
+        """A signal's effect: the first is the stop request, a second ends the run at once (`Interrupted`)."""
         if self.received is not None:
             raise Interrupted(signum)
         self.request(signum)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.handle(signum)
 
 
 class StopCheck:
