@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
         epilog="Run settings as key=value (gpus=64 gpu=b200 dp= cp= ep= optimizer_offload=true search=true "
         "stage=eval); "
         "assumptions: mfu, tflops, nvlink_gbs, ib_gbs, pcie_gbs, gpus_per_node, host_gib, imbalance, "
-        "trace_tokens (README: the settings table).",
+        "trace_tokens (docs/settings.md).",
     )
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value settings")

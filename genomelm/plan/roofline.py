@@ -195,7 +195,7 @@ def peaks(gpu: str, nvlink_gbs: float = 0.0, ib_gbs: float = 0.0, gpus_per_node:
 
 
 def rules_table() -> str:
-    """`RULES` as a markdown table (the README's)."""
+    """`RULES` as a markdown table (docs/planner.md's)."""
     rows = ["| rule | B200 | H200 | H100 | unit | source |", "|---|---|---|---|---|---|"]
     rows += [f"| {r} | {b:g} | {h2:g} | {h1:g} | {u} | {s} |" for r, b, h2, h1, u, s in RULES]
     return "\n".join(rows)

@@ -543,8 +543,8 @@ def _flat_key(key: str, source: Path | None) -> str:
         return name
     where = f"{source}: " if source is not None else ""
     raise ValueError(
-        f"{where}unknown run setting {key!r}; known: {sorted(_DEFAULTS)} (flat, or dotted as group.name; the "
-        "README's settings table lists them)"
+        f"{where}unknown run setting {key!r}; known: {sorted(_DEFAULTS)} (flat, or dotted as group.name; "
+        "docs/settings.md lists them)"
     )
 
 

@@ -1,7 +1,7 @@
 """How a command ends when something fails: one line saying what and where, an exit status, and the details
 (tracebacks, a rank's traceback, stuck ranks' stacks) kept in the run folder.
 
-Exit statuses (the README's "When things go wrong"):
+Exit statuses (docs/reliability.md):
 
 | status | meaning |
 |---|---|
