@@ -79,7 +79,7 @@ demo: $(STAMP)
 	$(CPU_MALLOC) $(BIN)/genomelm eval $(DEMO_CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff==$(RUFF_VERSION)

@@ -181,7 +181,7 @@ def check(model: str, tokens: int, repeats: int = 3) -> Check:
     run = TrainConfig.from_args([f"model={model}", f"seq={tokens}", "offload=false", *CPU_PATHS])
     config = ModelConfig.preset(model)
     trace = trace_step(run, config, tokens, fake=True)
-    launch = eager_op_seconds(model)
+    launch = eager_op_seconds(model, repeats=repeats)
     predicted, measured, classes = [], [], []
     with real_step(run, config, tokens) as step:
         step()

@@ -7,6 +7,11 @@ import os
 # The Triton kernels' tests run them on CPU tensors in Triton's interpreter, which is chosen when triton is
 # first imported: so before the imports below (torch._dynamo, via genomelm.train, imports triton)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test` runs a worker per core) each worker takes its share of the cores, so that
+# torch's thread pools do not oversubscribe them; the ranks a test launches take theirs from this share too.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _cores = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores)))
 
 from pathlib import Path  # noqa: E402
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from data_fixtures import fly_windows
+from local_ray import one_local_ray
 
 from genomelm.run.config import TrainConfig
 
@@ -35,6 +36,13 @@ def time_limit() -> Iterator[None]:
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_turn() -> Iterator[None]:
+    """The module's tests run the only local Ray on this machine (`one_local_ray`)."""
+    with one_local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,7 @@ def test_cpu_roofline_benchmark_reports_predicted_and_measured_steps():
     one)."""
     cases = ["tiny:4k", "small:4k"]
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "roofline_cpu.py"), "--only", *cases],
+        [sys.executable, str(ROOT / "benchmarks" / "roofline_cpu.py"), "--repeats", "1", "--only", *cases],
         capture_output=True,
         text=True,
         timeout=900,
