@@ -3,6 +3,7 @@ or regions (`genomelm.eval.embed`), written to safetensors with their coordinate
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from genomelm.eval.embed import (
     prepare_request,
     write_embeddings,
 )
+from genomelm.parallel.launch import is_output_rank
 from genomelm.run.config import TrainConfig
 from genomelm.run.failures import report_failure
+from genomelm.run.launchers import on_rank_zero
 from genomelm.run.models import model_pair
 
 PROG = "genomelm embed"
@@ -31,14 +34,16 @@ def embed(config: TrainConfig, model: str, role: str) -> tuple[Request, dict[str
     request = prepare_request(config, model, role)
     folder = config.results_path / SET
     if config.embed.embed_pool == "base":
-        request = create_part(folder, config, request)
+        request = on_rank_zero(config, functools.partial(create_part, folder, config, request))
     try:
         # the context cut is eval's: nothing here scores it, so its window length is not checked
         result = run_scoring(embed_on_rank, config.replace(context_cut=False), request)
+        if not is_output_rank():  # launcher=env: rank 0 writes the set
+            return request, {}
         print(f"  {result['seconds']:.1f} s", flush=True)
         paths = write_embeddings(folder, config, request, result["embedding"])
     finally:
-        if request.part is not None:
+        if request.part is not None and is_output_rank():
             Path(request.part).unlink(missing_ok=True)  # moved into the set, or a failed run's
     return request, paths
 
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         request, paths = embed(config, model, role)
     except Exception as exc:  # noqa: BLE001 - every failure is one line with its exit status
         return report_failure(PROG, exc)
+    if not paths:  # launcher=env, a rank other than 0
+        return 0
     pool = config.embed.embed_pool
     what = (
         f"[{len(request.items)}, {request.width}]"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from genomelm.eval.evaluate import check_context_cut
 from genomelm.eval.report import WriteError
+from genomelm.parallel.launch import is_output_rank
 from genomelm.plan.check import check_fits
 from genomelm.run.config import TrainConfig
 from genomelm.run.failures import report_failure
@@ -41,7 +42,9 @@ def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: object) 
 def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -> int:
     """Print the result table, `write()` the result's files, then print where its JSON, CSV and figure went:
     0. When the write fails (WriteError: disk full, no permission) the table is printed all the same and the
-    error as one line `prog: ...` on stderr: 1."""
+    error as one line `prog: ...` on stderr: 1. Under launcher=env only rank 0 writes (the others: 0)."""
+    if not is_output_rank():
+        return 0
     print()
     print(table)
     try:

@@ -16,6 +16,7 @@ from genomelm.eval.tracks import (
     track_config,
     write_tracks,
 )
+from genomelm.parallel.launch import is_output_rank
 from genomelm.run.config import TrainConfig
 from genomelm.run.failures import report_failure
 from genomelm.run.launchers import check_mesh
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_scoring(track_config, config.replace(context_cut=False), before, after, plan)
     except Exception as exc:  # noqa: BLE001 - every failure is one line with its exit status
         return report_failure(PROG, exc)
+    if not is_output_rank():  # launcher=env: rank 0 writes the results
+        return 0
     print()
     print(format_track_table(result))
     folder = config.results_path / "tracks"

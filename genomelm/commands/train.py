@@ -10,10 +10,11 @@ from genomelm.data import DataError
 from genomelm.parallel.launch import Interrupted
 from genomelm.plan.check import check_fits, describe_run
 from genomelm.run.config import TrainConfig
+from genomelm.run.env_launch import held_by_rank_zero, join_group
 from genomelm.run.failures import report_failure
 from genomelm.run.launchers import check_layout, needs_plan, on_ranks
 from genomelm.run.lock import RunLock
-from genomelm.run.stop import StopSignals, stop_exit_code
+from genomelm.run.stop import RankStopSignals, StopSignals, stop_exit_code
 from genomelm.train.loop import train
 
 PROG = "genomelm train"
@@ -88,12 +89,23 @@ def launch_training(config: TrainConfig) -> dict:
     workers (`genomelm.run.launchers`). The layout is checked first, so a refused one writes nothing; a run
     meant for GPUs is planned and refused if it cannot fit; then this process holds the run folder's lock
     (`RunLock`) and turns signals into the run's stop request (`StopSignals`) throughout; the ranks do
-    neither."""
+    neither. Under launcher=env this process is one of the ranks: each takes the signals itself
+    (`RankStopSignals`) and rank 0 holds the lock and plans (`genomelm.run.env_launch`)."""
     check_layout(config)
+    if config.parallel.launcher == "env":
+        with RankStopSignals(config.run_dir):
+            join_group(config)
+            with held_by_rank_zero(config.run_dir, first=lambda: _plan(config)):
+                return on_ranks(train_on_rank, config)
     with RunLock(config.run_dir), StopSignals(config.run_dir) as signals:
-        if needs_plan(config):
-            check_fits(config)
+        _plan(config)
         return on_ranks(train_on_rank, config, signals=signals)
+
+
+def _plan(config: TrainConfig) -> None:
+    """Refuse a run meant for GPUs that the planner says cannot fit (`check_fits`)."""
+    if needs_plan(config):
+        check_fits(config)
 
 
 def train_on_rank(config: TrainConfig) -> dict:

@@ -17,6 +17,7 @@ from genomelm.eval.variants import (
     window_tokens,
     write_variant_outputs,
 )
+from genomelm.parallel.launch import is_output_rank
 from genomelm.run.config import TrainConfig
 from genomelm.run.failures import report_failure
 from genomelm.run.models import model_pair
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             scores = allele_scores(run_scoring(score_variants, scoring, variants.plan, before, after))
     except Exception as exc:  # noqa: BLE001 - every failure is one line with its exit status
         return report_failure(PROG, exc)
+    if not is_output_rank():  # launcher=env: rank 0 writes the results
+        return 0
     rows = result_rows(variants, scores)
     print()
     print(summary(variants, rows))

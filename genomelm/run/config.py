@@ -47,7 +47,7 @@ from genomelm.parallel.mesh import ParallelDims
 from genomelm.run.precision import PRECISIONS
 
 CP_LAYOUTS = ("zigzag", "contiguous")
-LAUNCHERS = ("local", "ray")
+LAUNCHERS = ("local", "ray", "env")
 WANDB_MODES = ("offline", "online", "disabled")
 GPU_KINDS = ("b200", "h200")
 PLAN_DEVICES = ("auto", "cpu", "cuda")
@@ -151,7 +151,9 @@ class ParallelConfig:
     fsdp: bool = True  # with more than one process: FSDP2 shards parameters, gradients and optimizer state
     optimizer_offload: bool = False  # AdamW state and fp32 master weights in host memory (FSDP2, GPUs only)
     ep_capacity_factor: float = 8.0  # refuse an MoE exchange giving a rank more than this x the mean tokens
-    launcher: str = "local"  # "local" (processes on this machine) or "ray" (Ray Train workers)
+    # "local" (processes on this machine), "ray" (Ray Train workers) or "env" (torchrun or srun started
+    # this process as one rank: `genomelm.run.env_launch`)
+    launcher: str = "local"
     ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://host:10001"); none: a local Ray
     max_failures: int = 0  # worker failures Ray restarts the group after (from the last checkpoint)
     collective_timeout_s: float = 600.0  # a collective waiting this long fails its rank (stuck/dead peer)

@@ -4,7 +4,10 @@ and returns rank 0's result, whatever launches it:
 - one process (dp * cp = 1, launcher=local): here;
 - dp * cp local processes (`genomelm.parallel.launch`: gloo on the CPU, NCCL with one GPU each);
 - dp * cp Ray Train workers (launcher=ray, `genomelm.run.ray_launch`), here or on the cluster at
-  `ray_address`.
+  `ray_address`;
+- this process as one of dp * cp ranks that torchrun or srun started (launcher=env,
+  `genomelm.run.env_launch`): `fn` runs here on the group's mesh and this rank's result is returned (the
+  commands write outputs on rank 0 only, `is_output_rank`).
 
 Before any process starts, `check_layout` refuses a layout the model or the windows cannot split
 (`check_mesh`), so a refused run writes nothing. Training and every scoring command go through here; each
@@ -28,6 +31,7 @@ from genomelm.parallel.launch import launch
 from genomelm.parallel.layout import ContextLayout
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.run.config import TrainConfig
+from genomelm.run.env_launch import from_rank_zero, join_group
 from genomelm.run.models import model_config_of, run_device
 from genomelm.run.ray_launch import run_with_ray
 from genomelm.run.stop import StopSignals
@@ -90,6 +94,11 @@ def on_ranks(
     (`Interrupted`)."""
     if config.parallel.launcher == "ray":
         return run_with_ray(_on_rank, config, fn, *args, signals=signals)
+    if config.parallel.launcher == "env":
+        join_group(config)
+        result = _on_rank(config, fn, *args)
+        dist.barrier()  # every rank is done (its rows, its shards written), as a launcher waits for all
+        return result
     ranks = config.parallel.world
     if ranks == 1:
         return fn(config, *args)
@@ -109,6 +118,15 @@ def on_ranks(
         collective_timeout_s=config.parallel.collective_timeout_s,
         on_signal=signals.request if signals is not None else None,
     )[0]
+
+
+def on_rank_zero(config: TrainConfig, make: Callable[[], Any]) -> Any:
+    """`make()` here (it prepares what the ranks share, e.g. an output file they fill); under launcher=env
+    on rank 0 alone, its value (or its error) given to every rank."""
+    if config.parallel.launcher != "env":
+        return make()
+    join_group(config)
+    return from_rank_zero(make)
 
 
 def _on_rank(config: TrainConfig, fn: Callable[..., Any], *args: Any) -> Any:

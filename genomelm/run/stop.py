@@ -13,6 +13,9 @@ SIGINT), as shells and torchelastic report it.
 A second signal ends the run at once (`Interrupted`, the same exit status): the one process raises it where
 it is, the local launcher kills its ranks, the Ray driver shuts its workers down. The lock holder removes the
 request file when it starts and when it ends; ranks never do, so a request made while they start is kept.
+
+Under launcher=env (torchrun or srun started every rank) there is no process above the ranks: each rank takes
+SIGTERM, SIGINT and SIGUSR1 itself (`RankStopSignals`; 138 after SIGUSR1) and the same all-reduce agrees.
 """
 
 from __future__ import annotations
@@ -52,8 +55,13 @@ def request_stop(run_dir: Path, reason: str) -> None:
 
 def clear_stop(run_dir: Path) -> None:
     """Forget a stop request (the lock holder, as a run starts and once it has ended)."""
-    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+    clear_stop_file(run_dir)
     _received_here.pop(Path(run_dir).resolve(), None)
+
+
+def clear_stop_file(run_dir: Path) -> None:
+    """Remove the request file an earlier run left, keeping a signal this process already received."""
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
 
 
 def stop_requested(run_dir: Path) -> str | None:
@@ -132,3 +140,33 @@ class StopCheck:
         if flag.item() > 0 and self.received is None:  # another rank saw it first
             self.received = stop_requested(self.run_dir) or "a stop request"
         return bool(flag.item() > 0)
+
+
+class RankStopSignals:
+    """`with RankStopSignals(run_dir):` on every rank of a `launcher=env` run, from before its rendezvous to
+    its end. There each rank gets the signal itself (torchrun forwards it to every worker, Slurm signals every
+    task), so there is no lock holder to relay it: each SIGTERM, SIGINT or SIGUSR1 (what `sbatch
+    --signal=USR1@<s>` sends before the time limit) records the run's stop request in this process, and
+    `StopCheck`'s all-reduce tells the other ranks. A repeat is the same request (under Slurm a task gets one
+    from Slurm and one from torchrun): the launcher owns the deadline (torchrun's --shutdown-timeout, Slurm's
+    KillWait) and ends a rank that misses it with SIGKILL."""
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> RankStopSignals:
+        _received_here.pop(self.run_dir, None)
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        _received_here.pop(self.run_dir, None)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        _received_here.setdefault(self.run_dir, signal.Signals(signum).name)
