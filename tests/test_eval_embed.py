@@ -243,19 +243,25 @@ def test_a_region_of_an_all_n_stretch_is_refused_for_mean_pooling(run: dict, tmp
 @pytest.mark.slow
 def test_cp2_and_dp2_equal_one_process(run: dict, tmp_path: Path) -> None:
     """A region of 3 windows, per base: at cp=2 a cp group's rank 0 receives each window's states; at dp=2 two
-    replicas write their windows into the one file. Both as one process, through `genomelm embed`'s own
-    launch (each in a fresh interpreter, as `make embed` runs it)."""
+    replicas write their windows into the one file, also as ranks torchrun started. All as one process,
+    through `genomelm embed`'s own launch (each in a fresh interpreter, as `make embed` runs it)."""
     region = f"region={DMEL_RECORD}:100001-101300"
     results = {}
-    for name, mesh in (("one", []), ("cp2", ["cp=2"]), ("dp2", ["dp=2"])):
-        command = [sys.executable, "-m", "genomelm.cli", "embed", *run["settings"], region, "embed_pool=base"]
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2"]
+    for name, launch, mesh in (
+        ("one", [sys.executable], []),
+        ("cp2", [sys.executable], ["cp=2"]),
+        ("dp2", [sys.executable], ["dp=2"]),
+        ("torchrun-dp2", torchrun, ["dp=2", "launcher=env"]),  # rank 0 lays the file out for both
+    ):
+        command = [*launch, "-m", "genomelm.cli", "embed", *run["settings"], region, "embed_pool=base"]
         command += [f"results_dir={tmp_path / name}", *mesh]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr
         results[name] = read(tmp_path / name / "r" / "embeddings")
     one = results["one"][0]["embedding.0"]
     assert one.shape == (1300, 32)
-    for name in ("cp2", "dp2"):
+    for name in ("cp2", "dp2", "torchrun-dp2"):
         tensors, _, items = results[name]
         assert items == results["one"][2]
         torch.testing.assert_close(tensors["embedding.0"], one, rtol=1e-5, atol=1e-5)
