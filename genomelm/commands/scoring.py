@@ -11,7 +11,6 @@ from pathlib import Path
 from genomelm.eval.evaluate import check_context_cut
 from genomelm.eval.report import WriteError
 from genomelm.parallel.launch import is_output_rank
-from genomelm.plan.check import check_fits
 from genomelm.run.config import TrainConfig
 from genomelm.run.failures import report_failure
 from genomelm.run.launchers import check_mesh, needs_plan, on_ranks
@@ -35,6 +34,8 @@ def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: object) 
     check_mesh(config, [config.seq_len])  # dp x cp x ep against the model, windows the cp ranks can split
     check_context_cut(config)
     if needs_plan(config):
+        from genomelm.plan.check import check_fits  # imported when needed: it brings the torch compiler
+
         check_fits(config.replace(stage="eval"))
     return on_ranks(score, config, *args)
 

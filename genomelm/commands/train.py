@@ -8,7 +8,6 @@ import sys
 
 from genomelm.data import DataError
 from genomelm.parallel.launch import Interrupted
-from genomelm.plan.check import check_fits, describe_run
 from genomelm.run.config import TrainConfig
 from genomelm.run.env_launch import held_by_rank_zero, join_group
 from genomelm.run.failures import report_failure
@@ -36,6 +35,8 @@ def main(argv: list[str]) -> int:
     try:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
         if config.dry_run:
+            from genomelm.plan.check import describe_run  # see `_plan`
+
             print(describe_run(config))
             return 0
     except Exception as exc:  # noqa: BLE001 - every failure is reported as one line with its exit status
@@ -105,6 +106,10 @@ def launch_training(config: TrainConfig) -> dict:
 def _plan(config: TrainConfig) -> None:
     """Refuse a run meant for GPUs that the planner says cannot fit (`check_fits`)."""
     if needs_plan(config):
+        # imported here: the planner brings the torch compiler stack (~2 s), and every rank of a launch
+        # imports this module to unpickle `train_on_rank`
+        from genomelm.plan.check import check_fits
+
         check_fits(config)
 
 
