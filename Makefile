@@ -38,10 +38,12 @@ OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
 
 .PHONY: install data train eval-buckets probe track variants embed demo test lint clean
 
+# The install filters one note setuptools prints on every editable install of a flat layout (genomelm/ at
+# the top): that same-named folders in the working directory could shadow the package; nothing here does.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	PYTHONWARNINGS='ignore:Editable installation:UserWarning' $(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
