@@ -158,7 +158,7 @@ def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
         command.launch_training(
             TrainConfig.load(None, ["model=tiny", "launcher=ray", "max_failures=1", "resume=never"])
         )
-    with pytest.raises(ValueError, match="launcher must be one of local, ray, not 'slurm'"):
+    with pytest.raises(ValueError, match="launcher must be one of local, ray, env, not 'slurm'"):
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=slurm"]))
     with pytest.raises(ValueError, match="multiple of 384 tokens"):  # the cp checks run first too
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "seq=16k", "cp=3"]))
