@@ -103,7 +103,7 @@ def check(tokens: int, device: torch.device, smoke: bool = False) -> dict:
     (or its resource error) in `tiles`."""
     from triton.runtime.errors import OutOfResources
 
-    from genomelm.model import dsa_triton
+    from genomelm.model import dsa_triton_common as tiling
     from genomelm.model.dsa_triton import sparse_mla
 
     config = ModelConfig.preset("glm-5.3-flash")
@@ -168,11 +168,11 @@ def check(tokens: int, device: torch.device, smoke: bool = False) -> dict:
     if device.type != "cuda":
         return measure()
     rows, tried = [], {}
-    defaults = dsa_triton.FORWARD_TILES, dsa_triton.BACKWARD_TILES
+    defaults = tiling.FORWARD_TILES, tiling.BACKWARD_TILES
     try:
-        for forward, backward in TILE_CANDIDATES:
-            dsa_triton.FORWARD_TILES = dsa_triton.Tiles(*forward)
-            dsa_triton.BACKWARD_TILES = dsa_triton.Tiles(*backward)
+        for forward, backward in TILE_CANDIDATES:  # `tiles()` reads them at each launch
+            tiling.FORWARD_TILES = tiling.Tiles(*forward)
+            tiling.BACKWARD_TILES = tiling.Tiles(*backward)
             key = f"forward {forward}, backward {backward}"
             try:
                 rows.append(measure() | {"tiles": key})
@@ -180,7 +180,7 @@ def check(tokens: int, device: torch.device, smoke: bool = False) -> dict:
             except OutOfResources as error:
                 tried[key] = str(error)
     finally:
-        dsa_triton.FORWARD_TILES, dsa_triton.BACKWARD_TILES = defaults
+        tiling.FORWARD_TILES, tiling.BACKWARD_TILES = defaults
     if not rows:
         raise RuntimeError(f"no tile configuration ran: {tried}")
     best = min(rows, key=lambda row: (not row["ok"], row["kernel_ms"]))
@@ -200,10 +200,12 @@ def compile_report(capability: int = 90) -> list[dict]:
     from triton.compiler import ASTSource
 
     from genomelm.model import dsa_triton as k
+    from genomelm.model import dsa_triton_common as tiling
+    from genomelm.model import dsa_triton_mass as mass
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise ValueError("--compile-only compiles for a GPU: unset TRITON_INTERPRET")
-    forward, backward = k.FORWARD_TILES, k.BACKWARD_TILES
+    forward, backward = tiling.FORWARD_TILES, tiling.BACKWARD_TILES
     common = {"pools_ptr": "*i32", "positions_ptr": "*i64", "lse_ptr": "*fp32", "mass_ptr": "*fp32"}
     common |= {"grad_latent_ptr": "*fp32", "parts_ptr": "*fp32", "order_ptr": "*i64", "offsets_ptr": "*i64"}
     common |= {"qk_scale": "fp32", "scaling": "fp32", "stride_qb": "i64"}
@@ -212,7 +214,7 @@ def compile_report(capability: int = 90) -> list[dict]:
         ("forward", k._fwd_kernel, forward, {}),
         ("backward", k._bwd_kernel, backward, {"DETERMINISTIC": False}),
         ("backward, deterministic", k._bwd_kernel, backward, {"DETERMINISTIC": True}),
-        ("pool mass", k._pool_mass_kernel, forward, {}),
+        ("pool mass", mass._pool_mass_kernel, forward, {}),
         ("fixed-order reduction", k._reduce_rows_kernel, forward, {}),
     ]
     cuobjdump = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"

@@ -14,8 +14,8 @@ the deterministic mode's reduction:
   block, slot) and reduced per latent row in a fixed order (a second kernel over a stable sort of the slot
   tokens: for tests and bit-reproducible runs; its buffer is [B*n*head_blocks, W, L] fp32, far too big at
   full size).
-- pool mass (`train_indexer`'s KL term): a pass after the forward with the final log-sum-exp, summing p over
-  the heads and over each selected pool's kpool slots -> [B, n, K] fp32.
+- pool mass (`train_indexer`'s KL term): `genomelm.model.dsa_triton_mass`, a pass after the forward with
+  the final log-sum-exp. Shared tiles, checks and the slot rule: `genomelm.model.dsa_triton_common`.
 The dots take the inputs' dtype with fp32 accumulation (fp32 inputs: full fp32, not TF32). A query with no
 slot at all, which the indexer never yields (every query sees its tail or a complete pool), gets out_lat 0
 and lse -inf where the torch path would average the rows its empty slots clamp to.
@@ -43,7 +43,6 @@ interpreter (`TRITON_INTERPRET=1`, CPU tensors) the kernels run with `INTERPRETE
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,138 +50,28 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from genomelm.model.backends import triton_interpreted
+from genomelm.model.dsa_triton_common import (
+    BACKWARD_TILES,
+    LOG2E,
+    check_deterministic,
+    check_inputs,
+    check_pool_mass,
+    contiguous_rows,
+    dot_precision,
+    gathered_bytes,
+    head_block,
+    pair_count,
+    slot_count,
+    slot_tokens,
+    tiles,
+)
+from genomelm.model.dsa_triton_mass import sparse_mla_pool_mass
 from genomelm.model.indexer import Selection
 
-MAX_LATENT = 512  # latent width a program holds whole ([heads, L] fp32 accumulators in registers)
-MAX_DETERMINISTIC_BYTES = 4 * 2**30  # the deterministic backward's per-slot parts: a test-size mode
-LOG2E = math.log2(math.e)
-_LOG2E = tl.constexpr(LOG2E)  # the same, readable inside the kernels
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """One launch configuration: heads per program (the dots' M, at least 16), slots per tile (at least 16),
-    warps and software-pipelining stages."""
-
-    block_h: int
-    block_w: int
-    num_warps: int
-    num_stages: int
-
-
-# GPU tiles, not yet timed on a GPU, chosen by compiling ahead of time for sm_90 (no GPU needed:
-# `benchmarks/kernel_dsa.py --compile-only`) as the largest without register spills at latent 512, bf16:
-# forward ~140 registers a thread and 66 KiB shared, backward ~254 and 96 KiB. 64 heads a program spills
-# (forward) or needs 288 KiB of shared memory (backward, over the H200's 227 KiB).
-FORWARD_TILES = Tiles(block_h=32, block_w=32, num_warps=8, num_stages=2)
-BACKWARD_TILES = Tiles(block_h=32, block_w=16, num_warps=8, num_stages=1)
-INTERPRETER_TILES = Tiles(block_h=16, block_w=16, num_warps=4, num_stages=1)
-
-
-def tiles(backward: bool = False) -> Tiles:
-    """The launch configuration for the current mode (interpreter or GPU)."""
-    if triton_interpreted():
-        return INTERPRETER_TILES
-    return BACKWARD_TILES if backward else FORWARD_TILES
-
-
-def slot_count(pools_per_query: int, kpool: int, select_tail: bool) -> int:
-    """W: slots per query, K * kpool pool tokens plus the kpool - 1 tail tokens when `select_tail`."""
-    return pools_per_query * kpool + (kpool - 1 if select_tail and kpool > 1 else 0)
-
-
-def check_inputs(q_lat: Tensor, latent: Tensor, pools: Tensor, positions: Tensor) -> None:
-    """Raise ValueError naming the shape or dtype the kernels cannot take."""
-    if q_lat.dim() != 4 or latent.dim() != 3:
-        raise ValueError(
-            f"sparse MLA kernel takes q_lat [B, n, H, L] and latent [B, S, L], got {tuple(q_lat.shape)} and "
-            f"{tuple(latent.shape)}"
-        )
-    batch, queries, _, width = q_lat.shape
-    if latent.shape[0] != batch or latent.shape[2] != width:
-        raise ValueError(f"latent {tuple(latent.shape)} does not match q_lat {tuple(q_lat.shape)}")
-    if width > MAX_LATENT:
-        raise ValueError(
-            f"sparse MLA kernel holds the latent row whole: latent width L={width} > {MAX_LATENT}; use "
-            "dsa_backend='sparse'"
-        )
-    if q_lat.dtype != latent.dtype or q_lat.dtype not in KERNEL_DTYPES:
-        raise ValueError(
-            f"sparse MLA kernel takes q_lat and latent in one of {KERNEL_DTYPES}, got {q_lat.dtype} and "
-            f"{latent.dtype}; use dsa_backend='sparse'"
-        )
-    if pools.shape[:2] != (batch, queries) or positions.shape != (queries,):
-        raise ValueError(
-            f"selection pools {tuple(pools.shape)} / positions {tuple(positions.shape)} do not match "
-            f"{queries} queries in {batch} rows"
-        )
-
-
-def check_pool_mass(kpool: int) -> None:
-    """Raise ValueError unless the pool-mass kernel can sum whole pools of `kpool` slots per tile."""
-    block_w = tiles().block_w
-    if kpool > block_w or kpool & (kpool - 1):
-        raise ValueError(
-            f"sparse MLA pool mass sums whole pools in slot tiles of {block_w}: kpool={kpool} must be a "
-            "power of two no larger; use dsa_backend='sparse'"
-        )
-
-
-def deterministic_bytes(q_lat: Tensor, pools_per_query: int, kpool: int, select_tail: bool) -> int:
-    """Bytes of the deterministic backward's per-slot parts: [B*n*head_blocks, W padded, L] fp32."""
-    batch, queries, heads, width = q_lat.shape
-    tile = tiles(backward=True)
-    padded = triton.cdiv(slot_count(pools_per_query, kpool, select_tail), tile.block_w) * tile.block_w
-    return batch * queries * triton.cdiv(heads, _head_block(heads, tile)) * padded * width * 4
-
-
-def check_deterministic(q_lat: Tensor, pools_per_query: int, kpool: int, select_tail: bool) -> None:
-    """Raise ValueError when the deterministic backward's parts would exceed `MAX_DETERMINISTIC_BYTES`."""
-    size = deterministic_bytes(q_lat, pools_per_query, kpool, select_tail)
-    if size > MAX_DETERMINISTIC_BYTES:
-        raise ValueError(
-            f"the deterministic sparse MLA backward stores every slot's d latent: {size / 2**30:.1f} GiB for "
-            f"q_lat {tuple(q_lat.shape)}, over {MAX_DETERMINISTIC_BYTES / 2**30:.0f} GiB; turn "
-            "torch.use_deterministic_algorithms off (fp32 atomics) or set dsa_backend='sparse'"
-        )
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """The dots' input precision: full fp32 ("ieee") for fp32 inputs (reference runs; not TF32's 10-bit
-    mantissa), Triton's default for 16-bit inputs (where it changes nothing)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _rows(t: Tensor) -> Tensor:
-    """t itself when its last dimension is contiguous (the kernels take the other strides), else a copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _head_block(heads: int, tile: Tiles) -> int:
-    return min(tile.block_h, max(16, triton.next_power_of_2(heads)))
+_LOG2E = tl.constexpr(LOG2E)  # log2(e), readable inside the kernels
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _slot_tokens(pools_row, w, position, K, KPOOL: tl.constexpr, TAIL: tl.constexpr):
-    """Token numbers [BW] int64 of one query's slots w [BW] and whether each is a real slot: slot w < K *
-    KPOOL is token w % KPOOL of the (w // KPOOL)-th selected pool (empty when that pool is -1); the next
-    KPOOL - 1 slots are the tail pool, the (position + 1) % KPOOL tokens ending at the query; the rest
-    (the last tile's padding) are empty."""
-    pooled = w < K * KPOOL
-    pool = tl.load(pools_row + w // KPOOL, mask=pooled, other=-1).to(tl.int64)
-    token = pool * KPOOL + w % KPOOL
-    valid = pooled & (pool >= 0)
-    if TAIL:
-        tail_count = (position + 1) % KPOOL
-        offset = w - K * KPOOL
-        token = tl.where(pooled, token, position + 1 - tail_count + offset)
-        valid = valid | ((offset >= 0) & (offset < tail_count))
-    return token, valid
-
-
 @triton.jit
 def _fwd_kernel(
     q_ptr,
@@ -233,7 +122,7 @@ def _fwd_kernel(
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     for w0 in range(0, W, BLOCK_W):
-        token, valid = _slot_tokens(pools_row, w0 + tl.arange(0, BLOCK_W), position, K, KPOOL, TAIL)
+        token, valid = slot_tokens(pools_row, w0 + tl.arange(0, BLOCK_W), position, K, KPOOL, TAIL)
         kv = tl.load(
             rows + token[:, None] * stride_ls + cols[None, :],
             mask=valid[:, None] & col_ok[None, :],
@@ -333,7 +222,7 @@ def _bwd_kernel(
     grad_q = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     for w0 in range(0, W, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
-        token, valid = _slot_tokens(pools_row, w, position, K, KPOOL, TAIL)
+        token, valid = slot_tokens(pools_row, w, position, K, KPOOL, TAIL)
         kv = tl.load(
             rows + token[:, None] * stride_ls + cols[None, :],
             mask=valid[:, None] & col_ok[None, :],
@@ -371,66 +260,6 @@ def _reduce_rows_kernel(parts_ptr, order_ptr, offsets_ptr, out_ptr, L, BLOCK_L: 
     tl.store(out_ptr + r * L + cols, acc, mask=col_ok)
 
 
-@triton.jit
-def _pool_mass_kernel(
-    q_ptr,
-    latent_ptr,
-    pools_ptr,
-    positions_ptr,
-    lse_ptr,
-    mass_ptr,
-    n_queries,
-    H,
-    L,
-    K,
-    qk_scale,
-    stride_qb,
-    stride_qn,
-    stride_qh,
-    stride_lb,
-    stride_ls,
-    stride_pb,
-    stride_pn,
-    KPOOL: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """One query's probability mass per selected pool, summed over all heads: mass [B, n, K] fp32."""
-    row = tl.program_id(0)
-    b = (row // n_queries).to(tl.int64)
-    i = (row % n_queries).to(tl.int64)
-    cols = tl.arange(0, BLOCK_L)
-    col_ok = cols < L
-    position = tl.load(positions_ptr + i)
-    pools_row = pools_ptr + b * stride_pb + i * stride_pn
-    rows = latent_ptr + b * stride_lb
-    for w0 in range(0, K * KPOOL, BLOCK_W):
-        # the tail slots carry no pool: TAIL off
-        token, valid = _slot_tokens(pools_row, w0 + tl.arange(0, BLOCK_W), position, K, KPOOL, False)
-        kv = tl.load(
-            rows + token[:, None] * stride_ls + cols[None, :],
-            mask=valid[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        mass = tl.zeros([BLOCK_W], tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            heads = h0 + tl.arange(0, BLOCK_H)
-            head_ok = heads < H
-            q_offsets = (
-                b * stride_qb + i * stride_qn + heads[:, None].to(tl.int64) * stride_qh + cols[None, :]
-            )
-            q = tl.load(q_ptr + q_offsets, mask=head_ok[:, None] & col_ok[None, :], other=0.0)
-            lse2 = tl.load(lse_ptr + row.to(tl.int64) * H + heads, mask=head_ok, other=0.0) * _LOG2E
-            s = tl.dot(q, tl.trans(kv), input_precision=DOT) * qk_scale
-            p = tl.where(valid[None, :] & head_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-            mass += tl.sum(p, 0)
-        per_pool = tl.sum(tl.reshape(mass, [BLOCK_W // KPOOL, KPOOL]), 1)
-        k = w0 // KPOOL + tl.arange(0, BLOCK_W // KPOOL)
-        tl.store(mass_ptr + row.to(tl.int64) * K + k, per_pool, mask=k < K)
-
-
 # ---------------------------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("genomelm::sparse_mla_fwd", mutates_args=())
 def sparse_mla_fwd(
@@ -448,10 +277,10 @@ def sparse_mla_fwd(
     lse [B, n, H] fp32, natural log). `deterministic` only chooses how the backward reduces d latent."""
     check_inputs(q_lat, latent, pools, positions)
     batch, queries, heads, width = q_lat.shape
-    q_lat, latent, pools = _rows(q_lat), _rows(latent), pools.contiguous().to(torch.int32)
+    q_lat, latent, pools = contiguous_rows(q_lat), contiguous_rows(latent), pools.contiguous().to(torch.int32)
     positions = positions.contiguous().to(device=q_lat.device, dtype=torch.int64)
     tile = tiles()
-    block_h = _head_block(heads, tile)
+    block_h = head_block(heads, tile)
     # q_lat's layout (the absorbed queries' einsum leaves them head-major): W_uv's einsum after the core then
     # reads the output without a permuted copy, as it reads the torch path's
     out = torch.empty_like(q_lat)
@@ -514,11 +343,16 @@ def sparse_mla_bwd(
     per latent row (test sizes only: 8 GiB at 1k queries of full width)."""
     batch, queries, heads, width = q_lat.shape
     seq_len = latent.shape[1]
-    grad_out, q_lat, latent, out = _rows(grad_out), _rows(q_lat), _rows(latent), _rows(out)
+    grad_out, q_lat, latent, out = (
+        contiguous_rows(grad_out),
+        contiguous_rows(q_lat),
+        contiguous_rows(latent),
+        contiguous_rows(out),
+    )
     lse, pools = lse.contiguous(), pools.contiguous().to(torch.int32)
     positions = positions.contiguous().to(device=q_lat.device, dtype=torch.int64)
     tile = tiles(backward=True)
-    block_h = _head_block(heads, tile)
+    block_h = head_block(heads, tile)
     head_blocks = triton.cdiv(heads, block_h)
     pools_per_query = pools.shape[-1]
     slots = slot_count(pools_per_query, kpool, select_tail)
@@ -636,63 +470,13 @@ def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor | None):
 sparse_mla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("genomelm::sparse_mla_pool_mass", mutates_args=())
-def sparse_mla_pool_mass(
-    q_lat: Tensor, latent: Tensor, lse: Tensor, pools: Tensor, positions: Tensor, kpool: int, scaling: float
-) -> Tensor:
-    """Head-summed attention probability per selected pool [B, n, K] fp32 (no gradient), from the
-    forward's lse [B, n, H]; the tail slots belong to no pool."""
-    batch, queries, heads, width = q_lat.shape
-    pools_per_query = pools.shape[-1]
-    check_pool_mass(kpool)
-    tile = tiles()
-    q_lat, latent, pools = _rows(q_lat), _rows(latent), pools.contiguous().to(torch.int32)
-    positions = positions.contiguous().to(device=q_lat.device, dtype=torch.int64)
-    mass = torch.empty(batch, queries, pools_per_query, dtype=torch.float32, device=q_lat.device)
-    _pool_mass_kernel[(batch * queries,)](
-        q_lat,
-        latent,
-        pools,
-        positions,
-        lse.contiguous(),
-        mass,
-        queries,
-        heads,
-        width,
-        pools_per_query,
-        scaling * LOG2E,
-        *q_lat.stride()[:3],
-        *latent.stride()[:2],
-        *pools.stride()[:2],
-        KPOOL=kpool,
-        BLOCK_H=_head_block(heads, tile),
-        BLOCK_W=tile.block_w,
-        BLOCK_L=max(16, triton.next_power_of_2(width)),
-        DOT=dot_precision(q_lat.dtype),
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-    )
-    return mass
-
-
-@sparse_mla_pool_mass.register_fake
-def _(q_lat, latent, lse, pools, positions, kpool, scaling):
-    return q_lat.new_empty(*pools.shape, dtype=torch.float32)
-
-
 # ---------------------------------------------------------------------------------------------- FLOPs, bytes
-def _pair_count(q_shape, pools_shape, kpool: int, select_tail: bool) -> int:
-    """(query, head, slot) triples times L: the size of one of the kernel's dots."""
-    batch, queries, heads, width = q_shape
-    return batch * queries * heads * slot_count(pools_shape[-1], kpool, select_tail) * width
-
-
 @register_flop_formula(torch.ops.genomelm.sparse_mla_fwd)
 def _fwd_flops(
     q_shape, latent_shape, pools_shape, positions_shape, kpool, select_tail, *args, **kwargs
 ) -> int:
     """Two dots (scores, output): 4 x B n H W L."""
-    return 4 * _pair_count(q_shape, pools_shape, kpool, select_tail)
+    return 4 * pair_count(q_shape, pools_shape, kpool, select_tail)
 
 
 @register_flop_formula(torch.ops.genomelm.sparse_mla_bwd)
@@ -710,22 +494,7 @@ def _bwd_flops(
     **kwargs,
 ) -> int:
     """Five dots (scores recomputed, d p, d q, and d latent's two): 10 x B n H W L."""
-    return 10 * _pair_count(q_shape, pools_shape, kpool, select_tail)
-
-
-@register_flop_formula(torch.ops.genomelm.sparse_mla_pool_mass)
-def _pool_mass_flops(
-    q_shape, latent_shape, lse_shape, pools_shape, positions_shape, kpool, *args, **kwargs
-) -> int:
-    """The scores of the pool slots again: 2 x B n H (K kpool) L."""
-    return 2 * _pair_count(q_shape, pools_shape, kpool, False)
-
-
-def _gathered_bytes(q_lat: Tensor, slots: int) -> int:
-    """HBM bytes of the latent rows the programs load: each query's `slots` rows once (its head blocks run
-    side by side, so all but the first read of a row hit L2)."""
-    batch, queries, _, width = q_lat.shape
-    return batch * queries * slots * width * q_lat.element_size()
+    return 10 * pair_count(q_shape, pools_shape, kpool, select_tail)
 
 
 def sparse_mla_fwd_bytes(
@@ -736,7 +505,7 @@ def sparse_mla_fwd_bytes(
     batch, queries, heads, _ = q_lat.shape
     slots = slot_count(pools.shape[-1], kpool, select_tail)
     small = batch * queries * heads * 4 + pools.numel() * pools.element_size() + positions.numel() * 8
-    return 2 * q_lat.numel() * q_lat.element_size() + small + _gathered_bytes(q_lat, slots)
+    return 2 * q_lat.numel() * q_lat.element_size() + small + gathered_bytes(q_lat, slots)
 
 
 def sparse_mla_bwd_bytes(
@@ -763,18 +532,7 @@ def sparse_mla_bwd_bytes(
     )
     atomics = 2 * batch * queries * math.ceil(heads / block_h) * slots * width * 4
     buffer = latent.shape[0] * latent.shape[1] * width * (4 + 4 + latent.element_size())
-    return per_query + _gathered_bytes(q_lat, slots) + atomics + buffer
-
-
-def sparse_mla_pool_mass_bytes(
-    q_lat: Tensor, latent: Tensor, lse: Tensor, pools: Tensor, positions: Tensor, kpool: int, *_: object
-) -> int:
-    """HBM bytes of `sparse_mla_pool_mass`: the pool slots' latent rows once per query, q_lat once per slot
-    tile (the head loop runs inside the tile loop), lse, the pools and the mass."""
-    pool_slots = pools.shape[-1] * kpool
-    q_reads = math.ceil(pool_slots / FORWARD_TILES.block_w) * q_lat.numel() * q_lat.element_size()
-    small = lse.numel() * 4 + pools.numel() * (pools.element_size() + 4)
-    return _gathered_bytes(q_lat, pool_slots) + q_reads + small
+    return per_query + gathered_bytes(q_lat, slots) + atomics + buffer
 
 
 # ---------------------------------------------------------------------------------------------- entry point
