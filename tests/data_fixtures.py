@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
 from Bio import SeqIO
@@ -84,3 +85,9 @@ def tiny_run(data: Path, runs_dir: Path, **overrides: object) -> list[str]:
         "save_every": 2,
     } | overrides
     return [f"{key}={value}" for key, value in values.items()]
+
+
+def step_losses(runs_dir: Path, run: str) -> dict[int, float]:
+    """Step -> training loss, from the run's `metrics.jsonl`."""
+    rows = [json.loads(line) for line in (runs_dir / run / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}

@@ -5,7 +5,6 @@ after a step with a checkpoint, and the same command continues it exactly."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -17,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from data_fixtures import fly_windows
+from data_fixtures import fly_windows, step_losses, tiny_run
 
 from genomelm.run.config import TrainConfig
 from genomelm.run.env_launch import (
@@ -139,25 +138,9 @@ def fly(tmp_path_factory) -> Path:
 
 
 def run_settings(data: Path, runs: Path, run: str, *extra: str) -> list[str]:
-    return [
-        f"data={data}",
-        "seq=256",
-        "model=tiny",
-        f"run={run}",
-        f"runs_dir={runs}",
-        f"steps={STEPS}",
-        "save_every=100",
-        "warmup_steps=1",
-        "lr=3e-3",
-        "wandb=disabled",
-        "cp=2",
-        *extra,
-    ]
-
-
-def step_losses(runs: Path, run: str) -> dict[int, float]:
-    rows = [json.loads(line) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+    """A run of `tiny` at cp=2 on 256-token windows, saving only at its last step."""
+    settings = tiny_run(data, runs, seq=256, run=run, steps=STEPS, save_every=100, lr=3e-3, cp=2)
+    return [*settings, *extra]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from data_fixtures import fly_windows
+from data_fixtures import fly_windows, step_losses
 from local_ray import one_local_ray
 
 from genomelm.run.config import TrainConfig
@@ -78,11 +78,6 @@ def run_settings(data: Path, runs: Path, run: str, *extra: str) -> list[str]:
         "rc_aug=0.5",
         *extra,
     ]
-
-
-def step_losses(runs: Path, run: str) -> dict[int, float]:
-    rows = [json.loads(line) for line in (runs / run / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
 
 
 @pytest.fixture(scope="module")
