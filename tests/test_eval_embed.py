@@ -247,7 +247,8 @@ def test_cp2_and_dp2_equal_one_process(run: dict, tmp_path: Path) -> None:
     through `genomelm embed`'s own launch (each in a fresh interpreter, as `make embed` runs it)."""
     region = f"region={DMEL_RECORD}:100001-101300"
     results = {}
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2"]
+    # --standalone: a rendezvous on a free port (another test may run torchrun at the same time)
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
     for name, launch, mesh in (
         ("one", [sys.executable], []),
         ("cp2", [sys.executable], ["cp=2"]),

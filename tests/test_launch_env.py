@@ -167,8 +167,9 @@ def clean_environment() -> dict[str, str]:
 def torchrun(settings: list[str], logs: Path, *flags: str, stage: str = "train") -> subprocess.Popen:
     """`torchrun --nproc-per-node 2 -m genomelm.cli <stage> ... launcher=env` in its own session, each rank's
     stdout and stderr in a file under `logs`."""
-    command = [str(TORCHRUN), "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3", *flags]
-    command += ["-m", "genomelm.cli", stage, *settings, "launcher=env"]
+    # --standalone: a rendezvous on a free port (another test may run torchrun meanwhile)
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects"]
+    command += ["3", *flags, "-m", "genomelm.cli", stage, *settings, "launcher=env"]
     return subprocess.Popen(
         command,
         cwd=ROOT,
