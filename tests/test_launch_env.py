@@ -129,6 +129,8 @@ def test_the_slurm_example_parses_comments_its_site_values_and_starts_the_run_co
     assert config.parallel.launcher == "env" and config.parallel.world == nodes * per_node
     assert (config.plan.gpus, config.plan.gpus_per_node) == (nodes * per_node, per_node)
     assert "--signals-to-handle SIGTERM,SIGINT,SIGUSR1" in text and "scontrol requeue" in text
+    lead = int(re.search(r"--signal=B:USR1@(\d+)", text).group(1))
+    assert lead > int(re.search(r"--shutdown-timeout (\d+)", text).group(1))  # time left to requeue
 
 
 # ---------------------------------------------------------------------------- 2 ranks on this machine
@@ -213,7 +215,9 @@ def wait_for_a_step(runs: Path, run: str, processes: list[subprocess.Popen]) -> 
 
 @pytest.mark.slow
 def test_torchrun_trains_as_the_local_launcher(fly: Path, local_losses, tmp_path: Path) -> None:
-    code, out = finish(torchrun(run_settings(fly, tmp_path, "r"), tmp_path / "logs"))
+    """Planned for 2 GPUs first (gpus=2), as a run on a cluster is: rank 0 plans before the rendezvous (the
+    planner traces on a fake group of its own)."""
+    code, out = finish(torchrun(run_settings(fly, tmp_path, "r", "gpus=2"), tmp_path / "logs"))
     assert code == 0, out[-4000:]
     assert step_losses(tmp_path, "r") == local_losses
     assert last_line(rank_output(tmp_path / "logs", 0, "stdout")).startswith("trained r: steps 0..8")
@@ -230,13 +234,26 @@ def test_eval_under_torchrun_writes_what_the_local_launcher_writes(
 
     settings = [*run_settings(fly, local_runs, "local"), "bucket=128"]
     assert eval_main([*settings, f"results_dir={tmp_path / 'local'}"]) == 0
-    process = torchrun([*settings, f"results_dir={tmp_path / 'env'}"], tmp_path / "logs", stage="eval")
+    planned = [*settings, f"results_dir={tmp_path / 'env'}", "gpus=2"]  # planned first, before the rendezvous
+    process = torchrun(planned, tmp_path / "logs", stage="eval")
     code, out = finish(process)
     assert code == 0, out[-4000:]
     written = [(tmp_path / where / "local" / "buckets.csv").read_bytes() for where in ("local", "env")]
     assert written[0] == written[1]
     assert rank_output(tmp_path / "logs", 1, "stdout") == ""
     assert "wrote " in rank_output(tmp_path / "logs", 0, "stdout")
+
+
+def test_a_plan_that_does_not_fit_is_refused_on_every_rank(fly: Path, tmp_path: Path) -> None:
+    """Rank 0 plans before the rendezvous; its refusal is every rank's one line, and nothing is written."""
+    settings = run_settings(fly, tmp_path, "r", "gpus=2", "gpu_gib=0.001")
+    code, out = finish(torchrun(settings, tmp_path / "logs"))
+    assert code != 0
+    for rank in (0, 1):
+        lines = rank_output(tmp_path / "logs", rank, "stderr").strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("genomelm train: "), lines
+        assert "does not fit" in lines[0], lines
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_layout_that_does_not_match_is_refused_on_every_rank(fly: Path, tmp_path: Path) -> None:

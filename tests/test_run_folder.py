@@ -54,6 +54,21 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path: Path) -
         RunLock(run_dir).acquire()
 
 
+def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node(tmp_path: Path, monkeypatch) -> None:
+    """Slurm ends every process of a job before it requeues it; the job runs again under its id, usually on
+    other nodes, and must not be refused by the lock its earlier run left."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = {"pid": 12345, "host": "gpu007", "slurm_job": "4242"}
+    (run_dir / LOCK_FILE).write_text(json.dumps(earlier))
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")  # another job: refused
+    with pytest.raises(RunLocked, match="in use by pid 12345 on gpu007"):
+        RunLock(run_dir).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with pytest.warns(UserWarning, match="an earlier run of Slurm job 4242, requeued"), RunLock(run_dir):
+        assert json.loads((run_dir / LOCK_FILE).read_text())["slurm_job"] == "4242"
+
+
 @pytest.mark.slow
 def test_second_train_on_a_running_cp2_run_is_refused(fly: Path, tmp_path: Path) -> None:
     """`genomelm train cp=2` holds the lock while its ranks train; a second `genomelm train` on the same run

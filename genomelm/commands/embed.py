@@ -7,7 +7,7 @@ import functools
 import sys
 from pathlib import Path
 
-from genomelm.commands.scoring import parse_run_args, run_scoring
+from genomelm.commands.scoring import check_scoring, parse_run_args
 from genomelm.eval.embed import (
     INDEX,
     SET,
@@ -22,7 +22,7 @@ from genomelm.eval.embed import (
 from genomelm.parallel.launch import is_output_rank
 from genomelm.run.config import TrainConfig
 from genomelm.run.failures import report_failure
-from genomelm.run.launchers import on_rank_zero
+from genomelm.run.launchers import on_rank_zero, on_ranks
 from genomelm.run.models import model_pair
 
 PROG = "genomelm embed"
@@ -33,11 +33,13 @@ def embed(config: TrainConfig, model: str, role: str) -> tuple[Request, dict[str
     dp, cp or ep above 1), write the set into results/<run>/embeddings/. Returns the request and the files."""
     request = prepare_request(config, model, role)
     folder = config.results_path / SET
+    # the context cut is eval's: nothing here scores it, so its window length is not checked
+    scoring = config.replace(context_cut=False)
+    check_scoring(scoring)  # before the part file: a refused run writes nothing
     if config.embed.embed_pool == "base":
         request = on_rank_zero(config, functools.partial(create_part, folder, config, request))
     try:
-        # the context cut is eval's: nothing here scores it, so its window length is not checked
-        result = run_scoring(embed_on_rank, config.replace(context_cut=False), request)
+        result = on_ranks(embed_on_rank, scoring, request)
         if not is_output_rank():  # launcher=env: rank 0 writes the set
             return request, {}
         print(f"  {result['seconds']:.1f} s", flush=True)

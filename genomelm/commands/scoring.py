@@ -12,6 +12,7 @@ from genomelm.eval.evaluate import check_context_cut
 from genomelm.eval.report import WriteError
 from genomelm.parallel.launch import is_output_rank
 from genomelm.run.config import TrainConfig
+from genomelm.run.env_launch import before_joining, from_rank_zero, join_group
 from genomelm.run.failures import report_failure
 from genomelm.run.launchers import check_mesh, needs_plan, on_ranks
 
@@ -27,17 +28,33 @@ def parse_run_args(argv: list[str], prog: str, description: str, epilog: str) ->
 
 
 def run_scoring(score: Callable[..., dict], config: TrainConfig, *args: object) -> dict:
-    """`score(config, *args)` in this process, or with dp * cp > 1 or ep > 1 on the run's mesh (local ranks
-    or Ray Train workers): rank 0's result. The layout (and the context cut's) is checked first; on GPUs (or
-    planned for them: gpus=N, a Ray cluster) the evaluation is planned and refused if it cannot fit. `score`
-    is a module-level function (the ranks receive it pickled)."""
+    """`score(config, *args)` in this process, or with dp * cp > 1 or ep > 1 on the run's mesh (local ranks,
+    Ray Train workers, or the ranks torchrun or srun started): rank 0's result (under launcher=env, this
+    rank's). `check_scoring` first. `score` is a module-level function (the ranks receive it pickled)."""
+    check_scoring(config)
+    return on_ranks(score, config, *args)
+
+
+def check_scoring(config: TrainConfig) -> None:
+    """The layout (and the context cut's) checked; on GPUs (or planned for them: gpus=N, a Ray cluster) the
+    evaluation planned and refused if it cannot fit. Under launcher=env the plan runs on rank 0 before the
+    rendezvous and its refusal is raised on every rank; the group is then up."""
     check_mesh(config, [config.seq_len])  # dp x cp x ep against the model, windows the cp ranks can split
     check_context_cut(config)
-    if needs_plan(config):
+    if not needs_plan(config):
+        return
+
+    def plan() -> None:
         from genomelm.plan.check import check_fits  # imported when needed: it brings the torch compiler
 
         check_fits(config.replace(stage="eval"))
-    return on_ranks(score, config, *args)
+
+    if config.parallel.launcher != "env":
+        plan()
+        return
+    planned = before_joining(plan)
+    join_group(config)
+    from_rank_zero(planned)
 
 
 def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -> int:

@@ -7,9 +7,9 @@ import argparse
 import sys
 
 from genomelm.data import DataError
-from genomelm.parallel.launch import Interrupted
+from genomelm.parallel.launch import Interrupted, is_output_rank
 from genomelm.run.config import TrainConfig
-from genomelm.run.env_launch import held_by_rank_zero, join_group
+from genomelm.run.env_launch import before_joining, held_by_rank_zero, join_group
 from genomelm.run.failures import report_failure
 from genomelm.run.launchers import check_layout, needs_plan, on_ranks
 from genomelm.run.lock import RunLock
@@ -44,7 +44,9 @@ def main(argv: list[str]) -> int:
     try:
         summary = launch_training(config)
     except Exception as exc:  # noqa: BLE001
-        return report_failure(PROG, exc, config.run_dir, hint=_hint(config, exc))
+        # one writer of failure.txt: rank 0 under launcher=env
+        run_dir = config.run_dir if is_output_rank() else None
+        return report_failure(PROG, exc, run_dir, hint=_hint(config, exc))
     steps = summary["steps"]
     if "stopped" in summary:
         stopped = summary["stopped"]
@@ -95,8 +97,9 @@ def launch_training(config: TrainConfig) -> dict:
     check_layout(config)
     if config.parallel.launcher == "env":
         with RankStopSignals(config.run_dir):
+            planned = before_joining(lambda: _plan(config))
             join_group(config)
-            with held_by_rank_zero(config.run_dir, first=lambda: _plan(config)):
+            with held_by_rank_zero(config.run_dir, first=planned):
                 return on_ranks(train_on_rank, config)
     with RunLock(config.run_dir), StopSignals(config.run_dir) as signals:
         _plan(config)

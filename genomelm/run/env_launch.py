@@ -12,9 +12,11 @@ the default process group once for the process (NCCL on GPUs, gloo on the CPU). 
 process exits, so a command's later scoring runs and its writes (`is_output_rank`: rank 0 only) see it.
 Ranks other than 0 print nothing on stdout; their errors still reach stderr.
 
-`held_by_rank_zero(run_dir, first)`: rank 0 holds the run folder's lock (`RunLock`, on the file system every
-node shares) for the block, after clearing a stop request an earlier run left and calling `first` (the plan
-check); what it raises there, every rank raises. Signals: `genomelm.run.stop.RankStopSignals`.
+`before_joining(check)` runs the plan check on rank 0 before the rendezvous (the planner traces on a fake
+group of its own). `held_by_rank_zero(run_dir, first)`: rank 0 holds the run folder's lock (`RunLock`, on the
+file system every node shares) for the block, after clearing a stop request an earlier run left and calling
+`first` (the plan check's outcome); what it raises there, every rank raises. Signals:
+`genomelm.run.stop.RankStopSignals`.
 """
 
 from __future__ import annotations
@@ -172,8 +174,9 @@ def join_group(config: TrainConfig) -> RankLayout:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 alone prints, for the process's life
     timeout = timedelta(seconds=parallel.collective_timeout_s)
     if run_device().type == "cuda":
-        torch.cuda.set_device(layout.local_rank)
-        device = torch.device("cuda", layout.local_rank)
+        # srun --gpus-per-task=1 (or --gpu-bind) shows each task only its own GPU
+        device = torch.device("cuda", layout.local_rank if torch.cuda.device_count() > 1 else 0)
+        torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // layout.local_world))
@@ -195,6 +198,25 @@ def _sendable(exc: BaseException) -> BaseException:
 def _leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def before_joining(check: Callable[[], object]) -> Callable[[], None]:
+    """`check()` (the planner's) on the rank that will be rank 0, before the rendezvous: the planner traces
+    the step on a fake process group of its own, which a live group would stand in the way of. Returns what to
+    call once the group is up: it raises, on rank 0, what `check` raised (`from_rank_zero` then raises it on
+    every rank)."""
+    failure: list[Exception] = []
+    if rank_layout().rank == 0:
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank once they have joined
+            failure.append(exc)
+
+    def replay() -> None:
+        if failure:
+            raise failure[0]
+
+    return replay
 
 
 def from_rank_zero(make: Callable[[], T]) -> T:

@@ -4,8 +4,10 @@ The lock is a small JSON file (pid, host, start time) created with O_EXCL before
 written, by the process that launches the run (the one process, the local launcher, or the Ray driver; the
 ranks it starts do not take it). A second run on the same folder is refused with a message naming the holder.
 A lock whose pid no longer runs on this host (a killed run) is taken over with a warning; one held from
-another host is never taken over, since this host cannot tell whether that process still runs. A run folder
-the lock created is removed again when the run wrote nothing into it (a run refused before it started).
+another host is never taken over, since this host cannot tell whether that process still runs, unless it was
+taken in the same Slurm job (`SLURM_JOB_ID`): a requeued job runs again under its id, on other nodes, after
+Slurm ended every process of the run before. A run folder the lock created is removed again when the run
+wrote nothing into it (a run refused before it started).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self.owner = {"pid": os.getpid(), "host": socket.gethostname()}
+        if os.environ.get("SLURM_JOB_ID"):  # a requeued job keeps its id, not its nodes
+            self.owner["slurm_job"] = os.environ["SLURM_JOB_ID"]
         self.created_folder = False
 
     def __enter__(self) -> RunLock:
@@ -78,10 +82,13 @@ class RunLock:
         except (OSError, ValueError):
             holder = {}  # torn: a kill while it was written
         pid, host = holder.get("pid"), holder.get("host")
-        if isinstance(pid, int) and host == self.owner["host"] and not _alive(pid):
+        job = self.owner.get("slurm_job")
+        dead_here = isinstance(pid, int) and host == self.owner["host"] and not _alive(pid)
+        if dead_here or (job is not None and holder.get("slurm_job") == job):
+            why = "which no longer runs" if dead_here else f"an earlier run of Slurm job {job}, requeued"
             warnings.warn(
                 f"{self.path}: taking over the lock of pid {pid} on {host} (started "
-                f"{holder.get('started')}), which no longer runs",
+                f"{holder.get('started')}), {why}",
                 stacklevel=3,
             )
             self.path.unlink(missing_ok=True)
