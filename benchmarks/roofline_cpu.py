@@ -167,7 +167,7 @@ def eager_op_seconds(model: str, tokens: int = CALIBRATION_TOKENS, repeats: int 
     with real_step(run, ModelConfig.preset(model), tokens) as step:
         step()
         for _ in range(repeats):
-            peaks = dataclasses.replace(cpu_peaks(), launch_s=0.0)
+            peaks = dataclasses.replace(cpu_peaks(repeats=repeats), launch_s=0.0)
             body = sum(c.seconds for c in _costed(trace, tokens, peaks))
             per_op.append(max(step() - body, 0.0) / kernels)
     return statistics.median(per_op)
@@ -177,7 +177,7 @@ def check(model: str, tokens: int, repeats: int = 3) -> Check:
     """`model` (a preset) at `tokens`: the roofline of the fake trace's op list (every layer traced, the
     update included) with this CPU's peaks and the model's eager op cost (`eager_op_seconds`) against real
     steps, each step right after its own measure of the peaks (the machine is shared: its speed drifts);
-    the medians of `repeats`."""
+    the medians of `repeats` (the peaks' too)."""
     run = TrainConfig.from_args([f"model={model}", f"seq={tokens}", "offload=false", *CPU_PATHS])
     config = ModelConfig.preset(model)
     trace = trace_step(run, config, tokens, fake=True)
@@ -186,7 +186,7 @@ def check(model: str, tokens: int, repeats: int = 3) -> Check:
     with real_step(run, config, tokens) as step:
         step()
         for _ in range(repeats):
-            peaks = dataclasses.replace(cpu_peaks(), launch_s=launch)
+            peaks = dataclasses.replace(cpu_peaks(repeats=repeats), launch_s=launch)
             classes = _costed(trace, tokens, peaks)
             predicted.append(sum(c.seconds for c in classes))
             measured.append(step())

@@ -219,11 +219,11 @@ def test_grouped_gemms_take_the_devices_grouped_rate_where_it_has_one():
 @pytest.mark.slow
 def test_cpu_roofline_benchmark_reports_predicted_and_measured_steps():
     """The benchmark as a reader runs it (its own process: it sets the CPU allocator before torch starts),
-    `tiny` and `small` at 4k tokens: a row each with the predicted and measured seconds and their ratio. How
-    close the ratio comes to 1 is the benchmark's to print, not this test's to assert: a timed bound fails on
-    a loaded machine (on a busy 2-core one it measured tiny 4k 1.23 while the 30% target held on a quiet
-    one)."""
-    cases = ["tiny:4k", "small:4k"]
+    on `tiny` at 4k tokens (every case runs the same code): its row with the predicted and measured seconds
+    and their ratio. How close the ratio comes to 1 is the benchmark's to print, not this test's to assert: a
+    timed bound fails on a loaded machine (on a busy 2-core one it measured tiny 4k 1.23 while the 30% target
+    held on a quiet one)."""
+    cases = ["tiny:4k"]
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "roofline_cpu.py"), "--repeats", "1", "--only", *cases],
         capture_output=True,
@@ -232,9 +232,9 @@ def test_cpu_roofline_benchmark_reports_predicted_and_measured_steps():
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = re.findall(r"^(tiny|small)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
+    rows = re.findall(r"^(tiny)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
     cases_run = [(model, int(tokens)) for model, tokens, *_ in rows]
-    assert cases_run == [("tiny", 4096), ("small", 4096)], out.stdout
+    assert cases_run == [("tiny", 4096)], out.stdout
     for model, tokens, predicted, measured, ratio in rows:
         assert float(predicted) > 0 and float(measured) > 0
         assert float(ratio) == pytest.approx(float(predicted) / float(measured), abs=0.01), out.stdout

@@ -174,7 +174,7 @@ def _assert_gpu_routes(routes: str) -> None:
 
 
 def _tracked_peak(device_type: str) -> int:
-    """Peak bytes MemTracker sees in one forward + backward of `small` (2,048 tokens, recompute, bf16
+    """Peak bytes MemTracker sees in one forward + backward of `tiny` (2,048 tokens, recompute, bf16
     autocast, torch KDA, the Triton kernels' fakes elsewhere) on fake tensors of `device_type`, in a fake-CUDA
     process."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -189,7 +189,7 @@ def _tracked_peak(device_type: str) -> int:
     options = as_on_gpu(RunOptions(kda_backend="torch", moe_chunk_tokens=512))[0]  # as the planner traces
     with simulated_gpu("h200"), tracing_kernels(), FakeTensorMode(), SimulationMode(device_type):
         device = torch.device(device_type)
-        model = GlmForCausalLM.from_config(ModelConfig.preset("small"), options, device=device)
+        model = GlmForCausalLM.from_config(ModelConfig.preset("tiny"), options, device=device)
         ids = torch.zeros(1, 2048, dtype=torch.long, device=device)
         tracker = MemTracker()
         tracker.track_external(model)
@@ -205,7 +205,7 @@ def _tracked_peak(device_type: str) -> int:
 @pytest.mark.slow
 def test_the_planners_cpu_trace_holds_what_the_cuda_step_holds() -> None:
     """The planner measures memory on fake CPU tensors; the same step on fake CUDA tensors (CUDA's autocast
-    op lists, the CUDA branches) peaks within 0.5% of it (measured: +0.03% for this step)."""
+    op lists, the CUDA branches) peaks within 0.5% of it (measured: +0.15% for this step)."""
     cuda, cpu = (run_on_fake_cuda(_tracked_peak, kind, timeout_s=300) for kind in ("cuda", "cpu"))
     assert cpu > 0 and abs(cuda - cpu) <= 0.005 * cpu, (cuda, cpu)
 
