@@ -31,6 +31,7 @@ import torch
 
 from genomelm.model import ModelConfig
 from genomelm.plan import roofline
+from genomelm.plan.rates import Links, Peaks
 from genomelm.plan.trace import StepTrace, real_step, trace_step
 from genomelm.run.config import TrainConfig
 
@@ -98,7 +99,7 @@ def grouped_gemm_flops(rows: int = 8192, groups: int = 16, width: int = 128, rep
     return 3 * 2 * rows * width * width / _median_seconds(step, repeats)
 
 
-def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> roofline.Peaks:
+def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> Peaks:
     """This CPU's peaks, measured now on the current thread count: fp32 and bf16 matmul FLOP/s (an n x n
     product; "fp32" serves tf32 too), the grouped GEMM's (`grouped_gemm_flops`), copy bandwidth (read +
     write of `copy_mib` MiB), and the seconds of one eager kernel (a chain of tiny ops with autograd, over
@@ -116,16 +117,17 @@ def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> roofl
     with counter:
         _tiny_graph()
     launch = _median_seconds(_tiny_graph, repeats) / counter.kernels
-    return roofline.Peaks(
-        "cpu", flops, bandwidth, 1.0, 1.0, launch, nvlink=1e9, ib=1e9, gpus_per_node=1, grouped_flops=grouped
-    )
+    compute = {f"gemm_{unit}": value for unit, value in flops.items()}
+    compute["grouped_gemm_bf16"] = grouped["bf16"]
+    links = Links(1e9, 1e9, 1e9, 1e9, nics_per_node=1, gpus_per_node=1, pcie=bandwidth)
+    return Peaks("cpu", compute, bandwidth, launch, links, peak_bf16=flops["bf16"])
 
 
-def describe_peaks(p: roofline.Peaks) -> str:
+def describe_peaks(p: Peaks) -> str:
     return (
-        f"cpu peaks ({torch.get_num_threads()} thread): fp32 matmul {p.flops['fp32'] / 1e9:,.1f} GFLOP/s, "
-        f"bf16 matmul {p.flops['bf16'] / 1e9:,.1f} GFLOP/s, bf16 grouped GEMM (fwd + bwd) "
-        f"{p.grouped_flops['bf16'] / 1e9:,.1f} GFLOP/s, copy {p.memory / 1e9:,.2f} GB/s, "
+        f"cpu peaks ({torch.get_num_threads()} thread): fp32 matmul {p.compute['gemm_fp32'] / 1e9:,.1f} "
+        f"GFLOP/s, bf16 matmul {p.compute['gemm_bf16'] / 1e9:,.1f} GFLOP/s, bf16 grouped GEMM (fwd + bwd) "
+        f"{p.compute['grouped_gemm_bf16'] / 1e9:,.1f} GFLOP/s, copy {p.memory / 1e9:,.2f} GB/s, "
         f"one eager op in the model's step {p.launch_s * 1e6:,.1f} us"
     )
 
@@ -150,7 +152,7 @@ class Check:
         return abs(self.ratio - 1) <= TOLERANCE
 
 
-def _costed(trace: StepTrace, tokens: int, peaks: roofline.Peaks) -> list[roofline.CostedClass]:
+def _costed(trace: StepTrace, tokens: int, peaks: Peaks) -> list[roofline.CostedClass]:
     return roofline.project(
         trace.ops, trace.ops, tokens, tokens, tokens, dict.fromkeys(trace.ops, 1.0), peaks
     )
@@ -192,12 +194,14 @@ def check(model: str, tokens: int, repeats: int = 3) -> Check:
             measured.append(step())
     print(describe_peaks(peaks))
     total = statistics.median(predicted)
-    check = Check(model, tokens, total, statistics.median(measured), roofline.top_classes(classes, total, 5))
+    check = Check(
+        model, tokens, total, statistics.median(measured), roofline.top_classes(classes, total, peaks, 5)
+    )
     check.split = split(classes, peaks)
     return check
 
 
-def split(classes: list[roofline.CostedClass], peaks: roofline.Peaks) -> dict[str, float]:
+def split(classes: list[roofline.CostedClass], peaks: Peaks) -> dict[str, float]:
     """Seconds of the prediction by term: the launches (count x the eager op cost), and the bodies of the
     compute-bound and of the memory-bound classes."""
     launch = sum(c.count for c in classes) * peaks.launch_s

@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from genomelm.model import GlmForCausalLM
 from genomelm.model.config import KDA
-from genomelm.plan import roofline
+from genomelm.plan import rates, roofline
+from genomelm.plan.rates import Peaks
 from genomelm.plan.recording import flop_formula
 from genomelm.train.memory import LayerRunner
 
@@ -159,7 +160,7 @@ def projected_vs_measured(
     model: GlmForCausalLM,
     ids: torch.Tensor,
     runner: LayerRunner,
-    gpu: str | roofline.Peaks,
+    gpu: str | Peaks,
     repeats: int = 3,
 ) -> list[dict[str, Any]]:
     """One forward + backward of `model` on `ids` [1, S] (bf16 autocast, `runner`'s recompute), projected
@@ -167,7 +168,7 @@ def projected_vs_measured(
     measured (the median of `repeats`), by part. One row per part and a last row "step", each with: part,
     layers (how many layers it stands for), projected_ms, measured_ms, ratio (projected / measured), bound
     (of its costliest op class), top_class (that class, with its share of the part's projection)."""
-    p = roofline.peaks(gpu) if isinstance(gpu, str) else gpu
+    p = rates.peaks(gpu) if isinstance(gpu, str) else gpu
     cuda = ids.device.type == "cuda"
     clock = PartClock(model, cuda)
     try:

@@ -368,18 +368,31 @@ def test_optimizer_offload_and_layer_input_offload_move_bytes_to_the_host():
     assert not single.optimizer_offload and not single.fsdp and "ignored" in single.notes[0]
 
 
-def test_optimizer_offload_counts_the_host_adamw_step():
-    """With optimizer offload the AdamW step runs on the host CPU (one tensor at a time): its memory traffic
-    at the host's bandwidth share is part of the step, beside the PCIe copies of gradients and parameters."""
-    from genomelm.plan.timing import HOST_ADAMW_BYTES_PER_PARAMETER, HOST_MEMORY_GBS_PER_GPU
+def test_optimizer_offload_counts_the_host_work_as_it_runs():
+    """With optimizer offload, per window: the PCIe copies of gradients and parameters once per optimizer
+    step, every micro-batch after the first adding its gradient to the host's inside the backward (a
+    blocking copy and a host add, `HOST_ACCUMULATE_BYTES_PER_PARAMETER`), and the host AdamW step, each at
+    its rate (`rates.RATES`: pcie, host_memory over the node's GPUs)."""
+    from genomelm.plan import rates
+    from genomelm.plan.timing import HOST_ACCUMULATE_BYTES_PER_PARAMETER, HOST_ADAMW_BYTES_PER_PARAMETER
 
-    on, _, numel = _stub_plan(optimizer_offload=True)
-    off, _, _ = _stub_plan(optimizer_offload=False)
+    accum = 4
+    on, _, numel = _stub_plan(optimizer_offload=True, grad_accum=accum)
+    off, _, _ = _stub_plan(optimizer_offload=False, grad_accum=accum)
     local = sum(v for k, v in numel.items() if k != "experts") / 4  # FSDP over dp*cp = 4 ranks
-    pcie = 2 * 4 * local / (on.assumptions["pcie_gbs"] * 1e9)
-    adamw = HOST_ADAMW_BYTES_PER_PARAMETER * local / (HOST_MEMORY_GBS_PER_GPU * 1e9)
+    pcie, host = 50e9, 430e9 / 8
+    assert rates.rate("pcie").on("b200") == pcie and rates.rate("host_memory").on("b200") == 430e9
+    parts = on.roofline["host_parts"]
+    assert parts["optimizer offload copies"] == pytest.approx(2 * 4 * local / accum / pcie)
+    accumulate = (accum - 1) / accum * local * (4 / pcie + HOST_ACCUMULATE_BYTES_PER_PARAMETER / host)
+    assert parts["gradient accumulation on the host"] == pytest.approx(accumulate)
+    assert parts["AdamW step on the host"] == pytest.approx(
+        HOST_ADAMW_BYTES_PER_PARAMETER * local / accum / host
+    )
     added = on.assumptions["host_copy_s"] - off.assumptions["host_copy_s"]
-    assert added == pytest.approx(pcie + adamw)
+    assert added == pytest.approx(sum(parts.values())) and off.roofline["host_parts"] == {}
+    single, _, _ = _stub_plan(optimizer_offload=True, grad_accum=1)
+    assert single.roofline["host_parts"]["gradient accumulation on the host"] == 0
 
 
 def test_refusal_names_the_best_fitting_layout(monkeypatch):
@@ -525,7 +538,15 @@ def test_eval_time_arithmetic(tmp_path):
     layers = range(model_config.num_hidden_layers)
     busiest = flops["rest"] + sum(flops[f"layers.{kinds[layer_kind(model_config, i)]}"] for i in layers)
     assert a["flat_compute_s"] == pytest.approx(busiest / (a["tflops"] * 1e12 * a["mfu"]))  # no expert FLOPs
-    assert a["compute_s"] == 0  # the stub trace records no kernels: the roofline has nothing to cost
+    # the stub trace records no kernels: the roofline costs the expert exchange's copies alone (counted)
+    from genomelm.plan.layouts import Layout
+    from genomelm.plan.timing import device_peaks, exchange_copies
+
+    layout = Layout(2, 2, 2, True, False)
+    copies = exchange_copies(
+        model_config, layout, seq // 2, 1, device_peaks(Assumptions().resolved("b200"), "b200"), 4.0
+    )
+    assert a["compute_s"] == pytest.approx(sum(c.seconds for c in copies)) and a["compute_s"] > 0
     assert e.window_s == pytest.approx(a["compute_s"] + a["comm_s"] + a["exposed_overlap_s"]) and e.cut_s > 0
     # the forward's collectives: every unit gathered once (bf16 as stored), the experts' all-to-all once
     moe = sum(t == "sparse" for t in model_config.mlp_layer_types)

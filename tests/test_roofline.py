@@ -1,11 +1,13 @@
-"""The roofline projection (`genomelm.plan.roofline`): its rules table, ops costed by hand, the collectives'
-ring factors, the op log of a traced step (source lines, the backward named by its forward, recompute),
-the two-trace extrapolation, the planner's report and plan.json, and (slow) the CPU check: the roofline of
-`tiny`'s and `small`'s traced steps at 4k tokens with this machine's measured peaks within 30% of the
-measured steps (`benchmarks/roofline_cpu.py`, run as a reader runs it)."""
+"""The roofline projection (`genomelm.plan.roofline`, `genomelm.plan.rates`): the attainable rates table,
+ops costed by hand at their class's rate, the collectives' ring factors and links by topology, the op log of a
+traced step (source lines, the backward named by its forward, recompute, the routed experts' work), the
+two-trace extrapolation, the planner's report and plan.json (MFU, HFU), and (slow) the CPU check: the
+roofline of `tiny`'s traced step at 4k tokens with this machine's measured peaks beside the measured step
+(`benchmarks/roofline_cpu.py`, run as a reader runs it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -19,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from genomelm.model import ModelConfig
 from genomelm.model.norms import RMSNorm
-from genomelm.plan import roofline
+from genomelm.plan import rates, roofline
 from genomelm.plan.check import make_plan
 from genomelm.plan.report import describe
 from genomelm.plan.trace import trace_step
@@ -28,49 +30,67 @@ from genomelm.run.config import TrainConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_rules_table_holds_the_issue_peaks_with_sources():
-    b200, h200, h100 = roofline.peaks("b200"), roofline.peaks("h200"), roofline.peaks("h100")
-    assert b200.flops == {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1100e12, "fp32": 75e12}
-    assert h200.flops["bf16"] == h100.flops["bf16"] == 989e12 and h200.flops["fp8"] == 1979e12
-    assert (b200.memory, h200.memory, h100.memory) == (8e12, 4.8e12, 3.35e12)
-    assert (b200.nvlink, h200.nvlink, b200.ib) == (900e9, 450e9, 50e9)
-    assert (
-        b200.gemm_efficiency == 0.7 and b200.memory_efficiency == 0.8 and b200.launch_s == pytest.approx(5e-6)
-    )
-    assert all(source for *_, source in roofline.RULES)
-    assert roofline.rules_table().count("\n") == len(roofline.RULES) + 1
-    assert roofline.peaks("b200", nvlink_gbs=100).nvlink == 100e9
+def test_rates_table_gives_every_gpu_a_sourced_attainable_rate():
+    keys = [r.key for r in rates.RATES]
+    assert len(keys) == len(set(keys)) and all(r.source and r.unit for r in rates.RATES)
+    assert all(min(r.b200, r.h200, r.h100) > 0 for r in rates.RATES)
+    b200, h200, h100 = rates.peaks("b200"), rates.peaks("h200"), rates.peaks("h100")
+    # the datasheet only as MFU's denominator; every rate the roofline uses is an attained one, below it
+    assert (b200.peak_bf16, h200.peak_bf16, h100.peak_bf16) == (2250e12, 989e12, 989e12)
+    for p in (b200, h200, h100):
+        assert all(v < p.peak_bf16 for k, v in p.compute.items() if k != "gemm_fp8")
+        assert p.compute["grouped_gemm_bf16"] < p.compute["gemm_bf16"] and p.sources["grouped_gemm_bf16"]
+    assert b200.compute["gemm_bf16"] == 1745e12 and b200.memory == 6.52e12 and b200.launch_s == 7e-6
+    assert (b200.links.nvlink_ring, h200.links.nvlink_ring, b200.links.nic) == (720e9, 360e9, 47e9)
+    table = rates.rates_table()
+    assert table.count("\n") == len(rates.RATES) + len(rates.DATASHEET) + 4
+    assert rates.peaks("b200", nvlink_gbs=100).links.nvlink_ring == 100e9
     with pytest.raises(ValueError, match="gpu must be one of"):
-        roofline.peaks("a100")
+        rates.peaks("a100")
 
 
-def test_ops_costed_by_hand():
-    p = roofline.peaks("b200")
+def test_ops_costed_by_hand_at_their_class_rates():
+    p = rates.peaks("b200")
     n = 8192
     gemm = roofline.OpClass("aten.mm", "bf16", "bf16", "x.py:1", 1, 2 * n**3, 3 * n * n * 2)
     seconds, bound = roofline.op_seconds(gemm, p)
-    assert bound == "compute" and seconds == pytest.approx(2 * n**3 / (2250e12 * 0.7) + 5e-6)
+    assert bound == "compute" and seconds == pytest.approx(2 * n**3 / 1745e12 + 7e-6)
     fp32 = roofline.OpClass("aten.mm", "fp32", "fp32", "x.py:1", 1, 2 * n**3, 3 * n * n * 4)
-    assert roofline.op_seconds(fp32, p)[0] == pytest.approx(2 * n**3 / (75e12 * 0.7) + 5e-6)
+    assert roofline.op_seconds(fp32, p)[0] == pytest.approx(2 * n**3 / 60e12 + 7e-6)
+    experts = dataclasses.replace(gemm, op="aten._grouped_mm")
+    assert roofline.op_seconds(experts, p)[0] == pytest.approx(2 * n**3 / 700e12 + 7e-6)
+    backward = roofline.OpClass("genomelm.sparse_mla_bwd", "bf16", "bf16", "x.py:4", 1, 1e15, 1e9)
+    assert roofline.op_seconds(backward, p)[0] == pytest.approx(1e15 / 820e12 + 7e-6)
+    assert roofline.op_seconds(backward, rates.peaks("h200"))[0] == pytest.approx(1e15 / 115e12 + 7e-6)
     copy = roofline.OpClass("aten.add", "fp32", "memory", "x.py:2", 10, 0.0, 10 * 3 * 2**30)
     seconds, bound = roofline.op_seconds(copy, p)
-    assert bound == "memory" and seconds == pytest.approx(10 * (3 * 2**30 / (8e12 * 0.8) + 5e-6))
+    assert bound == "memory" and seconds == pytest.approx(10 * (3 * 2**30 / 6.52e12 + 7e-6))
     tiny = roofline.OpClass("aten.add", "fp32", "memory", "x.py:3", 1000, 0.0, 1000 * 12.0)
     seconds, bound = roofline.op_seconds(tiny, p)  # a Python loop of tiny ops: its launches
-    assert bound == "launch" and seconds == pytest.approx(1000 * (12 / 6.4e12 + 5e-6))
+    assert bound == "launch" and seconds == pytest.approx(1000 * (12 / 6.52e12 + 7e-6))
 
 
-def test_collectives_ring_factors_and_links():
-    assert roofline.ring_factor("all_gather", 8) == roofline.ring_factor("reduce_scatter", 8) == 7 / 8
-    assert roofline.ring_factor("all_to_all", 4) == 3 / 4 and roofline.ring_factor("all_reduce", 8) == 14 / 8
-    assert roofline.ring_factor("all_reduce", 1) == 0
+def test_collectives_ring_factors_and_links_by_topology():
+    assert rates.ring_factor("all_gather", 8) == rates.ring_factor("reduce_scatter", 8) == 7 / 8
+    assert rates.ring_factor("all_to_all", 4) == 3 / 4 and rates.ring_factor("all_reduce", 8) == 14 / 8
+    assert rates.ring_factor("all_reduce", 1) == 0
     with pytest.raises(ValueError, match="no ring factor"):
-        roofline.ring_factor("broadcast", 2)
-    p = roofline.peaks("b200")
+        rates.ring_factor("broadcast", 2)
+    p = rates.peaks("b200")
     inside = roofline.collective_seconds("all_gather", 8e9, 8, p)
     across = roofline.collective_seconds("all_gather", 8e9, 16, p)
-    assert inside == pytest.approx(8e9 * 7 / 8 / 900e9 + 5e-6)
-    assert across == pytest.approx(8e9 * 15 / 16 / 50e9 + 5e-6)
+    assert inside == pytest.approx(8e9 * 7 / 8 / 720e9 + 7e-6)
+    assert across == pytest.approx(8e9 * 15 / 16 / (8 * 47e9) + 7e-6)  # a ring over both nodes' 8 NICs
+    four_nics = rates.peaks("b200", nics_per_node=4)
+    assert roofline.collective_seconds("all_gather", 8e9, 16, four_nics) == pytest.approx(
+        8e9 * 15 / 16 / (4 * 47e9) + 7e-6
+    )
+    # an all-to-all over 2 nodes: 7 of a rank's 15 shares on NVLink, 8 over its node's NICs, at once
+    moved = 8e9 * 15 / 16
+    assert roofline.collective_seconds("all_to_all", 8e9, 16, p) == pytest.approx(
+        max(moved * 7 / 15 / 726e9, moved * 8 / 15 / 50e9) + 7e-6
+    )
+    assert roofline.collective_seconds("all_to_all", 8e9, 8, p) == pytest.approx(8e9 * 7 / 8 / 726e9 + 7e-6)
 
 
 class _Log(TorchDispatchMode):
@@ -118,7 +138,7 @@ def test_project_reads_counts_and_sizes_on_their_lines():
             "w": roofline.OpClass("aten.mm", "bf16", "bf16", "a.py:2", 3, 3 * 2e9, 3 * 1.5e6),
         }
     }
-    p = roofline.peaks("b200")
+    p = rates.peaks("b200")
     classes = {c.key: c for c in roofline.project(lo, hi, 1024, 2048, 8192, {"layers.0": 5.0}, p)}
     grown = classes["aten.bmm bf16 @ a.py:1"]
     assert grown.count == pytest.approx(16 * 5) and grown.flops == pytest.approx(16 * 8e9 * 5)
@@ -139,6 +159,36 @@ def test_traced_step_logs_every_kernel_with_its_flops():
     assert all(c.where != "outside genomelm" for c in classes if c.flops)
 
 
+def test_the_routed_experts_work_is_told_by_rows_and_by_weights():
+    """Every kernel of the routed experts' rows (the grouped GEMMs, the SwiGLU between them, their backward
+    and recompute) is "rows", the busiest expert-parallel rank's `imbalance` x the mean; the cast of their
+    weights "weights" (per expert); the shared expert, the router and the rest of the step "". `project`
+    scales each by its own factor."""
+    run = TrainConfig.from_args(["model=tiny", "offload=false"])
+    trace = trace_step(run, ModelConfig.preset("tiny"), 256, fake=True)
+    moe = "layers.1"  # tiny: KDA + MoE
+    classes = list(trace.ops[moe].values())
+    rows = {c.key for c in classes if c.expert == "rows"}
+    weights = {c.key for c in classes if c.expert == "weights"}
+    assert any(key.startswith("aten._grouped_mm bf16 @ genomelm/model/moe.py") for key in rows)
+    assert any(key.startswith("aten._grouped_mm bf16 @ backward of genomelm/model/moe.py") for key in rows)
+    assert any("genomelm/model/mlp.py" in key for key in rows)  # the SwiGLU between the two GEMMs
+    assert weights and all("aten._to_copy" in key for key in weights)
+    others = {c.key for c in classes if not c.expert}
+    assert any(key.startswith("aten.mm") and "mlp.py" in key for key in others)  # the shared expert
+    assert not any("_grouped_mm" in key for key in others | weights)
+    p = rates.peaks("b200")
+    base = {c.key: c for c in roofline.project(trace.ops, trace.ops, 256, 256, 256, {moe: 1.0}, p)}
+    scaled = {
+        c.key: c for c in roofline.project(trace.ops, trace.ops, 256, 256, 256, {moe: 1.0}, p, 4.0, 0.0)
+    }
+    for key, c in base.items():
+        factor = 4.0 if key in rows else 0.0 if key in weights else 1.0
+        assert scaled[key].count == pytest.approx(factor * c.count) and scaled[key].flops == pytest.approx(
+            factor * c.flops
+        )
+
+
 def test_plan_reports_the_roofline_op_by_op(tmp_path):
     config = TrainConfig.from_args(["model=tiny", "seq=1024", "dp=2", "cp=2", "ep=2", f"runs_dir={tmp_path}"])
     plan = make_plan(config)
@@ -146,17 +196,24 @@ def test_plan_reports_the_roofline_op_by_op(tmp_path):
     assert r["step_s"] == pytest.approx(plan.step_s) and r["tokens_per_s"] == pytest.approx(
         plan.tokens_per_s_projected
     )
-    assert 0 < r["mfu"] < 1 and len(r["top"]) == 10 and len(r["busiest_top"]) == 10
-    assert r["compute_s"] > r["mean_compute_s"] > 0  # the busiest rank's grouped GEMMs x imbalance
+    assert 0 < r["mfu"] < r["hfu"] < 1 and len(r["top"]) == 10 and len(r["busiest_top"]) == 10
+    # MFU as the field defines it: model FLOPs of a token x tokens/s / (GPUs x the datasheet bf16 peak)
+    assert r["mfu"] == pytest.approx(
+        r["model_flops_per_token"] * r["tokens_per_s"] / (plan.gpus * r["peak_bf16"])
+    )
+    assert r["peak_bf16"] == 2250e12 and "PaLM" in r["mfu_formula"]
+    assert r["compute_s"] > r["mean_compute_s"] > 0  # the busiest rank's expert rows x imbalance
     assert all(row["bound"] in ("compute", "memory", "launch") and "@" in row["class"] for row in r["top"])
-    assert len(r["rules"]) == len(roofline.RULES) and "side stream" in r["overlap"]
+    assert all(row["rate_value"] > 0 and row["rate_source"] for row in r["top"])
+    assert len(r["rates"]) == len(rates.RATES) and "side stream" in r["overlap"]
     files = r["by_source"]  # every kernel of the busiest rank, by source file
     top_s = sum(row["seconds"] for row in r["busiest_top"])
     assert top_s < sum(row["seconds"] for row in files) <= r["compute_s"] * (1 + 1e-9)
     assert any(row["source"] == "genomelm/model/moe.py" for row in files)
     assert all(":" not in row["source"] for row in files if row["source"].startswith("genomelm/"))
     text = describe(plan)
-    assert "op classes that cost most" in text and "busiest expert-parallel rank:" in text and "MFU" in text
+    assert "op classes that cost most" in text and "busiest expert-parallel rank:" in text and "HFU" in text
+    assert "the rates these classes ran at" in text and "TFLOP/s" in text
     assert "by source file, busiest rank: model/" in text
     json.dumps(plan.to_json())
 
@@ -205,15 +262,16 @@ def test_traces_past_the_dsa_selection_saturation():
     assert traced_assumptions(Assumptions(trace_tokens=8), config, 4).trace_tokens == 8
 
 
-def test_grouped_gemms_take_the_devices_grouped_rate_where_it_has_one():
-    gpu = roofline.peaks("b200")
+def test_a_device_without_a_class_rate_runs_it_at_its_gemm_rate():
     experts = roofline.OpClass("aten._grouped_mm", "bf16", "bf16", "moe.py:1", 1, 2e12, 1e9)
     dense = roofline.OpClass("aten.mm", "bf16", "bf16", "mlp.py:1", 1, 2e12, 1e9)
-    assert roofline.op_seconds(experts, gpu) == roofline.op_seconds(dense, gpu)  # the datasheet: one rate
-    grouped = {"bf16": 1e11}
-    cpu = roofline.Peaks("cpu", {"bf16": 1e12}, 1e10, 1.0, 1.0, 0.0, 1e9, 1e9, 1, grouped_flops=grouped)
+    links = rates.Links(1e9, 1e9, 1e9, 1e9, 1, 1, 1e9)
+    cpu = rates.Peaks("cpu", {"gemm_bf16": 1e12, "grouped_gemm_bf16": 1e11}, 1e10, 0.0, links, 1e12)
     assert roofline.op_seconds(experts, cpu)[0] == pytest.approx(20.0)
     assert roofline.op_seconds(dense, cpu)[0] == pytest.approx(2.0)
+    kda = roofline.OpClass("genomelm_simulation.chunk_kda", "bf16", "bf16", "kda.py:1", 1, 2e12, 1e9)
+    assert cpu.resolved(roofline.rate_key(kda), "bf16") == "gemm_bf16"
+    assert roofline.op_seconds(kda, cpu)[0] == pytest.approx(2.0)
 
 
 @pytest.mark.slow
@@ -273,7 +331,7 @@ def test_plan_costs_kda_as_fla_runs_it_and_keeps_the_torch_paths_memory():
     kda = [
         f"layers.{i}" for i in range(config.num_hidden_layers) if config.layer_types[i] == "linear_attention"
     ]
-    b200 = roofline.peaks("b200")
+    b200 = rates.peaks("b200")
     forward_calls = {}
     for cp in (1, 2):
         args = ["model=tiny", f"cp={cp}", "offload=false"]

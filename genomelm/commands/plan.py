@@ -2,10 +2,10 @@
 fit, how fast.
 
 Run settings (`TrainConfig`: dp, cp, ep, fsdp, offload, optimizer_offload, ...) and the planner's assumptions
-(the `plan` group: mfu, tflops, nvlink_gbs, ib_gbs, pcie_gbs, gpus_per_node, host_gib, imbalance,
-trace_tokens) are both given as key=value. `stage=eval` plans the evaluator's forward instead of the
-training step (its peak per GPU, seconds per window, the whole before/after evaluation). Prints the table and
-writes runs/<run>/plan.json (stage=eval: plan-eval.json).
+(the `plan` group: mfu, tflops, nvlink_gbs, nic_gbs, nics_per_node, pcie_gbs, gpus_per_node, host_gib,
+imbalance, trace_tokens) are both given as key=value. `stage=eval` plans the evaluator's forward instead of
+the training step (its peak per GPU, seconds per window, the whole before/after evaluation). Prints the table
+and writes runs/<run>/plan.json (stage=eval: plan-eval.json).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main(argv: list[str]) -> int:
         "tensors; say whether the run fits and how fast.",
         epilog="Run settings as key=value (gpus=64 gpu=b200 dp= cp= ep= optimizer_offload=true search=true "
         "stage=eval); "
-        "assumptions: mfu, tflops, nvlink_gbs, ib_gbs, pcie_gbs, gpus_per_node, host_gib, imbalance, "
-        "trace_tokens (docs/settings.md).",
+        "assumptions: mfu, tflops, nvlink_gbs, nic_gbs, nics_per_node, pcie_gbs, gpus_per_node, host_gib, "
+        "imbalance, trace_tokens (docs/settings.md).",
     )
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value settings")

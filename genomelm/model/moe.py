@@ -117,10 +117,16 @@ class Experts(nn.Module):
         dtype = x_sorted.dtype
         if grouped_mm_supported(x_sorted.device, dtype):
             offsets = counts.cumsum(0).to(torch.int32)
-            gate, up = _grouped_linear(x_sorted, self.gate_up_proj.to(dtype), offsets).chunk(2, dim=-1)
+            gate_up, down = self.weights_in(dtype)
+            gate, up = _grouped_linear(x_sorted, gate_up, offsets).chunk(2, dim=-1)
             hidden = clamped_swiglu(gate, up, self.swiglu_limit)
-            return _grouped_linear(hidden, self.down_proj.to(dtype), offsets)
+            return _grouped_linear(hidden, down, offsets)
         return self._sliced(x_sorted, counts)
+
+    def weights_in(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(gate_up_proj, down_proj) in `dtype`: work per expert, not per row (the planner tells them apart
+        by this method's name)."""
+        return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
 
     def _sliced(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
         """Fallback of the grouped GEMM: each expert on its contiguous slice. The weights are split with one

@@ -14,12 +14,13 @@ kind at the real widths, then scales by the layer counts (`plan_memory`):
 - parameters, gradients, AdamW state, FSDP2's gathered layers, expert parallelism, optimizer offload and
   offload=false are computed from the model's parameter count and the traced layer inputs (`SHARDING_RULE`,
   `MOE_RULE`, `OFFLOAD_RULE`, written into plan.json): one pair of traces per cp serves every layout.
-Time (`plan_time`, `roofline`): every kernel of the traced step at the roofline of the unit it runs on
-(max of FLOPs / unit peak and bytes / HBM bandwidth, plus a launch; the rules in `roofline.RULES`), the
-collectives at the link of their group with their ring factor, the offload copies over PCIe; FSDP2's
-collectives and the layer-input offload copies hide under the compute (`roofline.OVERLAP_RULE`), everything
-else adds up. Printed: step time, tokens/s, MFU, the ten costliest op classes (mean and busiest
-expert-parallel rank), and the flat estimate (FLOPs at `mfu` of the bf16 peak) beside for comparison.
+Time (`timing`, `roofline`): every kernel of the traced step at the attainable rate of its class (max of
+FLOPs / the class's FLOP/s and bytes / HBM's, plus a launch; the rates and their sources in `rates.RATES`),
+the collectives on the links of their group (`rates.Links`) with their ring factor, the offload copies over
+PCIe and the optimizer offload's host work; FSDP2's collectives and the layer-input offload copies hide under
+the compute (`roofline.OVERLAP_RULE`), everything else adds up. Printed: step time, tokens/s, MFU and HFU
+(`timing.MFU_FORMULA`), the ten costliest op classes (mean and busiest expert-parallel rank) with their rates,
+and the flat estimate (FLOPs at `mfu` of the bf16 peak) beside for comparison.
 Every layout of the GPUs, ranked: `plan_search`; the tables and plan.json: `plan_report`; the types and the
 assumptions: `plan_types`.
 

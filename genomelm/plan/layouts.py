@@ -11,13 +11,23 @@ from genomelm.run.config import PlanConfig, TrainConfig
 from genomelm.run.metrics import read_metrics
 
 GIB = 2**30
-GPUS = {  # usable device memory (GiB), dense bf16 peak (TFLOP/s), NVLink per GPU per direction (GB/s)
-    "b200": (178.0, 2250.0, 900.0),
-    "h200": (139.0, 989.0, 450.0),
+GPUS = {  # usable device memory (GiB), dense bf16 datasheet peak (TFLOP/s)
+    "b200": (178.0, 2250.0),
+    "h200": (139.0, 989.0),
 }
 ASSUMED_IMBALANCE = 4.0  # busiest expert-parallel rank's tokens over the mean when neither set nor measured
 # the `plan` settings the projection takes as given (`imbalance` is set, measured or assumed)
-SETTINGS = ("mfu", "tflops", "nvlink_gbs", "ib_gbs", "pcie_gbs", "gpus_per_node", "host_gib", "trace_tokens")
+SETTINGS = (
+    "mfu",
+    "tflops",
+    "nvlink_gbs",
+    "nic_gbs",
+    "nics_per_node",
+    "pcie_gbs",
+    "gpus_per_node",
+    "host_gib",
+    "trace_tokens",
+)
 
 
 @dataclass
@@ -27,8 +37,9 @@ class Assumptions:
 
     mfu: float = PlanConfig.mfu
     tflops: float = PlanConfig.tflops  # 0: from the GPU (`resolved`)
-    nvlink_gbs: float = PlanConfig.nvlink_gbs  # 0: from the GPU (`resolved`)
-    ib_gbs: float = PlanConfig.ib_gbs
+    nvlink_gbs: float = PlanConfig.nvlink_gbs  # 0: the GPU's attainable rate (`rates.peaks`)
+    nic_gbs: float = PlanConfig.nic_gbs
+    nics_per_node: int = PlanConfig.nics_per_node
     pcie_gbs: float = PlanConfig.pcie_gbs
     gpus_per_node: int = PlanConfig.gpus_per_node
     host_gib: float = PlanConfig.host_gib
@@ -37,11 +48,10 @@ class Assumptions:
     trace_tokens: int = PlanConfig.trace_tokens
 
     def resolved(self, gpu: str) -> Assumptions:
-        """A copy with the GPU's own peak and NVLink speed where these are 0."""
+        """A copy with the GPU's own datasheet bf16 peak where `tflops` is 0."""
         if gpu not in GPUS:
             raise ValueError(f"gpu must be one of {sorted(GPUS)}, not {gpu!r}")
-        _, tflops, nvlink = GPUS[gpu]
-        return dataclasses.replace(self, tflops=self.tflops or tflops, nvlink_gbs=self.nvlink_gbs or nvlink)
+        return dataclasses.replace(self, tflops=self.tflops or GPUS[gpu][1])
 
 
 def load_assumptions(config: TrainConfig) -> Assumptions:

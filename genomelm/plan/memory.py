@@ -162,6 +162,7 @@ class TraceCache:
             switches = (memory.recompute, memory.offload, memory.recompute_chunks, memory.keep_selection)
         return (
             run.plan.stage,
+            run.seq_len,  # the indexer kernel's score workspace is sized by the traced share of the window
             run.parallel.cp,
             *switches,
             options.moe_chunk_tokens,

@@ -80,11 +80,22 @@ def describe(plan: Plan) -> str:
     )
     lines.append("  bytes communicated per step per rank:")
     lines += [f"    {k:<58} {v / 1e9:>10,.2f} GB" for k, v in plan.comm_bytes_per_step.items()]
+    r = plan.roofline
     lines.append(
         f"  projected: {plan.step_s:,.1f} s per step, {plan.tokens_per_s_projected:,.0f} tokens/s, "
-        f"MFU {plan.roofline['mfu']:.1%} (per window: compute {a['compute_s']:.2f} s + communication "
+        f"MFU {r['mfu']:.1%}, HFU {r['hfu']:.1%} (per window: compute {a['compute_s']:.2f} s + communication "
         f"{a['comm_s']:.2f} s + side-stream work not hidden {a['exposed_overlap_s']:.2f} s of "
         f"{a['overlapped_s']:.2f} s + host {a['host_copy_s']:.2f} s)"
+    )
+    if r.get("host_parts"):
+        lines.append(
+            "  host work per window: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["host_parts"].items())
+        )
+    lines.append(
+        f"  MFU: {r['model_flops_per_token']:.3e} model FLOPs per token (HFU: "
+        f"{r['executed_flops_per_token']:.3e} executed, recompute included) x tokens/s / ({plan.gpus} GPUs x "
+        f"{r['peak_bf16'] / 1e12:,.0f} TFLOP/s dense bf16 datasheet peak); model FLOPs: the mean rank's "
+        "traced forward + backward without recompute"
     )
     lines += roofline_lines(plan)
     lines.append(_assumed(a))
@@ -108,12 +119,15 @@ def roofline_lines(plan: Plan) -> list[str]:
         tables.append(("the same at the busiest expert-parallel rank", r["busiest_top"]))
     for title, rows in tables:
         lines.append(f"  {title}:")
-        lines.append(f"    {'share':>6} {'seconds':>9} {'bound':<8} {'TFLOP':>9} {'GB':>9}  class")
+        lines.append(f"    {'share':>6} {'seconds':>9} {'bound':<8} {'at':>14} {'TFLOP':>9} {'GB':>9}  class")
         lines += [
-            f"    {row['share']:>6.1%} {row['seconds']:>9.3f} {row['bound']:<8} {row['tflop']:>9.2f} "
-            f"{row['gb']:>9.1f}  {row['class']}"
+            f"    {row['share']:>6.1%} {row['seconds']:>9.3f} {row['bound']:<8} {_rate(row):>14} "
+            f"{row['tflop']:>9.2f} {row['gb']:>9.1f}  {row['class']}"
             for row in rows
         ]
+    keys = {row["rate"] for _, rows in tables for row in rows}
+    lines.append("  the rates these classes ran at (genomelm/plan/rates.py):")
+    lines += [f"    {key}: {source}" for key, source in _sources(r, keys)]
     if r.get("by_source"):
         shares = ", ".join(
             f"{row['source'].removeprefix('genomelm/')} {row['share']:.1%}"
@@ -123,10 +137,28 @@ def roofline_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _rate(row: dict) -> str:
+    """A top class's rate, in its unit: TFLOP/s, TB/s or us per launch."""
+    if row["rate"] == "launch":
+        return f"{row['rate_value'] * 1e6:.1f} us/op"
+    if row["rate"] == "memory":
+        return f"{row['rate_value'] / 1e12:.2f} TB/s"
+    return f"{row['rate_value'] / 1e12:,.1f} TFLOP/s"
+
+
+def _sources(roofline: dict, keys: set[str]) -> list[tuple[str, str]]:
+    """(rate key, its source) for `keys`, in the rates table's order; a rate the table lacks (a CPU's,
+    measured) as measured."""
+    table = {row["key"]: row["source"] for row in roofline.get("rates", [])}
+    ordered = [k for k in table if k in keys] + sorted(keys - set(table))
+    return [(k, table.get(k, "measured on this machine")) for k in ordered]
+
+
 def _assumed(a: dict) -> str:
     return (
         f"  assumptions: mfu={a['mfu']} tflops={a['tflops']} nvlink_gbs={a['nvlink_gbs']} "
-        f"ib_gbs={a['ib_gbs']} pcie_gbs={a['pcie_gbs']} gpus_per_node={a['gpus_per_node']} "
+        f"nic_gbs={a['nic_gbs']} nics_per_node={a['nics_per_node']} pcie_gbs={a['pcie_gbs']} "
+        f"gpus_per_node={a['gpus_per_node']} "
         f"host_gib={a['host_gib']:.0f} imbalance={a['imbalance']:.2f} ({a['imbalance_source']}) "
         f"trace_tokens={a['trace_tokens']}"
     )

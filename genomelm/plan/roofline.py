@@ -3,12 +3,12 @@
 Every kernel the traced step dispatches (aten ops and the project's `genomelm::` custom ops) is recorded by
 op class (`OpClass`: op, dtype, the unit it runs on, the source line inside genomelm/ that issued it) with
 its count, FLOPs and bytes, and costed as
-    time = max(FLOPs / (unit peak x GEMM efficiency), bytes / (HBM bandwidth x memory efficiency)) + launch,
-by the rules of `RULES` (one table, each rule with its source). Collectives run on the link of their group
-with the ring factor of their kind (`collective_seconds`). `project` reads the op classes of two traces
-(t1, t2 tokens per rank) at the rank's tokens: each class's count and its per-op FLOPs and bytes on the line
-through the two traces, so a Python loop over query blocks (count ~ t, size ~ t) grows as t^2 and a weight
-matmul (count fixed, size ~ t) as t.
+    time = max(FLOPs / the class's attainable FLOP/s, bytes / attainable HBM bandwidth) + launch,
+at the rates of `rates.RATES` (one table, each rate with its public source; `rate_key` picks a class's row).
+Collectives run on the link of their group with the ring factor of their kind (`collective_seconds`).
+`project` reads the op classes of two traces (t1, t2 tokens per rank) at the rank's tokens: each class's count
+and its per-op FLOPs and bytes on the line through the two traces, so a Python loop over query blocks
+(count ~ t, size ~ t) grows as t^2 and a weight matmul (count fixed, size ~ t) as t.
 
 FLOPs come from torch's `FlopCounterMode` formulas (`flop_registry`: a custom op registered with
 `register_flop_formula` is found there), bytes from a custom op's own `<name>_bytes(*args, **kwargs)` in the
@@ -31,76 +31,9 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_leaves
 
-# The one table: (rule, B200, H200, H100, unit, source). `peaks` reads the GPUs' numbers off it.
-RULES: tuple[tuple[str, float, float, float, str, str], ...] = (
-    ("bf16/fp16 tensor cores, dense", 2250, 989, 989, "TFLOP/s", "NVIDIA B200 / H200 / H100 SXM datasheets"),
-    ("fp8 tensor cores, dense", 4500, 1979, 1979, "TFLOP/s", "NVIDIA datasheets (dense, no sparsity)"),
-    (
-        "tf32 tensor cores, dense (an fp32 matmul only where the code enables TF32)",
-        1100,
-        494,
-        494,
-        "TFLOP/s",
-        "NVIDIA datasheets; genomelm never sets torch.backends.cuda.matmul.allow_tf32",
-    ),
-    (
-        "fp32 CUDA cores (an fp32 matmul without TF32)",
-        75,
-        67,
-        67,
-        "TFLOP/s",
-        "NVIDIA datasheets (non-tensor fp32)",
-    ),
-    ("HBM bandwidth", 8.0, 4.8, 3.35, "TB/s", "NVIDIA datasheets (HBM3e / HBM3e / HBM3)"),
-    (
-        "NVLink per GPU per direction (a group within one node)",
-        900,
-        450,
-        450,
-        "GB/s",
-        "NVLink 5 (1.8 TB/s bidirectional) / NVLink 4 (900 GB/s bidirectional)",
-    ),
-    (
-        "InfiniBand per GPU per direction (a group across nodes)",
-        50,
-        50,
-        50,
-        "GB/s",
-        "one 400 Gb/s ConnectX-7 NIC per GPU (DGX B200 / H200 / H100)",
-    ),
-    (
-        "GEMM efficiency: share of the unit's peak a matmul or kernel reaches",
-        0.70,
-        0.70,
-        0.70,
-        "",
-        "cuBLAS / CUTLASS large bf16 GEMMs reach 70-80% of dense peak; 70% taken as the ceiling",
-    ),
-    (
-        "memory efficiency: share of HBM bandwidth an elementwise op or copy reaches",
-        0.80,
-        0.80,
-        0.80,
-        "",
-        "STREAM-like copies reach ~80-90% of HBM bandwidth; 80% taken as the ceiling",
-    ),
-    (
-        "kernel launch (each op of a Python loop pays its own)",
-        5,
-        5,
-        5,
-        "us",
-        "CUDA launch + PyTorch eager dispatch, ~5 us per kernel",
-    ),
-)
-GPU_COLUMNS = {"b200": 1, "h200": 2, "h100": 3}
-COLLECTIVE_FACTORS = {  # bytes one rank moves over its link per byte of the collective's full tensor, n ranks
-    "all_gather": "(n-1)/n of the gathered output",
-    "reduce_scatter": "(n-1)/n of the input",
-    "all_to_all": "(n-1)/n of the exchanged tensor",
-    "all_reduce": "2(n-1)/n of the tensor (ring: a reduce-scatter then an all-gather; NCCL's tree as much)",
-}
-COLLECTIVE_SOURCE = "NCCL's bus bandwidth factors (nccl-tests doc/PERFORMANCE.md)"
+from genomelm.model.moe import Experts
+from genomelm.plan.rates import Peaks, ring_factor
+
 OVERLAP_RULE = (
     "overlap only where the code runs work on a side stream or an async collective: FSDP2's all-gathers and "
     "reduce-scatters (its own streams) and the layer-input offload copies (`HostCopier`'s stream) hide "
@@ -152,55 +85,6 @@ _ROOT = Path(__file__).resolve().parents[1]  # genomelm/
 _SKIPPED = {str(_ROOT / "plan" / name) for name in ("roofline.py", "trace.py", "recording.py")}
 
 
-@dataclass(frozen=True)
-class Peaks:
-    """What one device does per second: FLOP/s by unit ("bf16", "fp8", "tf32", "fp32"), HBM bytes/s, the
-    efficiencies, the launch cost (s) and the links (bytes/s per direction). `grouped_flops`: the routed
-    experts' grouped GEMMs' FLOP/s by unit where a device runs them below its matmul peak (measured, on the
-    CPU: torch's CPU grouped GEMM is far slower than its GEMM); empty on the GPUs, whose grouped GEMMs are
-    costed as any GEMM."""
-
-    name: str
-    flops: dict[str, float]
-    memory: float
-    gemm_efficiency: float
-    memory_efficiency: float
-    launch_s: float
-    nvlink: float
-    ib: float
-    gpus_per_node: int = 8
-    grouped_flops: dict[str, float] = field(default_factory=dict)
-
-    def matmul_flops(self, op: OpClass) -> float:
-        """FLOP/s of the unit `op` runs on (before the GEMM efficiency)."""
-        return (self.grouped_flops.get(op.unit) if op.expert else None) or self.flops[op.unit]
-
-
-def peaks(gpu: str, nvlink_gbs: float = 0.0, ib_gbs: float = 0.0, gpus_per_node: int = 8) -> Peaks:
-    """The peaks of `gpu` ("b200", "h200", "h100") from `RULES`; links overridden where given (GB/s)."""
-    if gpu not in GPU_COLUMNS:
-        raise ValueError(f"gpu must be one of {sorted(GPU_COLUMNS)}, not {gpu!r}")
-    v = [row[GPU_COLUMNS[gpu]] for row in RULES]
-    return Peaks(
-        name=gpu,
-        flops={"bf16": v[0] * 1e12, "fp8": v[1] * 1e12, "tf32": v[2] * 1e12, "fp32": v[3] * 1e12},
-        memory=v[4] * 1e12,
-        nvlink=(nvlink_gbs or v[5]) * 1e9,
-        ib=(ib_gbs or v[6]) * 1e9,
-        gemm_efficiency=v[7],
-        memory_efficiency=v[8],
-        launch_s=v[9] * 1e-6,
-        gpus_per_node=gpus_per_node,
-    )
-
-
-def rules_table() -> str:
-    """`RULES` as a markdown table (docs/planner.md's)."""
-    rows = ["| rule | B200 | H200 | H100 | unit | source |", "|---|---|---|---|---|---|"]
-    rows += [f"| {r} | {b:g} | {h2:g} | {h1:g} | {u} | {s} |" for r, b, h2, h1, u, s in RULES]
-    return "\n".join(rows)
-
-
 @dataclass
 class OpClass:
     """Ops of one kind (op, dtype, unit) issued by one source line, in one part of the step: their count and
@@ -214,15 +98,13 @@ class OpClass:
     flops: float = 0.0
     bytes: float = 0.0
     recompute_flops: float = 0.0
+    # the routed experts' work (`expert_work`): "rows" (the busiest expert-parallel rank runs `imbalance` x
+    # the mean), "weights" (per local expert: E/ep of them, none where FSDP2 gathers them in bf16), or ""
+    expert: str = ""
 
     @property
     def key(self) -> str:
         return f"{self.op} {self.dtype} @ {self.where}"
-
-    @property
-    def expert(self) -> bool:
-        """The routed experts' grouped GEMMs (the busiest expert-parallel rank runs `imbalance` x them)."""
-        return self.op == "aten._grouped_mm"
 
 
 _DTYPE_NAMES = {
@@ -305,6 +187,8 @@ _FRAME_FILES: dict[Any, str | None] = {}  # code object -> its file relative to 
 
 
 _RECOMPUTE = (torch.utils.checkpoint.__file__, "recompute_fn")  # non-reentrant checkpoint's recompute
+_EXPERT_ROWS, _EXPERT_WEIGHTS = Experts.expert_rows.__code__, Experts.weights_in.__code__
+_EXPERT_FILES = ("genomelm/model/moe.py", "genomelm/model/mlp.py")  # where expert_rows's kernels are issued
 
 
 def in_recompute() -> bool:
@@ -316,6 +200,22 @@ def in_recompute() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def expert_work(where: str | None) -> str:
+    """What routed-expert work the calling op does: "weights" inside `Experts.weights_in` (a cast of the
+    experts' weights: per expert), "rows" elsewhere inside `Experts.expert_rows` (per row it computes), else
+    "". `where`: the op's `source_line`; only an op issued from the experts' own files is looked into."""
+    if where is None or not where.startswith(_EXPERT_FILES):
+        return ""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _EXPERT_WEIGHTS:
+            return "weights"
+        if frame.f_code is _EXPERT_ROWS:
+            return "rows"
+        frame = frame.f_back
+    return ""
 
 
 def source_line() -> tuple[str | None, str]:
@@ -346,13 +246,15 @@ class SourceTags(torch.overrides.TorchFunctionMode):
             for t in (tree_leaves(out) if isinstance(out, (tuple, list)) else (out,))
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
-        where = None
+        where, expert = None, None
         while nodes:  # the nodes this call made (a composite op makes several): those not tagged yet
             node = nodes.pop()
             if node is None or "genomelm_where" in node.metadata:
                 continue
             where = where or source_line()[0]
+            expert = expert_work(where) if expert is None else expert
             node.metadata["genomelm_where"] = where
+            node.metadata["genomelm_expert"] = expert
             nodes += [n for n, _ in node.next_functions]
         return out
 
@@ -370,6 +272,7 @@ class OpLog:
         where, function = source_line()
         node = torch._C._current_autograd_node()
         recompute = False
+        expert = expert_work(where)
         if node is not None:  # the backward: a Python backward or a recompute has its own model frame
             in_model = where is not None and where.startswith(("genomelm/model", "genomelm/parallel"))
             if in_model:
@@ -377,15 +280,39 @@ class OpLog:
             else:
                 forward = node.metadata.get("genomelm_where")
                 where = f"backward of {forward or node.name()}"
+            if not recompute:  # a backward kernel does the work of the forward op that made its node
+                expert = node.metadata.get("genomelm_expert") or ""
         where = where or "outside genomelm"
         key = f"{name} {dtype} @ {where}"
         slot = self.parts.setdefault(part, {}).get(key)
         if slot is None:
-            slot = self.parts[part][key] = OpClass(name, dtype, unit, where)
+            slot = self.parts[part][key] = OpClass(name, dtype, unit, where, expert=expert)
         slot.count += 1
         slot.flops += flops
         slot.bytes += moved
         slot.recompute_flops += flops if recompute else 0.0
+
+
+# the project's kernels and fla's stand-ins at the rate of the published kernel of their kind (`rates.RATES`)
+CUSTOM_RATES = {
+    "genomelm.sparse_mla_fwd": "sparse_mla_fwd",
+    "genomelm.sparse_mla_pool_mass": "sparse_mla_fwd",
+    "genomelm.sparse_mla_bwd": "sparse_mla_bwd",
+    "genomelm.indexer_scores": "indexer",
+    "genomelm_simulation.chunk_kda": "kda_fwd",
+    "genomelm_simulation.chunk_kda_gate": "kda_fwd",
+    "genomelm_simulation.chunk_kda_backward": "kda_bwd",
+}
+
+
+def rate_key(op: OpClass) -> str:
+    """The `rates.RATES` row an op class's FLOPs run at: its kernel's own, the routed experts' grouped GEMM,
+    else the dense GEMM of its unit."""
+    if op.op in CUSTOM_RATES:
+        return CUSTOM_RATES[op.op]
+    if op.op == "aten._grouped_mm":
+        return f"grouped_gemm_{op.unit}"
+    return f"gemm_{op.unit}"
 
 
 def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float, str]:
@@ -394,34 +321,22 @@ def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float
     n = op.count if count is None else count
     if n <= 0:
         return 0.0, "memory"
-    compute = op.flops / op.count / (p.matmul_flops(op) * p.gemm_efficiency) if op.unit != "memory" else 0.0
-    memory = op.bytes / op.count / (p.memory * p.memory_efficiency)
+    compute = op.flops / op.count / p.flops_rate(rate_key(op), op.unit) if op.unit != "memory" else 0.0
+    memory = op.bytes / op.count / p.memory
     body = max(compute, memory)
     bound = "launch" if p.launch_s > body else ("compute" if compute > memory else "memory")
     return n * (body + p.launch_s), bound
 
 
-def ring_factor(kind: str, ranks: int) -> float:
-    """Bytes one rank moves per byte of the collective's full tensor (`COLLECTIVE_FACTORS`)."""
-    if ranks <= 1:
-        return 0.0
-    share = (ranks - 1) / ranks
-    if kind not in COLLECTIVE_FACTORS:
-        raise ValueError(f"no ring factor for collective {kind!r}: one of {sorted(COLLECTIVE_FACTORS)}")
-    return 2 * share if kind == "all_reduce" else share
-
-
-def link_bytes_per_s(p: Peaks, ranks: int) -> float:
-    """The link of a group of `ranks` consecutive ranks: NVLink within a node, else InfiniBand."""
-    return p.nvlink if ranks <= p.gpus_per_node else p.ib
-
-
 def collective_seconds(kind: str, payload: float, ranks: int, p: Peaks) -> float:
-    """Seconds of one collective over `ranks` ranks on `payload` bytes (its full tensor: the gathered output,
-    the scattered input, the reduced or exchanged tensor), plus one launch."""
+    """Seconds of one collective over `ranks` consecutive ranks on `payload` bytes (its full tensor: the
+    gathered output, the scattered input, the reduced or exchanged tensor), plus one launch."""
     if ranks <= 1:
         return 0.0
-    return payload * ring_factor(kind, ranks) / link_bytes_per_s(p, ranks) + p.launch_s
+    moved = payload * ring_factor(kind, ranks)
+    if kind == "all_to_all":
+        return p.links.all_to_all_seconds(moved, ranks) + p.launch_s
+    return moved / p.links.ring_bytes_per_s(ranks) + p.launch_s
 
 
 @dataclass
@@ -439,6 +354,7 @@ class CostedClass:
     seconds: float
     bound: str
     model_flops: float  # FLOPs but the recompute's
+    rate: str = ""  # the rate that bounds it ("gemm_bf16", "memory", "launch": `rates.RATES`)
 
 
 def _line(a: float, b: float, t1: int, t2: int, t: int) -> float:
@@ -454,12 +370,15 @@ def project(
     multiplicity: dict[str, float],
     p: Peaks,
     expert_scale: float = 1.0,
+    weights_scale: float = 1.0,
 ) -> list[CostedClass]:
     """The op classes of two traces (at t1 and t2 tokens per rank; the same when t1 == t2) read at `tokens`:
     count and per-op FLOPs and bytes on the line through the two, each part x `multiplicity[part]` (the
-    layers a traced layer stands for; parts not named are left out), the routed experts' grouped GEMMs x
-    `expert_scale` (the busiest expert-parallel rank's rows over the mean). Classes of the same key summed
-    over the parts, the costliest first."""
+    layers a traced layer stands for; parts not named are left out), the routed experts' work on rows x
+    `expert_scale` (the busiest expert-parallel rank's rows over the mean) and on their weights x
+    `weights_scale` (the rank's share of the traced experts). Classes of the same key summed over the parts,
+    the costliest first."""
+    scales = {"rows": expert_scale, "weights": weights_scale, "": 1.0}
     merged: dict[str, CostedClass] = {}
     for part, times in multiplicity.items():
         for key, op in hi.get(part, {}).items():
@@ -471,7 +390,7 @@ def project(
             per_bytes = _line(
                 low.bytes / low.count if low else op.bytes / op.count, op.bytes / op.count, t1, t2, tokens
             )
-            scale = times * (expert_scale if op.expert else 1.0)
+            scale = times * scales[op.expert]
             read = dataclasses.replace(op, count=1, flops=per_flops, bytes=per_bytes)
             seconds, bound = op_seconds(read, p, count * scale)
             recompute_share = op.recompute_flops / op.flops if op.flops else 0.0
@@ -489,6 +408,7 @@ def project(
                     seconds,
                     bound,
                     flops * (1 - recompute_share),
+                    p.resolved(rate_key(op), op.unit) if bound == "compute" else bound,
                 )
             else:
                 slot.count += count * scale
@@ -499,10 +419,19 @@ def project(
     return sorted(merged.values(), key=lambda c: -c.seconds)
 
 
-def top_classes(classes: Iterable[CostedClass], total_s: float, n: int = 10) -> list[dict[str, Any]]:
-    """The `n` costliest classes as plan.json rows: share of the step, bound, count, seconds, where."""
+def top_classes(
+    classes: Iterable[CostedClass], total_s: float, p: Peaks, n: int = 10
+) -> list[dict[str, Any]]:
+    """The `n` costliest classes as plan.json rows: share of the step, bound, the rate that bounds it (its
+    value in FLOP/s, bytes/s or seconds per launch, and its source), count, seconds, where."""
     rows = []
     for c in list(classes)[:n]:
+        if c.rate == "launch":
+            value = p.launch_s
+        elif c.rate == "memory":
+            value = p.memory
+        else:
+            value = p.compute[c.rate]
         rows.append(
             {
                 "class": c.key,
@@ -510,6 +439,9 @@ def top_classes(classes: Iterable[CostedClass], total_s: float, n: int = 10) -> 
                 "seconds": c.seconds,
                 "bound": c.bound,
                 "unit": c.unit,
+                "rate": c.rate,
+                "rate_value": value,
+                "rate_source": p.sources.get(c.rate, "measured on this machine"),
                 "count": c.count,
                 "tflop": c.flops / 1e12,
                 "gb": c.bytes / 1e9,

@@ -17,21 +17,35 @@ from typing import Any
 
 from genomelm.data import read_manifest
 from genomelm.model import ModelConfig
-from genomelm.plan import roofline
+from genomelm.plan import rates, roofline
 from genomelm.plan.layouts import Assumptions, EvalTime, Layout
 from genomelm.plan.memory import ParameterShare, ScaledTraces
+from genomelm.plan.rates import Peaks
 from genomelm.run import scoring
 from genomelm.run.config import TrainConfig
 
 # With optimizer_offload the AdamW step runs on the host CPU, one parameter tensor at a time (`foreach=False`:
 # FSDP2's DTensors on two meshes, the experts' and the rest's, cannot share a foreach kernel): about seven
 # passes over the fp32 parameter, its gradient and the two moments, read and written, ~100 B per parameter,
-# at a share of the node's memory bandwidth (a two-socket node's ~200 GB/s over its 8 GPUs). On the GPU the
-# same per-tensor loop moves the same bytes through HBM (its launches, ~10 per parameter tensor, are well
-# under 0.1 s).
+# at the GPU's share of its node's memory bandwidth (`rates.RATES` "host_memory"). On the GPU the same
+# per-tensor loop moves the same bytes through HBM (its launches, ~10 per parameter tensor, are well under
+# 0.1 s).
 HOST_ADAMW_BYTES_PER_PARAMETER = 100
 ADAMW_BYTES_PER_PARAMETER = 100
-HOST_MEMORY_GBS_PER_GPU = 25.0
+# With optimizer_offload and gradient accumulation, FSDP2 adds each micro-batch's reduced fp32 gradient shard
+# to the one already on the host inside the backward, after the first: a blocking device-to-host copy (4 B
+# per parameter over PCIe) and an add on the host CPU (read both, write one: 12 B) that nothing overlaps
+# (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, `foreach_reduce`'s offload branch).
+HOST_ACCUMULATE_BYTES_PER_PARAMETER = 12
+# The expert exchange's copies on the receiving rank, per MoE layer and pass: its received rows to the order
+# of its local experts and their outputs back to arrival order (`parallel/expert.py`), each read and written
+# once; not in the trace, which runs the experts on one rank (ep=1).
+EXCHANGE_COPIES = 2
+MFU_FORMULA = (
+    "MFU = model FLOPs per token x tokens/s / (GPUs x dense bf16 peak), model FLOPs per token = the traced "
+    "forward + backward FLOPs of the mean rank's window without recompute / its tokens (PaLM appendix B; "
+    "Megatron, torchtitan); HFU the same with the recompute's FLOPs; the busiest rank sets the step time"
+)
 # Held-out sets sized without their prepared folder: genome -> (held-out record (configs/data/<genome>.yaml),
 # its length, its bases other than N; GRCh38 chr22, whose N are mostly the short arm's first ~10.5 Mb).
 HELD_OUT_ESTIMATES = {"hg38": ("chr22", 50_818_468, 39_159_782)}
@@ -49,14 +63,16 @@ class StepTime:
     comm: dict[str, float]  # bytes one rank moves, by collective
     compute_s: float  # the busiest rank's kernels at their roofline
     comm_s: float  # collectives that block the compute
-    host_s: float  # what adds up on the host side: optimizer offload's copies and its AdamW step
+    host_s: float  # what adds up on the host side: optimizer offload's copies, accumulation and AdamW step
     overlapped_s: float = 0.0  # side-stream work (FSDP2's collectives, layer-input offload copies)
-    model_flops: float = 0.0  # the busiest rank's FLOPs less its recompute (MFU's numerator)
+    model_flops: float = 0.0  # the mean rank's FLOPs less its recompute (MFU's numerator)
+    executed_flops: float = 0.0  # the mean rank's FLOPs, recompute included (HFU's numerator)
     flat_compute_s: float = 0.0  # busiest_flops at `mfu` of the bf16 peak (the flat estimate)
     top: list[dict[str, Any]] = field(default_factory=list)  # the costliest op classes, mean rank
     busiest_top: list[dict[str, Any]] = field(default_factory=list)  # the same at the busiest EP rank
     mean_compute_s: float = 0.0  # the mean rank's kernels
     by_source: list[dict[str, Any]] = field(default_factory=list)  # the busiest rank's kernels by source file
+    host_parts: dict[str, float] = field(default_factory=dict)  # `host_s` by part
 
     @property
     def exposed_s(self) -> float:
@@ -68,49 +84,80 @@ class StepTime:
         return self.compute_s + self.comm_s + self.exposed_s + self.host_s
 
 
-def device_peaks(a: Assumptions, gpu: str) -> roofline.Peaks:
-    """The roofline's peaks of `gpu` (`roofline.RULES`), the links and the bf16 peak as `a` resolved them."""
-    p = roofline.peaks(gpu, a.nvlink_gbs, a.ib_gbs, a.gpus_per_node)
-    return dataclasses.replace(p, flops=p.flops | {"bf16": a.tflops * 1e12})
+def device_peaks(a: Assumptions, gpu: str) -> Peaks:
+    """`gpu`'s attainable rates (`rates.RATES`) with the links and the datasheet bf16 peak as `a` gives
+    them."""
+    p = rates.peaks(gpu, a.nvlink_gbs, a.nic_gbs, a.nics_per_node, a.gpus_per_node, a.pcie_gbs)
+    return dataclasses.replace(p, peak_bf16=a.tflops * 1e12 or p.peak_bf16)
 
 
 @dataclass
 class KernelTime:
     """The traced kernels of one window at their roofline: the busiest expert-parallel rank's seconds (what
-    the step waits for), the mean rank's, the busiest rank's model FLOPs (recompute left out), the costliest
-    op classes of each, and the busiest rank's seconds by source file."""
+    the step waits for), the mean rank's, the mean rank's FLOPs with and without recompute, the costliest op
+    classes of each, and the busiest rank's seconds by source file."""
 
     busiest_s: float
     mean_s: float
     model_flops: float
+    executed_flops: float
     top: list[dict[str, Any]]
     busiest_top: list[dict[str, Any]]
     by_source: list[dict[str, Any]]
 
 
+def exchange_copies(
+    model_config: ModelConfig, layout: Layout, tokens: int, passes: int, p: Peaks, scale: float
+) -> list[roofline.CostedClass]:
+    """The expert exchange's copies on a receiving rank (`EXCHANGE_COPIES` per MoE layer and pass, bf16 rows
+    read and written), its rows `scale` x the mean (tokens x top-k); none without expert parallelism."""
+    if layout.ep == 1:
+        return []
+    moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
+    count = EXCHANGE_COPIES * passes * moe_layers
+    rows = tokens * model_config.num_experts_per_tok * scale
+    moved = 2 * 2 * rows * model_config.hidden_size * count  # read + write, 2 B each
+    seconds = moved / p.memory + count * p.launch_s
+    where = "genomelm/parallel/expert.py (received rows to expert order and back; not traced, counted)"
+    key = f"aten.index bf16 @ {where}"
+    return [
+        roofline.CostedClass(
+            key, "aten.index", "memory", where, count, 0.0, moved, seconds, "memory", 0.0, "memory"
+        )
+    ]
+
+
 def kernel_time(
-    model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions, gpu: str
+    model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions, gpu: str, passes: int = 3
 ) -> KernelTime:
     """The traced kernels of one window at the rank's tokens, every layer by its kind's (the update phase
-    apart: it is costed from the parameters)."""
+    apart: it is costed from the parameters), with the expert exchange's copies (`passes` of them: forward,
+    recompute, backward)."""
     p = device_peaks(a, gpu)
     times: dict[str, float] = {"rest": 1.0}
     for i in range(model_config.num_hidden_layers):
         part = f"layers.{steps.rep_of[i]}"
         times[part] = times.get(part, 0.0) + 1.0
     lo, hi, t1, t2 = steps.lo.ops, steps.hi.ops, steps.t1, steps.t2
-    mean = roofline.project(lo, hi, t1, t2, steps.tokens, times, p)
+    # the experts' weights cast to the compute dtype: none where FSDP2 gathers them in bf16, else E/ep of them
+    weights = 0.0 if layout.sharded else 1 / layout.ep
     scale = a.imbalance if layout.ep > 1 else 1.0
-    busiest = (
-        roofline.project(lo, hi, t1, t2, steps.tokens, times, p, expert_scale=scale) if scale != 1 else mean
-    )
+
+    def projected(rows: float) -> list[roofline.CostedClass]:
+        traced = roofline.project(lo, hi, t1, t2, steps.tokens, times, p, rows, weights)
+        copies = exchange_copies(model_config, layout, steps.tokens, passes, p, rows)
+        return sorted(traced + copies, key=lambda c: -c.seconds)
+
+    mean = projected(1.0)
+    busiest = projected(scale) if scale != 1 else mean
     mean_s, busiest_s = sum(c.seconds for c in mean), sum(c.seconds for c in busiest)
     return KernelTime(
         busiest_s,
         mean_s,
-        sum(c.model_flops for c in busiest),
-        roofline.top_classes(mean, mean_s, TOP_CLASSES),
-        roofline.top_classes(busiest, busiest_s, TOP_CLASSES),
+        sum(c.model_flops for c in mean),
+        sum(c.flops for c in mean),
+        roofline.top_classes(mean, mean_s, p, TOP_CLASSES),
+        roofline.top_classes(busiest, busiest_s, p, TOP_CLASSES),
         roofline.by_source(busiest),
     )
 
@@ -125,30 +172,46 @@ def step_time(
     a: Assumptions,
 ) -> StepTime:
     """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads."""
+    p = device_peaks(a, config.plan.gpu)
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
-    comm, comm_s, overlapped_s = comm_bytes(model_config, layout, params, steps, a)
+    comm, comm_s, overlapped_s = comm_bytes(model_config, layout, params, steps, a, p)
     kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu)
     compute_s, mean_s = kernels.busiest_s, kernels.mean_s
-    host_s = 0.0
+    host: dict[str, float] = {}
+    accum, pcie = config.optim.grad_accum, p.links.pcie
     if config.memory.offload:  # the layer inputs out and back, per window, on the copier's own stream
-        overlapped_s += 2 * host_inputs / (a.pcie_gbs * 1e9)
-    if layout.optimizer_offload:  # the fp32 gradients down and the fp32 parameters up, per optimizer step
-        host_s += 2 * 4 * params.local / config.optim.grad_accum / (a.pcie_gbs * 1e9)
-        # and the AdamW step itself on the host
-        adamw_bytes = HOST_ADAMW_BYTES_PER_PARAMETER * params.local / config.optim.grad_accum
-        host_s += adamw_bytes / (HOST_MEMORY_GBS_PER_GPU * 1e9)
-    else:  # the AdamW step on the GPU, per window
-        p = device_peaks(a, config.plan.gpu)
-        adamw_s = (
-            ADAMW_BYTES_PER_PARAMETER
+        overlapped_s += 2 * host_inputs / pcie
+    if layout.optimizer_offload:
+        host_bandwidth = rates.rate("host_memory").on(config.plan.gpu) / a.gpus_per_node
+        # the fp32 gradients down and the fp32 parameters up, once per optimizer step
+        host["optimizer offload copies"] = 2 * 4 * params.local / accum / pcie
+        # every micro-batch after the first: its gradient added to the host's inside the backward
+        host["gradient accumulation on the host"] = (
+            (accum - 1)
+            / accum
             * params.local
-            / config.optim.grad_accum
-            / (p.memory * p.memory_efficiency)
+            * (4 / pcie + HOST_ACCUMULATE_BYTES_PER_PARAMETER / host_bandwidth)
         )
+        host["AdamW step on the host"] = (
+            HOST_ADAMW_BYTES_PER_PARAMETER * params.local / accum / host_bandwidth
+        )
+    else:  # the AdamW step on the GPU, per window
+        adamw_s = ADAMW_BYTES_PER_PARAMETER * params.local / accum / p.memory
         compute_s, mean_s = compute_s + adamw_s, mean_s + adamw_s
-    return _step_time(
-        rank_flops, busiest_flops, comm, comm_s, host_s, overlapped_s, kernels, a, compute_s, mean_s
+    time = _step_time(
+        rank_flops,
+        busiest_flops,
+        comm,
+        comm_s,
+        sum(host.values()),
+        overlapped_s,
+        kernels,
+        a,
+        compute_s,
+        mean_s,
     )
+    time.host_parts = host
+    return time
 
 
 def forward_time(
@@ -164,8 +227,9 @@ def forward_time(
     plus its collectives (`forward_comm_bytes`; FSDP2's gathers overlapped); `stored`: the parameters' bytes
     as stored (bf16, with the fp32-declared ones fp32, when `stored_in_bf16`). No host copies."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
-    comm, comm_s, overlapped_s = forward_comm_bytes(model_config, layout, stored, steps, a, stored_in_bf16)
-    kernels = kernel_time(model_config, layout, steps, a, gpu)
+    p = device_peaks(a, gpu)
+    comm, comm_s, overlapped_s = forward_comm_bytes(model_config, layout, stored, steps, a, p, stored_in_bf16)
+    kernels = kernel_time(model_config, layout, steps, a, gpu, passes=1)
     return _step_time(rank_flops, busiest_flops, comm, comm_s, 0.0, overlapped_s, kernels, a)
 
 
@@ -192,6 +256,7 @@ def _step_time(
         host_s=host_s,
         overlapped_s=overlapped_s,
         model_flops=kernels.model_flops,
+        executed_flops=kernels.executed_flops,
         flat_compute_s=busiest_flops / (a.tflops * 1e12 * a.mfu),
         top=kernels.top,
         busiest_top=kernels.busiest_top,
@@ -221,62 +286,69 @@ def _flops(
 
 
 def roofline_summary(time: StepTime, layout: Layout, seq: int, a: Assumptions, gpu: str) -> dict[str, Any]:
-    """plan.json's "roofline": the window's seconds by part, tokens/s and MFU (the busiest rank's FLOPs less
-    recompute / step time / bf16 peak), the flat estimate beside, the top op classes (mean and busiest
-    expert-parallel rank) and the rules they were costed by."""
+    """plan.json's "roofline": the window's seconds by part, tokens/s, MFU and HFU (`MFU_FORMULA`), the flat
+    estimate beside, the top op classes (mean and busiest expert-parallel rank) with the rates they were
+    costed at, and the rates table."""
     p = device_peaks(a, gpu)
     step = max(time.step_s, 1e-12)
     flat_step = time.flat_compute_s + time.comm_s + time.exposed_s + time.host_s
+    tokens = seq // layout.cp
     return {
         "step_s": time.step_s,
         "tokens_per_s": layout.dp * seq / step,
-        "mfu": time.model_flops / step / p.flops["bf16"],
+        "mfu": time.model_flops / step / p.peak_bf16,
+        "hfu": time.executed_flops / step / p.peak_bf16,
+        "model_flops_per_token": time.model_flops / tokens,
+        "executed_flops_per_token": time.executed_flops / tokens,
+        "mfu_formula": MFU_FORMULA,
+        "peak_bf16": p.peak_bf16,
         "compute_s": time.compute_s,
         "mean_compute_s": time.mean_compute_s,
         "comm_s": time.comm_s,
         "overlapped_s": time.overlapped_s,
         "exposed_overlap_s": time.exposed_s,
         "host_s": time.host_s,
+        "host_parts": time.host_parts,
         "model_flops": time.model_flops,
         "flat_compute_s": time.flat_compute_s,
         "flat_tokens_per_s": layout.dp * seq / max(flat_step, 1e-12),
         "top": [row | {"share": row["seconds"] / step} for row in time.top],  # share of the window's time
         "busiest_top": [row | {"share": row["seconds"] / step} for row in time.busiest_top],
         "by_source": [row | {"share": row["seconds"] / step} for row in time.by_source],
-        "rules": [dict(zip(("rule", "b200", "h200", "h100", "unit", "source"), r)) for r in roofline.RULES],
-        "collectives": roofline.COLLECTIVE_FACTORS | {"source": roofline.COLLECTIVE_SOURCE},
+        "rates": [dataclasses.asdict(r) for r in rates.RATES],
+        "collectives": rates.COLLECTIVE_FACTORS | {"source": rates.COLLECTIVE_SOURCE},
         "overlap": roofline.OVERLAP_RULE,
     }
 
 
-def link_bytes_per_s(a: Assumptions, ranks: int) -> float:
-    """Bytes per second of a collective over `ranks` consecutive ranks: NVLink inside a node, else the
-    NICs."""
-    return (a.nvlink_gbs if ranks <= a.gpus_per_node else a.ib_gbs) * 1e9
-
-
 @dataclass
 class _Tally:
-    """Bytes one rank moves, by collective, and their seconds at the link of each collective's group: those
-    that block the compute, and those on a side stream (`overlapped`)."""
+    """Bytes one rank moves, by collective, and their seconds at the link of each collective's group
+    (`rates.Links`): those that block the compute, and those on a side stream (`overlapped`)."""
 
-    a: Assumptions
+    links: rates.Links
+    imbalance: float
     bytes: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     overlapped_seconds: float = 0.0
 
-    def add(self, name: str, value: float, ranks: int, overlapped: bool = False) -> None:
-        """`value`: the bytes one rank moves over its link."""
-        self.bytes[name] = self.bytes.get(name, 0.0) + value
-        if overlapped:
-            self.overlapped_seconds += value / link_bytes_per_s(self.a, ranks)
+    def add(self, name: str, moved: float, ranks: int, kind: str = "ring", overlapped: bool = False) -> None:
+        """`moved`: the bytes one rank moves over its links in a collective of `kind` ("all_to_all", else a
+        ring)."""
+        self.bytes[name] = self.bytes.get(name, 0.0) + moved
+        if kind == "all_to_all":
+            seconds = self.links.all_to_all_seconds(moved, ranks)
         else:
-            self.seconds += value / link_bytes_per_s(self.a, ranks)
+            seconds = moved / self.links.ring_bytes_per_s(ranks) if ranks > 1 else 0.0
+        if overlapped:
+            self.overlapped_seconds += seconds
+        else:
+            self.seconds += seconds
 
     def traced(self, kind: str, payload: float, ranks: int) -> None:
         """A traced context-parallel collective of `payload` bytes (its full tensor): the bytes one rank moves
-        are its ring factor's share (`roofline.ring_factor`)."""
-        self.add(f"cp {kind}", payload * roofline.ring_factor(kind, ranks), ranks)
+        are its ring factor's share (`rates.ring_factor`)."""
+        self.add(f"cp {kind}", payload * rates.ring_factor(kind, ranks), ranks, kind)
 
     def traced_layers(self, model_config: ModelConfig, steps: ScaledTraces, cp: int) -> None:
         """The decoder layers' context-parallel collectives as traced, each layer by its kind's, on the line
@@ -298,7 +370,7 @@ class _Tally:
         moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
         rows = tokens * model_config.num_experts_per_tok
         per_layer = rows * model_config.hidden_size * width * (ep - 1) / ep
-        self.add(label, per_layer * 2 * passes * moe_layers * self.a.imbalance, ep)
+        self.add(label, per_layer * 2 * passes * moe_layers * self.imbalance, ep, "all_to_all")
 
 
 def _gathered(layout: Layout, params: ParameterShare) -> float:
@@ -310,13 +382,18 @@ def _gathered(layout: Layout, params: ParameterShare) -> float:
 
 
 def comm_bytes(
-    model_config: ModelConfig, layout: Layout, params: ParameterShare, steps: ScaledTraces, a: Assumptions
+    model_config: ModelConfig,
+    layout: Layout,
+    params: ParameterShare,
+    steps: ScaledTraces,
+    a: Assumptions,
+    p: Peaks,
 ) -> tuple[dict[str, float], float, float]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
     computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over:
     those that block the compute, and FSDP2's (overlapped)."""
     hi, cp, world = steps.hi, layout.cp, layout.world
-    tally = _Tally(a)
+    tally = _Tally(p.links, a.imbalance)
     tally.traced_layers(model_config, steps, cp)
     for kind, size in hi.comm.get("rest", {}).items():
         if not (kind == "all_reduce" and size > 1024):  # not the packed gradient sum (computed below)
@@ -338,13 +415,14 @@ def forward_comm_bytes(
     stored: ParameterShare,
     steps: ScaledTraces,
     a: Assumptions,
+    p: Peaks,
     stored_in_bf16: bool,
 ) -> tuple[dict[str, float], float, float]:
     """Bytes one rank moves in the evaluator's forward at `steps.tokens` per rank (the traced
     context-parallel collectives, the losses' all-gather among them; every FSDP unit gathered once, as
     stored; the expert all-to-all once, in bf16 with `stored_in_bf16`, else fp32), and their seconds."""
     lo, hi = steps.lo, steps.hi
-    tally = _Tally(a)
+    tally = _Tally(p.links, a.imbalance)
     tally.traced_layers(model_config, steps, layout.cp)
     for kind, size in hi.comm.get("rest", {}).items():  # the per-token losses: linear in the tokens
         tally.traced(kind, steps.line(lo.comm.get("rest", {}).get(kind, 0), size), layout.cp)

@@ -308,11 +308,13 @@ class PlanConfig:
     force: bool = False  # train even when the plan says the run does not fit
     # what the projection assumes
     mfu: float = 0.35  # achieved fraction of the GPU's dense bf16 peak
-    tflops: float = 0.0  # the GPU's dense bf16 peak, TFLOP/s (0: from `gpu`)
-    nvlink_gbs: float = 0.0  # per GPU per direction inside a node, GB/s (0: from `gpu`)
-    ib_gbs: float = 50.0  # per GPU per direction between nodes (400 Gb/s NICs), GB/s
-    pcie_gbs: float = 50.0  # per GPU per direction to host memory (offload copies), GB/s
-    gpus_per_node: int = 8  # GPUs sharing a node (NVLink inside, InfiniBand between)
+    tflops: float = 0.0  # the GPU's dense bf16 datasheet peak, TFLOP/s, MFU's denominator (0: from `gpu`)
+    # the links, GB/s per direction (0: the attainable rates of `gpu`, genomelm/plan/rates.py)
+    nvlink_gbs: float = 0.0  # a GPU's NVLink inside a node
+    nic_gbs: float = 0.0  # one NIC between nodes
+    nics_per_node: int = 8  # NICs of a node, used together by a ring across nodes
+    pcie_gbs: float = 0.0  # a GPU's PCIe to host memory (offload copies)
+    gpus_per_node: int = 8  # GPUs sharing a node (NVLink inside, the NICs between)
     host_gib: float = (
         2048.0  # host memory per node (DGX B200 / H200: 2 TiB); a layout needing more does not fit
     )
@@ -334,9 +336,13 @@ class PlanConfig:
         _require(self.gpu_gib >= 0, f"gpu_gib={self.gpu_gib}: give GiB per GPU (0: the GPU's usable memory)")
         _require(self.imbalance >= 0, f"imbalance={self.imbalance}: give >= 0 (0: measured from the run)")
         _require(
-            self.trace_tokens >= 1 and self.gpus_per_node >= 1,
-            f"trace_tokens={self.trace_tokens}, gpus_per_node={self.gpus_per_node}: give each >= 1",
+            self.trace_tokens >= 1 and self.gpus_per_node >= 1 and self.nics_per_node >= 1,
+            f"trace_tokens={self.trace_tokens}, gpus_per_node={self.gpus_per_node}, "
+            f"nics_per_node={self.nics_per_node}: give each >= 1",
         )
+        links = {"nvlink_gbs": self.nvlink_gbs, "nic_gbs": self.nic_gbs, "pcie_gbs": self.pcie_gbs}
+        for name, value in links.items():
+            _require(value >= 0, f"{name}={value}: give GB/s per direction (0: the GPU's attainable rate)")
 
 
 @dataclass
