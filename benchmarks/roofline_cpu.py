@@ -1,8 +1,8 @@
 """The roofline projection (`genomelm.plan.roofline`) checked on this CPU: this machine's peaks measured at
-start (a large fp32 and bf16 matmul's GFLOP/s, the grouped GEMM's, a copy's bandwidth, the cost of one eager
-op in the model's own step at 256 tokens), then the op list of the planner's trace of a whole model's
-training step (fake tensors; fwd + bwd with recompute, AdamW) costed with them, beside the measured seconds
-of the same step on real tensors (the median of a few).
+start (an fp32 and a bf16 linear layer's GFLOP/s, forward and backward, the grouped GEMM's, a copy's
+bandwidth, the cost of one eager op in the model's own step at 256 tokens), then the op list of the
+planner's trace of a whole model's training step (fake tensors; fwd + bwd with recompute, AdamW) costed with
+them, beside the measured seconds of the same step on real tensors (the median of a few).
 
 The trace takes the paths the CPU step runs (the kernel switches' torch paths: the planner's own trace
 takes the GPU's kernels), and the process runs with the Makefile's CPU allocator settings (`CPU_MALLOC`, set
@@ -99,15 +99,26 @@ def grouped_gemm_flops(rows: int = 8192, groups: int = 16, width: int = 128, rep
     return 3 * 2 * rows * width * width / _median_seconds(step, repeats)
 
 
+def linear_gemm_flops(dtype: torch.dtype, n: int, repeats: int) -> tuple[float, float]:
+    """FLOP/s of a linear layer's products as the model runs them (n x n each): the forward's x wᵀ (a
+    recompute's too), and the backward's g w and gᵀ x together. The operands' layouts matter on a CPU without
+    native bf16 (AVX2): there oneDNN runs x wᵀ at ~8 GFLOP/s, gᵀ x at ~20 and g w at ~1, so one plain n x n
+    product misstates the step's matmuls."""
+    x, w, grad = (torch.randn(n, n, dtype=dtype) for _ in range(3))
+    forward = 2 * n**3 / _median_seconds(lambda: torch.nn.functional.linear(x, w), repeats)
+    backward = 2 * 2 * n**3 / _median_seconds(lambda: (grad @ w, grad.t() @ x), repeats)
+    return forward, backward
+
+
 def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> Peaks:
-    """This CPU's peaks, measured now on the current thread count: fp32 and bf16 matmul FLOP/s (an n x n
-    product; "fp32" serves tf32 too), the grouped GEMM's (`grouped_gemm_flops`), copy bandwidth (read +
-    write of `copy_mib` MiB), and the seconds of one eager kernel (a chain of tiny ops with autograd, over
-    the kernels it dispatches). No efficiency factor: the measured peaks are what this machine reaches."""
-    flops = {}
+    """This CPU's peaks, measured now on the current thread count: fp32 and bf16 matmul FLOP/s (a linear
+    layer's forward and backward at n x n, `linear_gemm_flops`; "fp32" serves tf32 too), the grouped GEMM's
+    (`grouped_gemm_flops`), copy bandwidth (read + write of `copy_mib` MiB), and the seconds of one eager
+    kernel (a chain of tiny ops with autograd, over the kernels it dispatches). No efficiency factor: the
+    measured peaks are what this machine reaches. The backward's GEMMs get their own rate (`rate_key`)."""
+    flops, backward = {}, {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(matmul, matmul, dtype=dtype), torch.randn(matmul, matmul, dtype=dtype)
-        flops[name] = 2 * matmul**3 / _median_seconds(lambda: a @ b, repeats)  # noqa: B023
+        flops[name], backward[name] = linear_gemm_flops(dtype, matmul, repeats)
     flops |= {"tf32": flops["fp32"], "fp8": flops["bf16"]}
     grouped = {"bf16": grouped_gemm_flops(repeats=repeats)}
     src = torch.randn(copy_mib << 18)
@@ -118,6 +129,7 @@ def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> Peaks
         _tiny_graph()
     launch = _median_seconds(_tiny_graph, repeats) / counter.kernels
     compute = {f"gemm_{unit}": value for unit, value in flops.items()}
+    compute |= {f"gemm_{unit}_backward": value for unit, value in backward.items()}
     compute["grouped_gemm_bf16"] = grouped["bf16"]
     links = Links(1e9, 1e9, 1e9, 1e9, nics_per_node=1, gpus_per_node=1, pcie=bandwidth)
     return Peaks("cpu", compute, bandwidth, launch, links, peak_bf16=flops["bf16"])
@@ -126,7 +138,9 @@ def cpu_peaks(matmul: int = 1024, copy_mib: int = 64, repeats: int = 5) -> Peaks
 def describe_peaks(p: Peaks) -> str:
     return (
         f"cpu peaks ({torch.get_num_threads()} thread): fp32 matmul {p.compute['gemm_fp32'] / 1e9:,.1f} "
-        f"GFLOP/s, bf16 matmul {p.compute['gemm_bf16'] / 1e9:,.1f} GFLOP/s, bf16 grouped GEMM (fwd + bwd) "
+        f"GFLOP/s (backward {p.compute['gemm_fp32_backward'] / 1e9:,.1f}), bf16 matmul "
+        f"{p.compute['gemm_bf16'] / 1e9:,.1f} GFLOP/s (backward "
+        f"{p.compute['gemm_bf16_backward'] / 1e9:,.1f}), bf16 grouped GEMM (fwd + bwd) "
         f"{p.compute['grouped_gemm_bf16'] / 1e9:,.1f} GFLOP/s, copy {p.memory / 1e9:,.2f} GB/s, "
         f"one eager op in the model's step {p.launch_s * 1e6:,.1f} us"
     )

@@ -101,7 +101,11 @@ def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
         json.dumps({"step": 1, "router/3/max_over_mean": 2.5, "router/4/max_over_mean": 3.25}) + "\n"
     )
     measured = load_assumptions(config.replace(imbalance=0.0))
-    assert measured.imbalance == 3.25 and "measured" in measured.imbalance_source
+    assert measured.imbalance == 3.25 and "router max_over_mean" in measured.imbalance_source
+    with (tmp_path / "r" / "metrics.jsonl").open("a") as log:  # a run with ep > 1 logs its ranks' rows too
+        log.write(json.dumps({"step": 2, "ep/busiest_over_mean": 1.5, "router/3/max_over_mean": 3.5}) + "\n")
+    ranks = load_assumptions(config.replace(imbalance=0.0))
+    assert ranks.imbalance == 1.5 and "ep/busiest_over_mean" in ranks.imbalance_source
 
 
 @pytest.mark.slow

@@ -272,6 +272,15 @@ def test_a_device_without_a_class_rate_runs_it_at_its_gemm_rate():
     kda = roofline.OpClass("genomelm_simulation.chunk_kda", "bf16", "bf16", "kda.py:1", 1, 2e12, 1e9)
     assert cpu.resolved(roofline.rate_key(kda), "bf16") == "gemm_bf16"
     assert roofline.op_seconds(kda, cpu)[0] == pytest.approx(2.0)
+    # a backward's GEMMs at the device's backward rate where it measures one (a CPU), else the forward's
+    gradient = dataclasses.replace(dense, where="backward of mlp.py:1")
+    assert roofline.rate_key(gradient) == "gemm_bf16_backward"
+    assert roofline.op_seconds(gradient, cpu)[0] == pytest.approx(2.0)
+    slow = dataclasses.replace(cpu, compute=cpu.compute | {"gemm_bf16_backward": 5e11})
+    assert roofline.op_seconds(gradient, slow)[0] == pytest.approx(4.0)
+    assert roofline.op_seconds(gradient, rates.peaks("b200")) == roofline.op_seconds(
+        dense, rates.peaks("b200")
+    )
 
 
 @pytest.mark.slow

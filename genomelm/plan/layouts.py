@@ -61,20 +61,28 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
     if settings.imbalance > 0:
         values |= {"imbalance": settings.imbalance, "imbalance_source": "set"}
     elif (measured := measured_imbalance(config)) is not None:
-        source = f"measured (runs/{config.run}/metrics.jsonl, router max_over_mean)"
-        values |= {"imbalance": measured, "imbalance_source": source}
+        values |= {
+            "imbalance": measured[0],
+            "imbalance_source": f"measured (runs/{config.run}/metrics.jsonl, {measured[1]})",
+        }
     return Assumptions(**values)
 
 
-def measured_imbalance(config: TrainConfig) -> float | None:
-    """The largest router/*/max_over_mean in runs/<run>/metrics.jsonl, or None without a run."""
+def measured_imbalance(config: TrainConfig) -> tuple[float, str] | None:
+    """The busiest expert-parallel rank's rows over the mean as runs/<run>/metrics.jsonl logged them: the
+    largest `ep/busiest_over_mean` (a run with ep > 1), else the largest `router/<layer>/max_over_mean` (the
+    busiest expert over the mean: the bound of a rank's share at any ep); None without either. With the key
+    it came from."""
     path = config.run_dir / "metrics.jsonl"
     if not path.exists():
         return None
-    ratios = []
+    ranks, experts = [], []
     for record in read_metrics(path):
-        ratios += [v for k, v in record.items() if k.startswith("router/") and k.endswith("/max_over_mean")]
-    return max(ratios) if ratios else None
+        ranks += [v for k, v in record.items() if k == "ep/busiest_over_mean"]
+        experts += [v for k, v in record.items() if k.startswith("router/") and k.endswith("/max_over_mean")]
+    if ranks:
+        return max(ranks), "ep/busiest_over_mean"
+    return (max(experts), "router max_over_mean") if experts else None
 
 
 @dataclass(frozen=True)

@@ -302,9 +302,12 @@ class Peaks:
     sources: dict[str, str] = field(default_factory=dict)  # rate key -> its source
 
     def resolved(self, key: str, unit: str) -> str:
-        """`key` where the device has that rate, else the dense GEMM of `unit` ("bf16", "fp8", "tf32",
-        "fp32")."""
-        return key if key in self.compute else f"gemm_{unit}"
+        """`key` where the device has that rate, else a backward GEMM's forward rate ("gemm_bf16_backward" ->
+        "gemm_bf16"), else the dense GEMM of `unit` ("bf16", "fp8", "tf32", "fp32")."""
+        for candidate in (key, key.removesuffix("_backward")):
+            if candidate in self.compute:
+                return candidate
+        return f"gemm_{unit}"
 
     def flops_rate(self, key: str, unit: str) -> float:
         """FLOP/s of rate `key` (`resolved`)."""

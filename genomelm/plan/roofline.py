@@ -307,12 +307,13 @@ CUSTOM_RATES = {
 
 def rate_key(op: OpClass) -> str:
     """The `rates.RATES` row an op class's FLOPs run at: its kernel's own, the routed experts' grouped GEMM,
-    else the dense GEMM of its unit."""
+    else the dense GEMM of its unit; a backward's dense GEMMs (the gradients' products, whose operand layouts
+    differ from the forward's) at "gemm_<unit>_backward" where a device measures one apart (a CPU)."""
     if op.op in CUSTOM_RATES:
         return CUSTOM_RATES[op.op]
     if op.op == "aten._grouped_mm":
         return f"grouped_gemm_{op.unit}"
-    return f"gemm_{op.unit}"
+    return f"gemm_{op.unit}_backward" if op.where.startswith("backward of ") else f"gemm_{op.unit}"
 
 
 def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float, str]:
