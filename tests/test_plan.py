@@ -3,11 +3,12 @@ plan scaled from one layer of each kind predicts the measured peak of the whole 
 and of an MoE-heavy model on one rank and on 2 expert-parallel ranks, its MoE in several chunks. With
 stage=eval, the evaluator's forward: traced the same way (fake = real on one rank), below the training
 step, its parameters the stored build's shard, its time's arithmetic, the refusal of an evaluation that does
-not fit."""
+not fit. The shipped hg38 run configs: the layout the search ranks first."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -637,3 +638,36 @@ def test_a_module_whose_peak_moment_changes_with_size_is_not_understated():
     assert steps.line(lo.transients[dsa], hi.transients[dsa]) < 0.6 * measured  # the layer's own line
     assert measured <= chunked_transients(run, steps)[dsa] <= 1.3 * measured
     assert any(key.endswith(":_block_scores") for key in hi.moments[dsa])  # the indexer's blocks, by name
+
+
+# ------------------------------------------------------------------ the shipped configs: the plan's choice
+def _plan_table():
+    if "plan_table" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("plan_table", ROOT / "benchmarks" / "plan_table.py")
+        module = sys.modules["plan_table"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["plan_table"]
+
+
+SHIPPED = [case for case in _plan_table().CASES if case.shipped]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SHIPPED, ids=[case.config for case in SHIPPED])
+def test_shipped_config_is_the_plans_first_choice_and_fits_its_budget(case) -> None:
+    """The shipped hg38 run configs carry the layout the planner ranks first for their own case (64 B200
+    within the published recipe's 144.5 GiB per GPU): `benchmarks/plan_table.py`'s cases, searched as a
+    reader runs `genomelm plan configs/train/hg38-<seq>.yaml search=true`; and the config's own plan fits the
+    budget it names."""
+    table = _plan_table()
+    traces = TraceCache()
+    best = table.first_choice(case, traces)
+    assert table.layout_of(best) == table.shipped_layout(case), (
+        f"configs/train/{case.config}.yaml drifted from the plan's first choice: "
+        "run `python benchmarks/plan_table.py --check` and copy the first layout into the config"
+    )
+    shipped = TrainConfig.load(ROOT / "configs" / "train" / f"{case.config}.yaml", ["device=cpu"])
+    plan = shipped.plan  # the config names the GPUs and the budget its layout was chosen for
+    assert (plan.gpus, plan.gpu, plan.gpu_gib) == (64, case.gpu, case.gpu_gib)
+    own = make_plan(shipped, traces=traces)
+    assert own.fits and own.peak_gib_per_rank <= case.gpu_gib
