@@ -256,6 +256,15 @@ class Links:
             return self.nvlink_ring
         return min(self.nvlink_ring, self.nic * self.nics_per_node)
 
+    def seconds(self, kind: str, moved: float, ranks: int) -> float:
+        """Seconds for one rank to move `moved` bytes in a collective of `kind` over `ranks` consecutive
+        ranks: an all-to-all (`all_to_all_seconds`), else a ring (`ring_bytes_per_s`)."""
+        if ranks <= 1:
+            return 0.0
+        if kind == "all_to_all":
+            return self.all_to_all_seconds(moved, ranks)
+        return moved / self.ring_bytes_per_s(ranks)
+
     def all_to_all_seconds(self, moved: float, ranks: int) -> float:
         """An all-to-all in which one rank sends `moved` bytes to the other `ranks - 1` ranks in equal shares:
         those bound for its own node on NVLink, the rest on its share of the node's NICs, both at once."""

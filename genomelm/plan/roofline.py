@@ -334,10 +334,7 @@ def collective_seconds(kind: str, payload: float, ranks: int, p: Peaks) -> float
     gathered output, the scattered input, the reduced or exchanged tensor), plus one launch."""
     if ranks <= 1:
         return 0.0
-    moved = payload * ring_factor(kind, ranks)
-    if kind == "all_to_all":
-        return p.links.all_to_all_seconds(moved, ranks) + p.launch_s
-    return moved / p.links.ring_bytes_per_s(ranks) + p.launch_s
+    return p.links.seconds(kind, payload * ring_factor(kind, ranks), ranks) + p.launch_s
 
 
 @dataclass

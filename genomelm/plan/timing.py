@@ -336,10 +336,7 @@ class _Tally:
         """`moved`: the bytes one rank moves over its links in a collective of `kind` ("all_to_all", else a
         ring)."""
         self.bytes[name] = self.bytes.get(name, 0.0) + moved
-        if kind == "all_to_all":
-            seconds = self.links.all_to_all_seconds(moved, ranks)
-        else:
-            seconds = moved / self.links.ring_bytes_per_s(ranks) if ranks > 1 else 0.0
+        seconds = self.links.seconds(kind, moved, ranks)
         if overlapped:
             self.overlapped_seconds += seconds
         else:
