@@ -159,6 +159,31 @@ def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
         command.launch_training(TrainConfig.load(None, ["model=tiny", "launcher=ray", "seq=16k", "cp=3"]))
 
 
+def test_ray_trains_chatter_stays_quiet_after_ray_train_configures_its_loggers() -> None:
+    import logging.config
+
+    from genomelm.run.ray_launch import QUIET_LOGGERS, quiet_ray_loggers
+
+    quiet_ray_loggers()
+    # what Ray Train's controller and workers do on start (`LoggingManager`): it resets the levels below it
+    logging.config.dictConfig(
+        {"version": 1, "disable_existing_loggers": False, "loggers": {"ray.train": {"level": "DEBUG"}}}
+    )
+    client = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
+    logger = sys.modules[client].logger
+    shown: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: shown.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        logger.warning("Failed to send resource request", exc_info=True)
+        logger.error("an error still shows")
+    finally:
+        logger.removeHandler(handler)
+    assert shown == ["an error still shows"]
+    assert QUIET_LOGGERS[client] == logging.ERROR
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_driver_stops_the_workers_after_a_step_with_a_checkpoint(
     fly: Path, tmp_path: Path
