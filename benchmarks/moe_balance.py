@@ -1,0 +1,98 @@
+"""Experts placed by load: the busiest expert-parallel rank's tokens over the mean rank's, under the static
+blocks of today and under `genomelm.parallel.placement.balanced_placement` (a permutation; and with one
+spare slot per rank for replicas), at ep 8, 16 and 32, for skewed synthetic loads over GLM-5.3-Flash's 288
+routed experts; then the planner's projected tokens/s of the 1M run (configs/train/hg38-1m.yaml's layout at
+that ep, 64 B200) with the static and the permuted figure as its `imbalance`.
+
+    python benchmarks/moe_balance.py                 # Zipf loads fitted to 4x (published) and 2x at ep=32
+    python benchmarks/moe_balance.py --no-plan       # the placement table alone (a second)
+
+The load model: the k-th hottest expert gets tokens in proportion to 1 / k**s, the experts in a seeded random
+order, s fitted so the static blocks give the target ratio at ep=32 (the published recipe measured the
+busiest GPU at about 4x the mean). A replica's weights and optimizer state are not in the plan yet, so the
+spare-slot column has no tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from genomelm.parallel.placement import balanced_placement, fit_zipf, static_placement, zipf_load
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERTS = 288
+EPS = (8, 16, 32)
+
+
+def placement_rows(target: float, seed: int) -> list[dict[str, float]]:
+    """busiest/mean at each ep: static, permuted, permuted with one spare slot per rank."""
+    exponent = fit_zipf(EXPERTS, 32, target, seed)
+    load = zipf_load(EXPERTS, exponent, seed)
+    rows = []
+    for ep in EPS:
+        rows.append(
+            {
+                "target": target,
+                "exponent": exponent,
+                "ep": ep,
+                "static": static_placement(EXPERTS, ep).busiest_over_mean(load),
+                "placed": balanced_placement(load, ep).busiest_over_mean(load),
+                "spare1": balanced_placement(load, ep, spare=1).busiest_over_mean(load),
+            }
+        )
+    return rows
+
+
+def projected_tokens_per_s(rows: list[dict[str, float]]) -> None:
+    """Adds the plan's tokens/s at the static and the placed imbalance (one trace pair, shared)."""
+    from genomelm.plan.check import make_plan
+    from genomelm.plan.memory import TraceCache
+    from genomelm.run.config import TrainConfig
+
+    config = TrainConfig.load(ROOT / "configs" / "train" / "hg38-1m.yaml", ["device=cpu"])
+    traces = TraceCache()
+    for row in rows:
+        for key in ("static", "placed"):
+            run = config.replace(ep=int(row["ep"]), imbalance=row[key])
+            plan = make_plan(run, traces=traces)
+            row[f"{key}_tokens_per_s"] = plan.tokens_per_s_projected
+            row[f"{key}_fits"] = plan.fits
+
+
+def format_table(rows: list[dict[str, float]], with_plan: bool) -> str:
+    head = "| load (static at ep=32) | Zipf s | ep | static | placed | placed + 1 spare slot |"
+    rule = "|---|---|---|---|---|---|"
+    if with_plan:
+        head += " tokens/s static | tokens/s placed |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for row in rows:
+        line = (
+            f"| {row['target']:.1f}x | {row['exponent']:.3f} | {row['ep']} | {row['static']:.2f} "
+            f"| {row['placed']:.2f} | {row['spare1']:.2f} |"
+        )
+        if with_plan:
+            for key in ("static", "placed"):
+                fits = "" if row[f"{key}_fits"] else " (does not fit)"
+                line += f" {row[f'{key}_tokens_per_s'] / 1000:.1f}k{fits} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", type=float, nargs="*", default=[4.0, 2.0], help="static ratios at ep=32")
+    parser.add_argument("--seed", type=int, default=0, help="the order of the experts")
+    parser.add_argument("--no-plan", action="store_true", help="skip the planner (its traces take minutes)")
+    args = parser.parse_args()
+    rows = [row for target in args.targets for row in placement_rows(target, args.seed)]
+    if not args.no_plan:
+        projected_tokens_per_s(rows)
+    print(format_table(rows, not args.no_plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

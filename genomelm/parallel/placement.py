@@ -1,0 +1,157 @@
+"""Where the routed experts live over the expert-parallel ranks: today's static blocks, or a placement chosen
+from the measured load per expert, as DeepSeek's EPLB does: the hottest experts get replicas in spare slots,
+then every copy is packed onto the rank with the least load so far (longest-processing-time first).
+
+Pure arithmetic over one load vector (tokens routed to each expert, summed over a window of steps); nothing
+here moves weights or tokens. Every rank holds the same number of slots, experts / ep plus `spare`: its
+expert weights are one tensor of a fixed shape. The load model splits an expert's tokens evenly over its
+copies (a dispatcher that spreads them by token index does so to within one token).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """slots[r]: the experts rank r holds, one per slot (an expert on several ranks is replicated)."""
+
+    slots: tuple[tuple[int, ...], ...]
+
+    @property
+    def ep(self) -> int:
+        return len(self.slots)
+
+    def copies(self, experts: int) -> list[int]:
+        """How many ranks hold each of `experts` experts."""
+        counts = [0] * experts
+        for rank in self.slots:
+            for expert in rank:
+                counts[expert] += 1
+        return counts
+
+    def rank_loads(self, load: Sequence[float]) -> list[float]:
+        """Tokens each rank computes: each expert's load split evenly over its copies."""
+        copies = self.copies(len(load))
+        if min(copies) == 0:
+            raise ValueError(f"expert {copies.index(0)} has no slot on any rank")
+        return [sum(load[e] / copies[e] for e in rank) for rank in self.slots]
+
+    def busiest_over_mean(self, load: Sequence[float]) -> float:
+        """The busiest rank's tokens over the mean rank's: what sets the MoE layers' step time."""
+        per_rank = self.rank_loads(load)
+        mean = sum(per_rank) / len(per_rank)
+        return max(per_rank) / mean if mean > 0 else 1.0
+
+
+def static_placement(experts: int, ep: int) -> Placement:
+    """Today's layout: rank r holds the contiguous block of experts [r E/ep, (r + 1) E/ep)."""
+    if experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {experts} routed experts")
+    per_rank = experts // ep
+    return Placement(tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep)))
+
+
+def replica_counts(load: Sequence[float], slots: int, most: int) -> list[int]:
+    """Copies per expert filling `slots` slots: one each, then each spare slot to the expert with the most
+    tokens per copy (at most `most` copies: one per rank)."""
+    copies = [1] * len(load)
+    heap = [(-float(x), e) for e, x in enumerate(load)]
+    heapq.heapify(heap)
+    for _ in range(slots - len(load)):
+        while True:
+            _, e = heapq.heappop(heap)
+            if copies[e] < most:
+                break
+        copies[e] += 1
+        if copies[e] < most:
+            heapq.heappush(heap, (-load[e] / copies[e], e))
+    return copies
+
+
+def balanced_placement(load: Sequence[float], ep: int, spare: int = 0) -> Placement:
+    """A placement of `len(load)` experts on `ep` ranks of experts / ep + `spare` slots each that keeps the
+    busiest rank's tokens low: replicas by `replica_counts`, then the copies, heaviest first, each onto the
+    least-loaded rank with a free slot that does not hold that expert yet. Greedy (EPLB's packing), not an
+    optimum: the tests hold it to the lower bounds and to the static blocks."""
+    experts = len(load)
+    if experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {experts} routed experts")
+    if spare < 0 or (spare and ep == 1):
+        raise ValueError(f"spare={spare}: give 0, or spare slots >= 0 with ep > 1")
+    per_rank = experts // ep + spare
+    copies = replica_counts(load, per_rank * ep, ep)
+    pieces = sorted(
+        ((load[e] / copies[e], e) for e in range(experts) for _ in range(copies[e])), reverse=True
+    )
+    slots: list[list[int]] = [[] for _ in range(ep)]
+    totals = [0.0] * ep
+    for share, expert in pieces:
+        open_ranks = [r for r in range(ep) if len(slots[r]) < per_rank and expert not in slots[r]]
+        if not open_ranks:  # the only free slots hold this expert already: take one anyway
+            open_ranks = [r for r in range(ep) if len(slots[r]) < per_rank]
+        rank = min(open_ranks, key=lambda r: (totals[r], r))
+        slots[rank].append(expert)
+        totals[rank] += share
+    _swap_off_the_busiest(slots, [load[e] / copies[e] for e in range(experts)])
+    return Placement(tuple(tuple(sorted(rank)) for rank in slots))
+
+
+def _swap_off_the_busiest(slots: list[list[int]], share: list[float]) -> None:
+    """Improve a packing in place: while swapping one slot of the busiest rank with one of another rank
+    (neither then holding an expert twice) lowers the larger of the two ranks' loads, make the best such
+    swap. Each swap lowers the busiest rank or the number of ranks tied at its load."""
+    totals = [sum(share[e] for e in rank) for rank in slots]
+    while True:
+        busiest = max(range(len(slots)), key=lambda r: totals[r])
+        best, gain = None, 1e-12 * max(totals[busiest], 1e-300)
+        for other in range(len(slots)):
+            if other == busiest:
+                continue
+            for i, a in enumerate(slots[busiest]):
+                for j, b in enumerate(slots[other]):
+                    delta = share[a] - share[b]
+                    if delta <= 0 or a in slots[other] or b in slots[busiest]:
+                        continue
+                    after = max(totals[busiest] - delta, totals[other] + delta)
+                    if totals[busiest] - after > gain:
+                        best, gain = (other, i, j, delta), totals[busiest] - after
+        if best is None:
+            return
+        other, i, j, delta = best
+        slots[busiest][i], slots[other][j] = slots[other][j], slots[busiest][i]
+        totals[busiest] -= delta
+        totals[other] += delta
+
+
+def zipf_load(experts: int, exponent: float, seed: int = 0) -> list[float]:
+    """A skewed load: the k-th hottest expert gets tokens in proportion to 1 / k**exponent (mean 1), the
+    experts in an order drawn from `seed` (where the hot ones sit is chance, as in a trained router)."""
+    weights = [1.0 / (k + 1) ** exponent for k in range(experts)]
+    order = list(range(experts))
+    random.Random(seed).shuffle(order)
+    total = sum(weights)
+    load = [0.0] * experts
+    for k, expert in enumerate(order):
+        load[expert] = weights[k] * experts / total
+    return load
+
+
+def fit_zipf(experts: int, ep: int, busiest_over_mean: float, seed: int = 0) -> float:
+    """The Zipf exponent whose load gives `busiest_over_mean` under the static blocks at `ep` (bisection:
+    the ratio grows with the exponent for a fixed order)."""
+    static = static_placement(experts, ep)
+    if busiest_over_mean < 1 or busiest_over_mean > ep:
+        raise ValueError(f"busiest_over_mean={busiest_over_mean}: give a ratio in [1, ep={ep}]")
+    lo, hi = 0.0, 8.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if static.busiest_over_mean(zipf_load(experts, mid, seed)) < busiest_over_mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

@@ -1,0 +1,103 @@
+"""Experts placed by load (`genomelm.parallel.placement`): the static blocks, the greedy packing with replicas
+held to hand-worked cases and to lower bounds, and the Zipf load fitted to the published 4x at ep=32."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from genomelm.parallel.placement import (
+    Placement,
+    balanced_placement,
+    fit_zipf,
+    replica_counts,
+    static_placement,
+    zipf_load,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_static_blocks_are_todays_layout() -> None:
+    placement = static_placement(8, 4)
+    assert placement.slots == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert placement.busiest_over_mean([1.0] * 8) == 1.0
+    assert placement.rank_loads([4, 3, 2, 1, 0, 0, 0, 6]) == [7, 3, 0, 6]
+    with pytest.raises(ValueError, match="ep=3 does not divide the 8"):
+        static_placement(8, 3)
+
+
+def test_packing_a_hand_worked_case() -> None:
+    load = [4.0, 3.0, 2.0, 1.0]  # static blocks: [7, 3], busiest/mean 1.4
+    assert static_placement(4, 2).busiest_over_mean(load) == pytest.approx(1.4)
+    balanced = balanced_placement(load, 2)  # 4 -> r0, 3 -> r1, 2 -> r1, 1 -> r0
+    assert balanced.slots == ((0, 3), (1, 2))
+    assert balanced.busiest_over_mean(load) == 1.0
+    # heaviest-first alone ends at [3 2 2 | 3 2 0] = [7, 5]; the swap of a 3 for a 2 evens it
+    load = [3.0, 3.0, 2.0, 2.0, 2.0, 0.0]
+    assert balanced_placement(load, 2).rank_loads(load) == [6.0, 6.0]
+
+
+def test_a_hot_expert_is_replicated_onto_other_ranks() -> None:
+    load = [9.0, 1.0, 1.0, 1.0]
+    assert replica_counts(load, 6, most=2) == [2, 2, 1, 1]  # expert 0 at its cap of one copy per rank
+    placement = balanced_placement(load, 2, spare=1)
+    assert [len(rank) for rank in placement.slots] == [3, 3]
+    assert all(len(set(rank)) == len(rank) for rank in placement.slots)  # no rank holds an expert twice
+    assert placement.copies(4) == [2, 2, 1, 1]
+    assert placement.rank_loads(load) == [6.0, 6.0]
+    assert balanced_placement(load, 2).busiest_over_mean(load) == pytest.approx(10 / 6)  # no spare: 9 + 1
+    with pytest.raises(ValueError, match="spare"):
+        balanced_placement(load, 1, spare=1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packing_keeps_every_token_and_never_loses_to_the_static_blocks(seed: int) -> None:
+    """Any shape without spare slots; with them at the model's 288 experts. (On a few experts a spare slot
+    can force an unhelpful replica: 4 experts on 2 ranks of 3 slots must copy two of them.)"""
+    rng = random.Random(seed)
+    ep = rng.choice([2, 4, 8, 16, 32])
+    experts = 288 if seed % 2 else ep * rng.choice([2, 3, 9])
+    load = [rng.expovariate(1.0) ** rng.choice([1, 2, 3]) for _ in range(experts)]
+    static = static_placement(experts, ep).busiest_over_mean(load)
+    for spare in (0, 1, 2) if experts == 288 else (0,):
+        placement = balanced_placement(load, ep, spare)
+        assert [len(rank) for rank in placement.slots] == [experts // ep + spare] * ep
+        assert all(len(set(rank)) == len(rank) for rank in placement.slots)
+        assert min(placement.copies(experts)) >= 1
+        assert sum(placement.rank_loads(load)) == pytest.approx(sum(load))
+        assert placement.busiest_over_mean(load) <= static + 1e-12
+
+
+def test_the_fitted_zipf_load_and_what_placement_makes_of_it() -> None:
+    exponent = fit_zipf(288, 32, 4.0)
+    load = zipf_load(288, exponent)
+    assert sum(load) == pytest.approx(288)
+    assert static_placement(288, 32).busiest_over_mean(load) == pytest.approx(4)
+    # without spare slots the rank holding the hottest expert also fills its 8 other slots: the bound is met
+    coldest = sorted(load)
+    bound = (coldest[-1] + sum(coldest[:8])) / 9
+    assert balanced_placement(load, 32).busiest_over_mean(load) == pytest.approx(bound)
+    assert balanced_placement(load, 32, spare=1).busiest_over_mean(load) < 1.01
+    with pytest.raises(ValueError, match="busiest_over_mean=40"):
+        fit_zipf(288, 32, 40)
+
+
+def test_a_placement_without_some_expert_is_refused() -> None:
+    with pytest.raises(ValueError, match="expert 3 has no slot"):
+        Placement(((0, 1), (2, 2))).rank_loads([1.0, 1.0, 1.0, 1.0])
+
+
+def test_the_balance_benchmarks_placement_table() -> None:
+    spec = importlib.util.spec_from_file_location("moe_balance", ROOT / "benchmarks" / "moe_balance.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.placement_rows(4.0, seed=0)
+    assert [row["ep"] for row in rows] == [8, 16, 32]
+    assert rows[-1]["static"] == pytest.approx(4.0)
+    assert all(1 <= row["spare1"] <= row["placed"] <= row["static"] for row in rows)
+    table = bench.format_table(rows, with_plan=False).splitlines()
+    assert len(table) == 5 and table[-1].startswith("| 4.0x |") and table[-1].count("|") == 7
