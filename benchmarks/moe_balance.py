@@ -6,6 +6,7 @@ that ep, 64 B200) with the static and the permuted figure as its `imbalance`.
 
     python benchmarks/moe_balance.py                 # Zipf loads fitted to 4x (published) and 2x at ep=32
     python benchmarks/moe_balance.py --no-plan       # the placement table alone (a second)
+    python benchmarks/moe_balance.py --no-plan --load runs/<run>/expert_load.json   # and a run's own load
 
 The load model: the k-th hottest expert gets tokens in proportion to 1 / k**s, the experts in a seeded random
 order, s fitted so the static blocks give the target ratio at ep=32 (the published recipe measured the
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from genomelm.parallel.placement import balanced_placement, fit_zipf, static_placement, zipf_load
+from genomelm.train.balance import read_expert_load
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERTS = 288
@@ -42,6 +44,28 @@ def placement_rows(target: float, seed: int) -> list[dict[str, float]]:
                 "spare1": balanced_placement(load, ep, spare=1).busiest_over_mean(load),
             }
         )
+    return rows
+
+
+def logged_rows(path: Path) -> list[dict[str, float]]:
+    """A run's own load (`expert_load.json`): at each ep of 2..32 that divides its experts, the MoE layers'
+    busiest/mean as the step adds them up (sum over layers of the busiest rank's tokens over the sum of the
+    mean rank's), each layer placed on its own, static and placed."""
+    layers = read_expert_load(path)
+    experts = len(next(iter(layers.values())))
+    rows = []
+    for ep in (e for e in (2, 4, 8, 16, 32) if experts % e == 0):
+        row: dict[str, float] = {"ep": ep, "layers": len(layers), "experts": experts}
+        for key, place in (
+            ("static", lambda load, ep=ep: static_placement(experts, ep)),
+            ("placed", lambda load, ep=ep: balanced_placement(load, ep)),
+        ):
+            busiest = mean = 0.0
+            for load in layers.values():
+                per_rank = place(load).rank_loads(load)
+                busiest, mean = busiest + max(per_rank), mean + sum(per_rank) / ep
+            row[key] = busiest / mean if mean else 1.0
+        rows.append(row)
     return rows
 
 
@@ -86,11 +110,20 @@ def main() -> int:
     parser.add_argument("--targets", type=float, nargs="*", default=[4.0, 2.0], help="static ratios at ep=32")
     parser.add_argument("--seed", type=int, default=0, help="the order of the experts")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner (its traces take minutes)")
+    parser.add_argument("--load", type=Path, help="a run's expert_load.json: its own load, placed")
     args = parser.parse_args()
     rows = [row for target in args.targets for row in placement_rows(target, args.seed)]
     if not args.no_plan:
         projected_tokens_per_s(rows)
     print(format_table(rows, not args.no_plan))
+    if args.load is not None:
+        print(f"\n{args.load}: the MoE layers' busiest/mean, static and placed (each layer on its own)\n")
+        print("| ep | layers | experts | static | placed |\n|---|---|---|---|---|")
+        for row in logged_rows(args.load):
+            cells = [f"{row[k]}" for k in ("ep", "layers", "experts")] + [
+                f"{row[k]:.2f}" for k in ("static", "placed")
+            ]
+            print("| " + " | ".join(cells) + " |")
     return 0
 
 

@@ -4,6 +4,7 @@ held to hand-worked cases and to lower bounds, and the Zipf load fitted to the p
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
@@ -101,3 +102,22 @@ def test_the_balance_benchmarks_placement_table() -> None:
     assert all(1 <= row["spare1"] <= row["placed"] <= row["static"] for row in rows)
     table = bench.format_table(rows, with_plan=False).splitlines()
     assert len(table) == 5 and table[-1].startswith("| 4.0x |") and table[-1].count("|") == 7
+
+
+def test_the_balance_benchmark_reads_a_runs_logged_load(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("moe_balance", ROOT / "benchmarks" / "moe_balance.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    logged = tmp_path / "expert_load.json"  # as `RoutedTotals.write` leaves it: two layers of 8 experts
+    logged.write_text(
+        json.dumps({"through_step": 4, "steps": 4, "counts": {"1": [8, 0, 0, 0, 4, 4, 0, 0], "3": [1] * 8}})
+    )
+    rows = bench.logged_rows(logged)
+    assert [row["ep"] for row in rows] == [2, 4, 8]
+    # ep=2, layer 1: static [8, 8] and layer 3: [4, 4]: even already
+    assert rows[0]["static"] == rows[0]["placed"] == 1.0
+    # ep=4: layer 1 static [8, 0, 8, 0] (busiest 8, mean 4), placed [8, 4, 4, 0]; layer 3 [2, 2, 2, 2]
+    assert rows[1]["static"] == pytest.approx((8 + 2) / (4 + 2))
+    assert rows[1]["placed"] == pytest.approx((8 + 2) / (4 + 2))  # the 8 alone sets it
+    # ep=8: one expert a rank, nothing to move
+    assert rows[2]["static"] == rows[2]["placed"] == pytest.approx((8 + 1) / (2 + 1))

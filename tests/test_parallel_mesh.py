@@ -81,6 +81,15 @@ def test_data_parallel_and_fsdp_equal_one_process(fly_data, tmp_path) -> None:
     assert windows == [
         json.loads(r)["windows"] for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
     ]
+    # the routed totals of rank 0's expert_load.json are every rank's: the one process's, to within a tie
+    # of the router that the ranks' reduction order may flip
+    one_load = json.loads((tmp_path / "one" / "expert_load.json").read_text())["counts"]
+    for name in ("dp2", "dp2-plain", "dp2cp2", "dp2ep2"):
+        load = json.loads((tmp_path / name / "expert_load.json").read_text())["counts"]
+        assert load.keys() == one_load.keys()
+        for layer, counts in load.items():
+            assert sum(counts) == sum(one_load[layer])
+            assert counts == pytest.approx(one_load[layer], abs=2)
 
 
 @pytest.mark.slow

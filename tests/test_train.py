@@ -17,6 +17,7 @@ from data_fixtures import fly_windows
 from genomelm.model import load_model
 from genomelm.parallel.checkpoint import TMP_PREFIX, Checkpointer
 from genomelm.run.config import TrainConfig
+from genomelm.run.models import model_config_of
 from genomelm.train.loop import NonFiniteLoss, train
 from genomelm.train.memory import LayerRunner
 
@@ -101,6 +102,13 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, many_windows, monkeypa
     assert resumed["losses"] == reference[3:]  # bit-for-bit on the CPU
     logged = [row["loss"] for row in metrics(interrupted)]
     assert logged == reference
+    # the routed totals continue from the checkpoint: the same as the uninterrupted run's, each token of
+    # the 6 steps' windows (128 bases) counted top_k times in every MoE layer
+    load = json.loads((interrupted.run_dir / "expert_load.json").read_text())
+    assert load == json.loads((whole.run_dir / "expert_load.json").read_text())
+    top_k = model_config_of(whole.model).num_experts_per_tok
+    assert load["through_step"] == load["steps"] == 6 and load["counts"]
+    assert all(sum(counts) == 6 * 128 * top_k for counts in load["counts"].values())
 
 
 def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, many_windows):

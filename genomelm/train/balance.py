@@ -9,8 +9,14 @@ activation recompute routes the same tokens again and is not counted twice).
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
+
+EXPERT_LOAD_FILE = "expert_load.json"
 
 
 class ExpertLoad:
@@ -29,6 +35,45 @@ class ExpertLoad:
 
     def unused(self) -> dict[int, int]:
         return {layer: int((c == 0).sum()) for layer, c in self.counts.items()}
+
+
+class RoutedTotals:
+    """Tokens routed to each expert per MoE layer since the run's first step, over every rank: kept in the
+    checkpoint (a resumed run counts on from it) and written beside it as `runs/<run>/expert_load.json`, the
+    measured load that `genomelm.parallel.placement.balanced_placement` and `benchmarks/moe_balance.py
+    --load` read."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, list[float]] = {}
+        self.steps = 0
+
+    def add(self, load: ExpertLoad) -> None:
+        """One optimizer step's counts (already summed over the ranks)."""
+        for layer, counts in load.counts.items():
+            before = self.counts.get(layer, [0.0] * counts.numel())
+            self.counts[layer] = [a + b for a, b in zip(before, counts.tolist(), strict=True)]
+        self.steps += 1
+
+    def state(self) -> dict:
+        return {"steps": self.steps, "counts": {str(k): v for k, v in sorted(self.counts.items())}}
+
+    def load(self, state: dict | None) -> None:
+        """From a checkpoint's `state()` (None: a checkpoint written before the totals were kept)."""
+        state = state or {"steps": 0, "counts": {}}
+        self.steps = state["steps"]
+        self.counts = {int(k): list(v) for k, v in state["counts"].items()}
+
+    def write(self, run_dir: Path, step: int) -> None:
+        """`expert_load.json` as of optimizer step `step` (temporary name, renamed into place)."""
+        path = Path(run_dir) / EXPERT_LOAD_FILE
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"through_step": step, **self.state()}) + "\n")
+        os.replace(tmp, path)
+
+
+def read_expert_load(path: Path) -> dict[int, list[float]]:
+    """The per-layer load of an `expert_load.json`, by MoE layer index."""
+    return {int(k): v for k, v in json.loads(Path(path).read_text())["counts"].items()}
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from genomelm.run.metrics import HELDOUT_LOSS, MetricsLog, device_peak_gb, host_
 from genomelm.run.models import device_rows, model_config_of, run_device
 from genomelm.run.precision import fsdp_param_dtype
 from genomelm.run.stop import StopCheck
+from genomelm.train.balance import RoutedTotals
 from genomelm.train.faults import inject_fault
 from genomelm.train.feed import TrainingData, Window
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
@@ -69,6 +70,7 @@ class Run:
     bad_in_row: int = 0
     log: MetricsLog | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    routed: RoutedTotals = field(default_factory=RoutedTotals)
 
     @property
     def output_rank(self) -> bool:
@@ -294,6 +296,7 @@ def resume(run: Run, state: dict[str, Any]) -> None:
     run.checkpointer.load(run.resume_from, run.model, run.optimizer, state, mesh)
     run.data.load(state["data_order"])
     run.start_step, run.bad_in_row = state["step"], state["bad_in_row"]
+    run.routed.load(state.get("routed"))
 
 
 # ----------------------------------------------------------------------------------------------- one step
@@ -309,6 +312,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     seen: list[Window] = []
     outcome = run.step.run(lr, step_windows(run, step, seen))
     run.bad_in_row = 0 if outcome.finite else run.bad_in_row + 1
+    run.routed.add(outcome.expert_load)
     run.summary["skipped"] += not outcome.finite
     inject_fault(config.run_dir, step + 1, run.rank)
     elapsed = time.perf_counter() - started
@@ -436,11 +440,14 @@ def save(run: Run, step: int) -> None:
         "data_order": run.data.state(),
         "config": config.to_dict(),
         "identity": run.identity,
+        "routed": run.routed.state(),
     }
     mesh = run.parallel.mesh if run.parallel is not None else None
     path = run.checkpointer.save(
         step, run.model, run.optimizer, state, mesh, config.checkpoint.keep_checkpoints
     )
+    if run.output_rank and run.routed.counts:
+        run.routed.write(config.run_dir, step)
     if step == config.optim.steps:
         export_final(run, path)
     run.summary["checkpoint"] = path
