@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from genomelm.data.errors import space_checked
+from genomelm.run.metrics import SPACE_ADVICE
+
 EXPERT_LOAD_FILE = "expert_load.json"
 
 
@@ -67,8 +70,13 @@ class RoutedTotals:
         """`expert_load.json` as of optimizer step `step` (temporary name, renamed into place)."""
         path = Path(run_dir) / EXPERT_LOAD_FILE
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"through_step": step, **self.state()}) + "\n")
-        os.replace(tmp, path)
+        text = json.dumps({"through_step": step, **self.state()}) + "\n"
+        with space_checked(path, len(text), "the routed load per expert", SPACE_ADVICE):
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
 
 
 def read_expert_load(path: Path) -> dict[int, list[float]]:
