@@ -20,8 +20,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from genomelm.parallel.placement import balanced_placement, fit_zipf, static_placement, zipf_load
-from genomelm.train.balance import read_expert_load
+from genomelm.parallel.placement import (
+    balanced_placement,
+    fit_zipf,
+    layers_busiest_over_mean,
+    static_placement,
+    zipf_load,
+)
+from genomelm.run.metrics import read_expert_load
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERTS = 288
@@ -56,15 +62,8 @@ def logged_rows(path: Path) -> list[dict[str, float]]:
     rows = []
     for ep in (e for e in (2, 4, 8, 16, 32) if experts % e == 0):
         row: dict[str, float] = {"ep": ep, "layers": len(layers), "experts": experts}
-        for key, place in (
-            ("static", lambda load, ep=ep: static_placement(experts, ep)),
-            ("placed", lambda load, ep=ep: balanced_placement(load, ep)),
-        ):
-            busiest = mean = 0.0
-            for load in layers.values():
-                per_rank = place(load).rank_loads(load)
-                busiest, mean = busiest + max(per_rank), mean + sum(per_rank) / ep
-            row[key] = busiest / mean if mean else 1.0
+        row["static"] = layers_busiest_over_mean(layers, lambda load, ep=ep: static_placement(experts, ep))
+        row["placed"] = layers_busiest_over_mean(layers, lambda load, ep=ep: balanced_placement(load, ep))
         rows.append(row)
     return rows
 

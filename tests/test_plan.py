@@ -107,6 +107,20 @@ def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
         log.write(json.dumps({"step": 2, "ep/busiest_over_mean": 1.5, "router/3/max_over_mean": 3.5}) + "\n")
     ranks = load_assumptions(config.replace(imbalance=0.0))
     assert ranks.imbalance == 1.5 and "ep/busiest_over_mean" in ranks.imbalance_source
+    # a run's expert_load.json (two layers of 8 experts): the static blocks' busiest/mean at each ep, for a
+    # model of as many experts; placement by load shown beside
+    (tmp_path / "r" / "expert_load.json").write_text(
+        json.dumps({"through_step": 2, "steps": 2, "counts": {"1": [8, 0, 0, 0, 4, 4, 0, 0], "3": [1] * 8}})
+    )
+    logged = load_assumptions(config.replace(imbalance=0.0))
+    assert logged.logged_static == {2: 1.0, 4: pytest.approx(10 / 6), 8: pytest.approx(9 / 3)}
+    assert logged.at_ep(4, 8).imbalance == pytest.approx(10 / 6)
+    assert (
+        "expert_load.json, the static blocks at ep=4; placed by load 1.67"
+        in logged.at_ep(4, 8).imbalance_source
+    )
+    assert logged.at_ep(4, 288) == logged and logged.at_ep(16, 8) == logged  # another model; an ep not logged
+    assert logged.imbalance == 1.5  # what layouts the load does not describe take
 
 
 @pytest.mark.slow
@@ -616,6 +630,24 @@ def test_gpu_gib_caps_what_a_rank_may_use(tmp_path):
     assert capped.peak_gib_per_rank == plain.peak_gib_per_rank
     with pytest.raises(ValueError, match="gpu_gib=-1"):
         TrainConfig.from_args([*settings, "gpu_gib=-1"])
+
+
+def test_a_runs_logged_expert_load_sets_the_imbalance_of_its_layouts_ep(tmp_path):
+    """`tiny` (8 experts) at dp=2 x ep=2: the plan takes the busiest/mean its run's expert_load.json gives
+    the static blocks at ep=2 (all the load on rank 0's four experts: 2x), and the busiest rank's time with
+    it."""
+    settings = ["model=tiny", "seq=512", "dp=2", "ep=2", "run=r", f"runs_dir={tmp_path}", *SMALL_CHUNKS]
+    assumed = make_plan(TrainConfig.from_args([*settings, "imbalance=1"]))
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "expert_load.json").write_text(
+        json.dumps(
+            {"through_step": 1, "steps": 1, "counts": {str(i): [4, 3, 2, 1, 0, 0, 0, 0] for i in (1, 2, 3)}}
+        )
+    )
+    logged = make_plan(TrainConfig.from_args(settings))
+    assert logged.assumptions["imbalance"] == 2.0
+    assert "the static blocks at ep=2; placed by load 1.00" in logged.assumptions["imbalance_source"]
+    assert logged.tokens_per_s_projected < assumed.tokens_per_s_projected  # the busiest rank's extra rows
 
 
 def test_a_module_whose_peak_moment_changes_with_size_is_not_understated():

@@ -7,8 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from genomelm.parallel.placement import balanced_placement, layers_busiest_over_mean, static_placement
 from genomelm.run.config import PlanConfig, TrainConfig
-from genomelm.run.metrics import read_metrics
+from genomelm.run.metrics import EXPERT_LOAD_FILE, read_expert_load, read_metrics
 
 GIB = 2**30
 GPUS = {  # usable device memory (GiB), dense bf16 datasheet peak (TFLOP/s)
@@ -46,12 +47,28 @@ class Assumptions:
     imbalance: float = ASSUMED_IMBALANCE
     imbalance_source: str = "assumed (4x the mean)"
     trace_tokens: int = PlanConfig.trace_tokens
+    # from a run's expert_load.json (`logged_imbalance`): busiest/mean of the static blocks at each ep, and
+    # what a placement by load would give (shown, not used: training does not place experts yet)
+    logged_experts: int = 0
+    logged_static: dict[int, float] = field(default_factory=dict)
+    logged_placed: dict[int, float] = field(default_factory=dict)
 
     def resolved(self, gpu: str) -> Assumptions:
         """A copy with the GPU's own datasheet bf16 peak where `tflops` is 0."""
         if gpu not in GPUS:
             raise ValueError(f"gpu must be one of {sorted(GPUS)}, not {gpu!r}")
         return dataclasses.replace(self, tflops=self.tflops or GPUS[gpu][1])
+
+    def at_ep(self, ep: int, experts: int) -> Assumptions:
+        """A copy for a layout with `ep` expert-parallel ranks of a model with `experts` routed experts: the
+        imbalance its run's logged load gives there (when that load is of as many experts), else this one."""
+        if self.logged_experts != experts or ep not in self.logged_static:
+            return self
+        source = (
+            f"measured (expert_load.json, the static blocks at ep={ep}; "
+            f"placed by load {self.logged_placed[ep]:.2f}, not used: training does not place experts yet)"
+        )
+        return dataclasses.replace(self, imbalance=self.logged_static[ep], imbalance_source=source)
 
 
 def load_assumptions(config: TrainConfig) -> Assumptions:
@@ -65,7 +82,32 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
             "imbalance": measured[0],
             "imbalance_source": f"measured (runs/{config.run}/metrics.jsonl, {measured[1]})",
         }
+    if settings.imbalance == 0 and (logged := logged_imbalance(config)) is not None:
+        values |= logged
     return Assumptions(**values)
+
+
+def logged_imbalance(config: TrainConfig) -> dict[str, Any] | None:
+    """From runs/<run>/expert_load.json: the MoE layers' busiest/mean (summed over layers as the step adds
+    them) under the static blocks and under a placement by load, at every power-of-two ep dividing the
+    experts; None without the file."""
+    path = config.run_dir / EXPERT_LOAD_FILE
+    if not path.exists():
+        return None
+    layers = read_expert_load(path)
+    experts = len(next(iter(layers.values()))) if layers else 0
+    eps = [2**k for k in range(1, experts.bit_length()) if experts % 2**k == 0]
+    return {
+        "logged_experts": experts,
+        "logged_static": {
+            ep: layers_busiest_over_mean(layers, lambda load, ep=ep: static_placement(experts, ep))
+            for ep in eps
+        },
+        "logged_placed": {
+            ep: layers_busiest_over_mean(layers, lambda load, ep=ep: balanced_placement(load, ep))
+            for ep in eps
+        },
+    }
 
 
 def measured_imbalance(config: TrainConfig) -> tuple[float, str] | None:

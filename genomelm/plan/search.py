@@ -102,7 +102,7 @@ def plan_layout(
     `stored`: `model_bytes` of the evaluator's build)."""
     model_config = model_config or resolve_model_config(config)
     traces = traces or TraceCache()
-    a = assumptions.resolved(config.plan.gpu)
+    a = assumptions.resolved(config.plan.gpu).at_ep(ep, model_config.n_routed_experts)
     layout = check_layout(config, model_config, dp, cp, ep)
     if config.plan.stage == "eval":
         stored = stored or model_bytes(model_config, config.model_options, eval_param_dtype(config))

@@ -318,7 +318,7 @@ class PlanConfig:
     host_gib: float = (
         2048.0  # host memory per node (DGX B200 / H200: 2 TiB); a layout needing more does not fit
     )
-    imbalance: float = 0.0  # busiest EP rank's tokens over the mean; 0: from the run's metrics, else 4
+    imbalance: float = 0.0  # busiest EP rank's rows over the mean; 0: measured (expert_load, metrics), else 4
     trace_tokens: int = 2048  # most tokens per rank traced; more are extrapolated
     # "cuda" (and auto): also simulate the run's own step on fake CUDA tensors (collectives checked as NCCL
     # would, host syncs counted); "cpu": the memory trace (fake CPU tensors) only

@@ -24,6 +24,7 @@ from genomelm.data.errors import space_checked
 from genomelm.run.config import TrainConfig
 
 HELDOUT_LOSS = "heldout/loss"
+EXPERT_LOAD_FILE = "expert_load.json"  # tokens routed per expert and MoE layer (`genomelm.train.balance`)
 SPACE_ADVICE = (
     "the run's newest checkpoint is intact: free space, and the same command continues (resume=auto)"
 )
@@ -150,3 +151,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def read_expert_load(path: Path) -> dict[int, list[float]]:
+    """The per-layer load of an `expert_load.json`, by MoE layer index."""
+    return {int(k): v for k, v in json.loads(Path(path).read_text())["counts"].items()}

@@ -17,9 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from genomelm.data.errors import space_checked
-from genomelm.run.metrics import SPACE_ADVICE
-
-EXPERT_LOAD_FILE = "expert_load.json"
+from genomelm.run.metrics import EXPERT_LOAD_FILE, SPACE_ADVICE
 
 
 class ExpertLoad:
@@ -77,11 +75,6 @@ class RoutedTotals:
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
-
-
-def read_expert_load(path: Path) -> dict[int, list[float]]:
-    """The per-layer load of an `expert_load.json`, by MoE layer index."""
-    return {int(k): v for k, v in json.loads(Path(path).read_text())["counts"].items()}
 
 
 @torch.no_grad()
