@@ -123,6 +123,16 @@ def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
     assert logged.imbalance == 1.5  # what layouts the load does not describe take
 
 
+def test_an_unmeasured_run_assumes_a_zipf_load_fitted_to_the_published_4x_at_ep32():
+    assumed = Assumptions()
+    assert assumed.at_ep(32, 288).imbalance == pytest.approx(4.0)
+    at8 = assumed.at_ep(8, 288)
+    assert at8.imbalance == pytest.approx(2.0, abs=0.01) and "placed by load 1.00" in at8.imbalance_source
+    assert 2.0 < assumed.at_ep(16, 288).imbalance < 4.0
+    assert assumed.at_ep(2, 8) == assumed  # 32 does not divide 8 experts: the flat 4x
+    assert dataclasses.replace(assumed, load_model=False).at_ep(8, 288).imbalance == 4.0  # set or measured
+
+
 @pytest.mark.slow
 def test_fake_step_equals_real_step_on_one_rank():
     run = TrainConfig.from_args(["model=tiny", *SMALL_CHUNKS])

@@ -4,10 +4,17 @@ metrics), a layout of the GPUs and its verdict."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from genomelm.parallel.placement import balanced_placement, layers_busiest_over_mean, static_placement
+from genomelm.parallel.placement import (
+    balanced_placement,
+    fit_zipf,
+    layers_busiest_over_mean,
+    static_placement,
+    zipf_load,
+)
 from genomelm.run.config import PlanConfig, TrainConfig
 from genomelm.run.metrics import EXPERT_LOAD_FILE, read_expert_load, read_metrics
 
@@ -17,6 +24,7 @@ GPUS = {  # usable device memory (GiB), dense bf16 datasheet peak (TFLOP/s)
     "h200": (139.0, 989.0),
 }
 ASSUMED_IMBALANCE = 4.0  # busiest expert-parallel rank's tokens over the mean when neither set nor measured
+PUBLISHED_EP = 32  # the reference recipe's expert parallelism (EP32 x ETP2), where it measured about 4x
 # the `plan` settings the projection takes as given (`imbalance` is set, measured or assumed)
 SETTINGS = (
     "mfu",
@@ -52,6 +60,8 @@ class Assumptions:
     logged_experts: int = 0
     logged_static: dict[int, float] = field(default_factory=dict)
     logged_placed: dict[int, float] = field(default_factory=dict)
+    # neither set nor measured: the imbalance at each ep from `assumed_load` (where its model applies)
+    load_model: bool = True
 
     def resolved(self, gpu: str) -> Assumptions:
         """A copy with the GPU's own datasheet bf16 peak where `tflops` is 0."""
@@ -62,13 +72,35 @@ class Assumptions:
     def at_ep(self, ep: int, experts: int) -> Assumptions:
         """A copy for a layout with `ep` expert-parallel ranks of a model with `experts` routed experts: the
         imbalance its run's logged load gives there (when that load is of as many experts), else this one."""
-        if self.logged_experts != experts or ep not in self.logged_static:
-            return self
-        source = (
-            f"measured (expert_load.json, the static blocks at ep={ep}; "
-            f"placed by load {self.logged_placed[ep]:.2f}, not used: training does not place experts yet)"
-        )
-        return dataclasses.replace(self, imbalance=self.logged_static[ep], imbalance_source=source)
+        unused = "not used: training does not place experts yet"
+        if self.logged_experts == experts and ep in self.logged_static:
+            source = (
+                f"measured (expert_load.json, the static blocks at ep={ep}; "
+                f"placed by load {self.logged_placed[ep]:.2f}, {unused})"
+            )
+            return dataclasses.replace(self, imbalance=self.logged_static[ep], imbalance_source=source)
+        if self.load_model and ep > 1 and (model := assumed_load(experts, ep)) is not None:
+            exponent, static, placed = model
+            source = (
+                f"assumed: a Zipf load (s={exponent:.3f}) whose static blocks give {ASSUMED_IMBALANCE:g}x at "
+                f"ep={PUBLISHED_EP}, as published; at ep={ep} static, placed by load {placed:.2f}, {unused}"
+            )
+            return dataclasses.replace(self, imbalance=static, imbalance_source=source)
+        return self
+
+
+@functools.cache
+def assumed_load(experts: int, ep: int) -> tuple[float, float, float] | None:
+    """(Zipf exponent, busiest/mean of the static blocks, and placed by load) at `ep` for the load model of
+    an unmeasured run: experts loaded as 1 / k**s in a fixed random order, s fitted so the static blocks give
+    the published ~4x at the published ep=32. None where it does not apply (32 or ep not dividing
+    `experts`)."""
+    if experts % PUBLISHED_EP or experts % ep:
+        return None
+    exponent = fit_zipf(experts, PUBLISHED_EP, ASSUMED_IMBALANCE)
+    load = zipf_load(experts, exponent)
+    static = static_placement(experts, ep).busiest_over_mean(load)
+    return exponent, static, balanced_placement(load, ep).busiest_over_mean(load)
 
 
 def load_assumptions(config: TrainConfig) -> Assumptions:
@@ -76,11 +108,12 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
     settings = config.plan
     values: dict[str, Any] = {name: getattr(settings, name) for name in SETTINGS}
     if settings.imbalance > 0:
-        values |= {"imbalance": settings.imbalance, "imbalance_source": "set"}
+        values |= {"imbalance": settings.imbalance, "imbalance_source": "set", "load_model": False}
     elif (measured := measured_imbalance(config)) is not None:
         values |= {
             "imbalance": measured[0],
             "imbalance_source": f"measured (runs/{config.run}/metrics.jsonl, {measured[1]})",
+            "load_model": False,
         }
     if settings.imbalance == 0 and (logged := logged_imbalance(config)) is not None:
         values |= logged
