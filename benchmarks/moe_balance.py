@@ -23,7 +23,6 @@ from pathlib import Path
 from genomelm.parallel.placement import (
     balanced_placement,
     fit_zipf,
-    layers_busiest_over_mean,
     static_placement,
     zipf_load,
 )
@@ -55,17 +54,22 @@ def placement_rows(target: float, seed: int) -> list[dict[str, float]]:
 
 def logged_rows(path: Path) -> list[dict[str, float]]:
     """A run's own load (`expert_load.json`): at each ep of 2..32 that divides its experts, the MoE layers'
-    busiest/mean as the step adds them up (sum over layers of the busiest rank's tokens over the sum of the
-    mean rank's), each layer placed on its own, static and placed."""
-    layers = read_expert_load(path)
-    experts = len(next(iter(layers.values())))
-    rows = []
-    for ep in (e for e in (2, 4, 8, 16, 32) if experts % e == 0):
-        row: dict[str, float] = {"ep": ep, "layers": len(layers), "experts": experts}
-        row["static"] = layers_busiest_over_mean(layers, lambda load, ep=ep: static_placement(experts, ep))
-        row["placed"] = layers_busiest_over_mean(layers, lambda load, ep=ep: balanced_placement(load, ep))
-        rows.append(row)
-    return rows
+    busiest/mean as the step adds them up (`genomelm.plan.layouts.logged_imbalance`, what `genomelm plan`
+    takes), each layer placed on its own, static and placed."""
+    from genomelm.plan.layouts import logged_imbalance
+
+    layers, ratios = len(read_expert_load(path)), logged_imbalance(path)
+    return [
+        {
+            "ep": ep,
+            "layers": layers,
+            "experts": ratios["logged_experts"],
+            "static": static,
+            "placed": ratios["logged_placed"][ep],
+        }
+        for ep, static in ratios["logged_static"].items()
+        if ep <= 32
+    ]
 
 
 def projected_tokens_per_s(rows: list[dict[str, float]]) -> None:

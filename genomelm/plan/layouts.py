@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from genomelm.parallel.placement import (
@@ -115,18 +116,15 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
             "imbalance_source": f"measured (runs/{config.run}/metrics.jsonl, {measured[1]})",
             "load_model": False,
         }
-    if settings.imbalance == 0 and (logged := logged_imbalance(config)) is not None:
-        values |= logged
+    if settings.imbalance == 0 and (config.run_dir / EXPERT_LOAD_FILE).exists():
+        values |= logged_imbalance(config.run_dir / EXPERT_LOAD_FILE)
     return Assumptions(**values)
 
 
-def logged_imbalance(config: TrainConfig) -> dict[str, Any] | None:
-    """From runs/<run>/expert_load.json: the MoE layers' busiest/mean (summed over layers as the step adds
-    them) under the static blocks and under a placement by load, at every power-of-two ep dividing the
-    experts; None without the file."""
-    path = config.run_dir / EXPERT_LOAD_FILE
-    if not path.exists():
-        return None
+def logged_imbalance(path: Path) -> dict[str, Any]:
+    """From a run's expert_load.json: the MoE layers' busiest/mean (summed over layers as the step adds them)
+    under the static blocks and under a placement by load, at every power-of-two ep dividing the experts (the
+    `logged_*` fields of `Assumptions`)."""
     layers = read_expert_load(path)
     experts = len(next(iter(layers.values()))) if layers else 0
     eps = [2**k for k in range(1, experts.bit_length()) if experts % 2**k == 0]

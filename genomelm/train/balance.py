@@ -45,24 +45,25 @@ class RoutedTotals:
     --load` read."""
 
     def __init__(self) -> None:
-        self.counts: dict[int, list[float]] = {}
+        self.counts: dict[int, Tensor] = {}  # [E] float64 on the counts' device: read only when saved
         self.steps = 0
 
     def add(self, load: ExpertLoad) -> None:
-        """One optimizer step's counts (already summed over the ranks)."""
+        """One optimizer step's counts (already summed over the ranks), added on their device."""
         for layer, counts in load.counts.items():
-            before = self.counts.get(layer, [0.0] * counts.numel())
-            self.counts[layer] = [a + b for a, b in zip(before, counts.tolist(), strict=True)]
+            before = self.counts.get(layer)
+            self.counts[layer] = counts if before is None else before.to(counts.device) + counts
         self.steps += 1
 
     def state(self) -> dict:
-        return {"steps": self.steps, "counts": {str(k): v for k, v in sorted(self.counts.items())}}
+        counts = {str(k): v.tolist() for k, v in sorted(self.counts.items())}
+        return {"steps": self.steps, "counts": counts}
 
     def load(self, state: dict | None) -> None:
         """From a checkpoint's `state()` (None: a checkpoint written before the totals were kept)."""
         state = state or {"steps": 0, "counts": {}}
         self.steps = state["steps"]
-        self.counts = {int(k): list(v) for k, v in state["counts"].items()}
+        self.counts = {int(k): torch.tensor(v, dtype=torch.float64) for k, v in state["counts"].items()}
 
     def write(self, run_dir: Path, step: int) -> None:
         """`expert_load.json` as of optimizer step `step` (temporary name, renamed into place)."""
