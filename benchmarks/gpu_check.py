@@ -84,7 +84,8 @@ from genomelm.parallel.training import ParallelRun  # noqa: E402
 from genomelm.plan.recording import grouped_mm_flops  # noqa: E402
 from genomelm.run.config import OptimConfig  # noqa: E402
 from genomelm.train.memory import LayerRunner  # noqa: E402
-from genomelm.train.step import StepOutcome, TrainStep, make_optimizer  # noqa: E402
+from genomelm.train.optimizer import make_optimizer  # noqa: E402
+from genomelm.train.step import StepOutcome, TrainStep  # noqa: E402
 
 U = 2.0**-8
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}  # dense, per GPU

@@ -31,8 +31,11 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # training and evaluation sit side by side on the run core: neither imports the other
     "genomelm.train": (above("train"), ()),
     "genomelm.eval": (("genomelm.train", *above("eval")), ()),
-    # the planner traces the training step (and its memory stack), nothing else of training
-    "genomelm.plan": (("genomelm.train", *above("plan")), ("genomelm.train.step", "genomelm.train.memory")),
+    # the planner traces the training step (its memory stack and optimizer), nothing else of training
+    "genomelm.plan": (
+        ("genomelm.train", *above("plan")),
+        ("genomelm.train.step", "genomelm.train.memory", "genomelm.train.optimizer"),
+    ),
     "genomelm.commands": (above("commands"), ()),
 }
 

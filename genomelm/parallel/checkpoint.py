@@ -16,7 +16,8 @@ A step folder holds one of two layouts (`save` and `load` take either):
   parameters are DTensors already; a rank's own routed experts (expert parallel) are described to DCP as
   shards of the global [E, ...] tensor on the ("ep", "edp") mesh, so a checkpoint saved at one world size, ep
   or dp loads at another. Beside it `config.json` (the model's Hugging Face config), `trainer.pt` (rank 0:
-  the trainer state plus the mesh dims as "world") and `rng/rank-00000.pt` (each rank's RNG state); `genomelm
+  the trainer state plus the mesh dims as "world") and `rng/rank-00000.pt` (each rank's RNG state and, for an
+  optimizer with quantised moments, those moments as the rank keeps them: `exact_moments`); `genomelm
   eval` reads the model from `state/` (`load_sharded_model`), and after the last step the run may add
   `model/`, the Hugging Face layout (`genomelm.parallel.export`, setting `export_final`).
 A step folder is complete when it holds `trainer.pt` and `model/config.json` or `state/.metadata`.
@@ -207,6 +208,24 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def exact_moments(optimizer: torch.optim.Optimizer, world: dict[str, int]) -> dict[str, Any]:
+    """{"exact_moments": ...} for an optimizer whose state dict does not give its quantised moments back
+    exactly (`genomelm.train.lowbit.LowBitAdamW.exact_state`), with the mesh dims it holds them for (`world`;
+    {} in one process); {} for any other."""
+    exact = getattr(optimizer, "exact_state", None)
+    return {"exact_moments": {"world": world, "state": exact()}} if exact is not None else {}
+
+
+def load_exact_moments(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], world: dict[str, int]
+) -> None:
+    """After the optimizer's state dict is loaded: put back `exact_moments` that `saved` holds for these
+    mesh dims (another layout keeps the state dict's requantised moments)."""
+    exact = saved.get("exact_moments")
+    if exact is not None and exact["world"] == world and hasattr(optimizer, "load_exact_state"):
+        optimizer.load_exact_state(exact["state"])
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `rng_state` returned (the CUDA states only where there are GPUs)."""
     torch.set_rng_state(state["torch"])
@@ -371,6 +390,7 @@ class Checkpointer:
             self.load_sharded(step_dir, model, optimizer, mesh)
         else:
             optimizer.load_state_dict(trainer_state["optimizer"])
+            load_exact_moments(optimizer, trainer_state, {})
             set_rng_state(trainer_state["rng"])
 
     # ------------------------------------------------------------------------------------- one process
@@ -385,6 +405,7 @@ class Checkpointer:
         """The one-process layout: the model, and `trainer_state` plus the optimizer state ("optimizer") and
         this process's RNG state ("rng")."""
         state = trainer_state | {"optimizer": optimizer.state_dict(), "rng": rng_state()}
+        state |= exact_moments(optimizer, {})
         return self._write_one_process(step, model, state, keep, state_bytes(model, optimizer))
 
     def _write_one_process(
@@ -431,7 +452,7 @@ class Checkpointer:
             with dcp_failures():
                 dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
             mine = [tmp / RNG_DIR / f"rank-{rank:05d}.pt", *(tmp / STATE_DIR).glob(f"__{rank}_*.distcp")]
-            torch.save(rng_state(), mine[0])
+            torch.save(rng_state() | exact_moments(optimizer, mesh.dims.__dict__), mine[0])
             if rank == 0:
                 config = hf_config_dict(model.config, torch.float32)
                 (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -482,7 +503,10 @@ class Checkpointer:
         rng = step_dir / RNG_DIR / f"rank-{rank:05d}.pt"
         if not rng.exists():
             rng = step_dir / RNG_DIR / "rank-00000.pt"
-        set_rng_state(torch.load(rng, weights_only=False))
+        own = torch.load(rng, weights_only=False)
+        set_rng_state(own)
+        if mesh is not None:
+            load_exact_moments(optimizer, own, mesh.dims.__dict__)
 
 
 # --------------------------------------------------------------------------- DCP's view of a sharded model

@@ -83,7 +83,8 @@ from genomelm.run.scoring import (
     scoring_dtype,
 )
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
-from genomelm.train.step import StepPhases, TrainStep, make_optimizer
+from genomelm.train.optimizer import make_optimizer
+from genomelm.train.step import StepPhases, TrainStep
 
 GPU_CAPABILITY = {"b200": (10, 0), "h200": (9, 0), "h100": (9, 0)}
 

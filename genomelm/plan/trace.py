@@ -78,7 +78,8 @@ from genomelm.plan.roofline import OpClass, SourceTags
 from genomelm.run.config import OptimConfig, TrainConfig
 from genomelm.run.precision import autocast_for, resolve_precision
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
-from genomelm.train.step import StepPhases, TrainStep, make_optimizer
+from genomelm.train.optimizer import make_optimizer
+from genomelm.train.step import StepPhases, TrainStep
 
 
 @dataclass

@@ -68,10 +68,18 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
     _require(value in choices, f"{name} must be one of {', '.join(map(str, choices))}, not {value!r}")
 
 
+OPTIMIZERS = {
+    "adamw": "torch AdamW: fp32 master weights and fp32 moments (16 bytes a parameter with its gradient)",
+    "adamw8bit": "torchao AdamW8bit: fp32 master weights, 8-bit block-quantised moments (~10 bytes)",
+    "adamw_bf16": "torchao AdamW8bit on bf16 weights with stochastic rounding, no fp32 master (~6 bytes)",
+}
+
+
 @dataclass
 class OptimConfig:
-    """AdamW over fp32 master weights, warmup then cosine, accumulation, clipping, expert balancing."""
+    """The optimizer (`OPTIMIZERS`), warmup then cosine, accumulation, clipping, expert balancing."""
 
+    optimizer: str = "adamw"  # adamw | adamw8bit | adamw_bf16: the state each parameter keeps (OPTIMIZERS)
     steps: int = 0  # optimizer steps; 0: from `epochs`
     epochs: float = 1.0  # passes over the training windows when steps = 0
     lr: float = 1e-5  # peak learning rate
@@ -86,6 +94,7 @@ class OptimConfig:
     max_bad_steps: int = 5  # stop after this many non-finite steps in a row
 
     def validate(self) -> None:
+        _check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         _require(self.steps >= 0, f"steps={self.steps}: give steps >= 1, or 0 to size the run from epochs")
         _require(self.epochs > 0, f"epochs={self.epochs}: give a number of passes > 0")
         _require(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: give windows per step >= 1")
@@ -444,6 +453,11 @@ class TrainConfig:
             check = getattr(getattr(self, group), "validate", None)
             if check is not None:
                 check()
+        if self.optim.optimizer == "adamw_bf16" and self.memory.precision != "bf16":
+            raise ValueError(
+                f"optimizer=adamw_bf16 with precision={self.memory.precision}: it keeps the weights in bf16, "
+                "which the model reads under bf16 autocast; add precision=bf16"
+            )
         if self.parallel.max_failures > 0 and self.checkpoint.resume != "auto":
             raise ValueError(
                 f"max_failures={self.parallel.max_failures} with resume={self.checkpoint.resume!r}: a "

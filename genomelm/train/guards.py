@@ -89,7 +89,11 @@ def run_identity(config: Any, data_manifest: dict) -> dict[str, Any]:
         "seq": config.seq_len,
         "data_fingerprint": data_manifest.get("fingerprint"),
         "vocabulary": list(data_manifest["vocab"]["code_to_id"]),
+        "optimizer": config.optim.optimizer,  # the weights' dtype and the moments are its own
     }
+
+
+IDENTITY_BEFORE = {"optimizer": "adamw"}  # what a checkpoint written before a key existed had
 
 
 def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path) -> None:
@@ -97,9 +101,9 @@ def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], checkpoi
     if saved is None:
         return
     differ = [
-        f"{key}: {saved.get(key)!r} then, {value!r} now"
+        f"{key}: {saved.get(key, IDENTITY_BEFORE.get(key))!r} then, {value!r} now"
         for key, value in current.items()
-        if saved.get(key) != value
+        if saved.get(key, IDENTITY_BEFORE.get(key)) != value
     ]
     if differ:
         raise RunMismatch(

@@ -41,7 +41,8 @@ from genomelm.train.feed import TrainingData, Window
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
 from genomelm.train.heldout import HeldoutEval
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
-from genomelm.train.step import StepOutcome, TrainStep, lr_factor, make_optimizer
+from genomelm.train.optimizer import make_optimizer, store_weights
+from genomelm.train.step import StepOutcome, TrainStep, lr_factor
 
 
 class NonFiniteLoss(RuntimeError):
@@ -218,6 +219,7 @@ def build_model(
         model = GlmForCausalLM.from_config(model_config, config.model_options, torch.float32, "meta")
     else:
         model = load_model(source, options=config.model_options, device=device)
+    store_weights(model, config.optim)
     set_chunk_recompute(model, config.memory.recompute_chunks)
     for layer in model.layers:  # KDA resolves its kernel on the device now, not at the first step
         if hasattr(layer.self_attn, "resolve_backend"):

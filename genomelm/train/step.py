@@ -2,8 +2,8 @@
 
 `TrainStep.run` is the step: for each of this rank's windows the forward and backward (`window_loss`, the
 memory stack's `LayerRunner`, context parallelism through the `ParallelRun`), then the gradient sum over the
-mesh, global-norm clipping and the AdamW update with expert-bias balancing, or a skipped update when the loss
-or the gradient norm is not finite. The planner runs the same `run` on fake tensors, entering its memory
+mesh, global-norm clipping and the optimizer's update with expert-bias balancing, or a skipped update when the
+loss or the gradient norm is not finite. The planner runs the same `run` on fake tensors, entering its memory
 trackers around the two phases through `StepPhases`.
 """
 
@@ -23,6 +23,7 @@ from genomelm.parallel.training import ContextRun, ParallelRun
 from genomelm.run.config import OptimConfig, TrainConfig
 from genomelm.run.precision import autocast_for
 from genomelm.train.balance import ExpertLoad, update_expert_bias
+from genomelm.train.optimizer import set_lr
 
 LayerRunnerFn = Callable[..., object]
 
@@ -50,24 +51,6 @@ def window_loss(
     if model.last_indexer_loss:
         loss = loss + sum(model.last_indexer_loss.values())
     return loss, totals
-
-
-def make_optimizer(
-    model: nn.Module, optim: OptimConfig, device: torch.device, sharded: bool = False
-) -> torch.optim.AdamW:
-    """AdamW over fp32 master weights; no weight decay on vectors (norms, biases, gates, decays). `sharded`:
-    the parameters are DTensors on two meshes (FSDP2 with expert parallel), which one foreach kernel cannot
-    mix."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": optim.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    fast = {"foreach": False} if sharded else {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, **fast)
 
 
 def lr_factor(step: int, optim: OptimConfig, steps: int) -> float:
@@ -144,8 +127,7 @@ class TrainStep:
         """Forward and backward of each of this rank's `windows` (rows as `window_loss` takes them), then the
         gradient sum, clipping and the update at learning rate `lr`."""
         phases = phases or StepPhases()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         load = ExpertLoad()
         losses: list[tuple[Tensor, Tensor]] = []
