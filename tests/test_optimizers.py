@@ -148,3 +148,25 @@ def test_sharded_resume_is_exact_and_reshards_to_context_parallel(mesh_data, tmp
     tolerance = 4 * 2**-8 if optimizer == "adamw_bf16" else 1e-5  # bf16 weights: cp2's own rounding
     assert resharded[:2] == full[:2]
     assert resharded[2:] == pytest.approx(full[2:], rel=tolerance)
+
+
+def test_the_compiled_update_a_gpu_runs_equals_the_eager_one_on_local_8bit_moments() -> None:
+    """The update GPUs compile (torchao's `single_param_adam` through torch.compile, here inductor's CPU
+    backend) on a quantised parameter's local tensors equals the eager update the CPU runs."""
+    from genomelm.train.lowbit import LowBitAdamW, single_param_adam
+
+    torch.manual_seed(0)
+    results = []
+    for update in (single_param_adam, torch.compile(single_param_adam, fullgraph=True, dynamic=False)):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(32, 256))
+        opt = LowBitAdamW([{"params": [param], "weight_decay": 0.1}], compiled=False, lr=1e-2)
+        for _ in range(3):
+            param.grad = torch.randn_like(param)
+            opt._update(update, param, opt.param_groups[0])
+        state = opt.state[param]
+        results.append(
+            (param.detach().clone(), state["exp_avg"].dequantize(), state["exp_avg_sq"].dequantize())
+        )
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -52,9 +52,9 @@ class LowBitAdamW(AdamW8bit):
     """torchao's AdamW8bit, its update (`single_param_adam`) applied to each parameter's local shard: the
     update is elementwise, and the shard's moments share its placement, so a DTensor's update is its local
     tensors' (DTensor's eager dispatch cannot lerp a bf16-looking quantised moment with an fp32 one).
-    `compiled`: the update compiled per parameter shape, as torchao's own step does (the GPU path); else run
-    eagerly, as inductor's CPU compile costs tens of seconds per shape where a CPU run's time is not in the
-    update."""
+    `compiled`: the update of a parameter on a GPU compiled per shape, as torchao's own step does; else (and
+    for parameters FSDP2 offloads to the host) run eagerly, as inductor's CPU compile costs tens of seconds
+    per shape and needs a C++ compiler on the host."""
 
     def __init__(self, groups: list[dict[str, Any]], *, compiled: bool, **settings: Any) -> None:
         super().__init__(groups, **settings)
@@ -62,16 +62,16 @@ class LowBitAdamW(AdamW8bit):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        update = single_param_adam
-        limit: Any = nullcontext()
-        if self.compiled:  # as torchao: a model has a fixed set of argument shapes, so no cache limit
-            update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-            limit = torch._dynamo.utils.disable_cache_limit()
+        compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+        # as torchao: a model has a fixed set of argument shapes, so no cache limit
+        limit = torch._dynamo.utils.disable_cache_limit() if self.compiled else nullcontext()
         with limit:
             for group in self.param_groups:
                 for param in group["params"]:
                     if param.grad is not None:
-                        self._update(update, param, group)
+                        # parameters FSDP2 offloads to the host update eagerly: no C++ compile on the host
+                        on_gpu = self.compiled and param.device.type == "cuda"
+                        self._update(compiled if on_gpu else single_param_adam, param, group)
         return None
 
     def _update(self, update: Any, param: Tensor, group: dict[str, Any]) -> None:
