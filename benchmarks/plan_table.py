@@ -48,7 +48,7 @@ CASES = (
     Case("hg38-1m", "1M", "b200", 128.0),
     Case("hg38-1m", "1M", "h200", 0.0),
 )
-LAYOUT = ("dp", "cp", "ep", "offload", "optimizer_offload")
+LAYOUT = ("dp", "cp", "ep", "offload", "optimizer_offload", "optimizer")
 
 
 def config_of(case: Case) -> TrainConfig:
@@ -78,6 +78,7 @@ def shipped_layout(case: Case) -> dict[str, object]:
         "ep": p.ep,
         "offload": m.offload,
         "optimizer_offload": p.optimizer_offload,
+        "optimizer": config.optim.optimizer,
     }
 
 
@@ -85,6 +86,7 @@ def row(case: Case, plan: Plan) -> str:
     r = plan.roofline
     layout = f"dp {plan.dp} x cp {plan.cp}, ep {plan.ep}" + (", offload" if plan.offload else "")
     layout += ", optimizer offload" if plan.optimizer_offload else ""
+    layout += f", {plan.optimizer}"
     budget = f"{case.gpu_gib:g}" if case.gpu_gib else "usable"
     parts = f"{r['compute_s']:.1f} / {r['comm_s']:.1f} / {r['exposed_overlap_s'] + r['host_s']:.1f}"
     top = r["busiest_top"][0] if plan.ep > 1 else r["top"][0]

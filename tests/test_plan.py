@@ -33,7 +33,7 @@ from genomelm.plan.memory import (
     resolve_model_config,
 )
 from genomelm.plan.recording import grouped_mm_flops
-from genomelm.plan.report import refusal
+from genomelm.plan.report import layout_args, refusal
 from genomelm.plan.search import plan_layout, rank
 from genomelm.plan.trace import (
     StepTrace,
@@ -713,3 +713,129 @@ def test_shipped_config_is_the_plans_first_choice_and_fits_its_budget(case) -> N
     assert (plan.gpus, plan.gpu, plan.gpu_gib) == (64, case.gpu, case.gpu_gib)
     own = make_plan(shipped, traces=traces)
     assert own.fits and own.peak_gib_per_rank <= case.gpu_gib
+
+
+def _real_state_bytes(preset: str, optimizer: str) -> dict[str, int]:
+    """One process's weights, gradients and moments after one optimizer step with zero gradients on the CPU
+    (`store_weights`, `make_optimizer`): bytes as allocated, torchao's 8-bit moments as codes (1 B) and
+    scales (4 B)."""
+    from genomelm.train.lowbit import OptimState8bit
+    from genomelm.train.optimizer import make_optimizer, store_weights
+
+    precision = ["precision=bf16"] if optimizer == "adamw_bf16" else []
+    config = TrainConfig.from_args([f"model={preset}", f"optimizer={optimizer}", *precision])
+    model = GlmForCausalLM.from_config(ModelConfig.preset(preset), config.model_options)
+    store_weights(model, config.optim)
+    optim = make_optimizer(model, config.optim, torch.device("cpu"))
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optim.step()
+
+    def size(tensor: torch.Tensor) -> int:
+        if isinstance(tensor, OptimState8bit):
+            return tensor.codes.numel() + 4 * tensor.scale.numel()
+        return tensor.numel() * tensor.element_size()
+
+    params = list(model.parameters())
+    return {
+        "weights": sum(size(p) for p in params),
+        "gradients": sum(size(p.grad) for p in params),
+        "moments": sum(size(optim.state[p][k]) for p in params for k in ("exp_avg", "exp_avg_sq")),
+    }
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adamw_bf16"])
+def test_optimizer_bytes_per_tensor_equal_a_real_optimizer_step(optimizer):
+    """The planner's per-tensor count of one process (no FSDP) for each optimizer: the weights, gradients and
+    moments of a real step on `tiny` (its 8-bit moments quantised where a tensor has >= 4096 values in whole
+    blocks of 256: 43% of its values; the rest in the weight's dtype), byte for byte."""
+    from genomelm.plan.layouts import Layout
+    from genomelm.plan.optimizer_bytes import state_bytes
+
+    config = TrainConfig.from_args(["model=tiny"])
+    model_config = ModelConfig.preset("tiny")
+    state = state_bytes(
+        model_config, config.model_options, optimizer, Layout(1, 1, 1, False, False, optimizer)
+    )
+    real = _real_state_bytes("tiny", optimizer)
+    assert (state.weights, state.gradients, state.moments) == (
+        real["weights"],
+        real["gradients"],
+        real["moments"],
+    )
+    assert state.padding == 0 and state.values == sum(
+        v for k, v in model_numel(model_config).items() if k != "experts"
+    )
+    if optimizer != "adamw":
+        assert 0 < state.unquantised < 1  # norms, gates, biases and small projections stay unquantised
+
+
+def test_sharded_optimizer_bytes_keep_adamws_numbers_and_count_the_padding_apart():
+    """With FSDP over 4 ranks (experts over 2, then over 2): AdamW's even share is 16 B x total / 4 as before;
+    the largest rank's extra rows (ceil(dim0 / shards)) are counted apart; low-bit moments are quantised by
+    the local shard's size."""
+    from genomelm.plan.layouts import Layout
+    from genomelm.plan.optimizer_bytes import local_numel, parameter_specs, state_bytes
+
+    config = TrainConfig.from_args(["model=small"])
+    model_config = ModelConfig.preset("small")
+    total = sum(v for k, v in model_numel(model_config).items() if k != "experts")
+    layout = Layout(2, 2, 2, True, False)
+    adamw = state_bytes(model_config, config.model_options, "adamw", layout)
+    assert adamw.total == pytest.approx(16 * total / 4) and adamw.values == pytest.approx(total / 4)
+    specs = parameter_specs(model_config, config.model_options)
+    largest = sum(local_numel(spec, 4, 2, True)[1] for spec in specs)
+    assert adamw.padding == pytest.approx(16 * (largest - total / 4)) and adamw.padding > 0
+    low = state_bytes(model_config, config.model_options, "adamw8bit", layout)
+    bf16 = state_bytes(model_config, config.model_options, "adamw_bf16", layout)
+    assert bf16.total < low.total < adamw.total
+    assert low.weights == adamw.weights and bf16.weights < low.weights and 0 < bf16.fp32_weights < 0.5
+
+
+def test_search_plans_every_optimizer_and_the_low_bit_ones_hold_less():
+    """The training search plans each layout for adamw, adamw8bit and adamw_bf16 (precision auto: bf16 on the
+    GPUs planned for); for the same layout adamw_bf16 needs fewer bytes than adamw8bit, and adamw8bit than
+    adamw; on the GPU the low-bit update is one fused kernel per parameter (fewer bytes than AdamW's loop),
+    on the host torchao's eager update (more)."""
+    from genomelm.plan.search import search
+    from genomelm.plan.timing import HOST_LOWBIT_BYTES_PER_PARAMETER
+
+    model_config = ModelConfig.preset("small")
+    config = TrainConfig.from_args(["model=small", "seq=1024", "gpus=4"])
+    plans = search(config, Assumptions(), _StubTraces(model_config))
+    assert {p.optimizer for p in plans} == {"adamw", "adamw8bit", "adamw_bf16"}
+    assert len(plans) % 3 == 0
+
+    def of(optimizer: str, **switches):
+        layout = {"dp": 2, "cp": 2, "ep": 2, "offload": True, "optimizer_offload": False} | switches
+        (plan,) = [
+            p
+            for p in plans
+            if p.optimizer == optimizer and all(getattr(p, k) == v for k, v in layout.items())
+        ]
+        return plan
+
+    adamw, low, bf16 = of("adamw"), of("adamw8bit"), of("adamw_bf16")
+    assert bf16.peak_gib_per_rank < low.peak_gib_per_rank < adamw.peak_gib_per_rank
+    assert "parameters (bf16, fp32-declared in fp32)" in bf16.device_gib
+    assert any(k.startswith("optimizer state (8-bit moments") for k in low.device_gib)
+    assert bf16.assumptions["compute_s"] < low.assumptions["compute_s"] < adamw.assumptions["compute_s"]
+    offloaded = of("adamw_bf16", optimizer_offload=True)
+    host = offloaded.roofline["host_parts"]["adamw_bf16 step on the host"]
+    adamw_host = of("adamw", optimizer_offload=True).roofline["host_parts"]["AdamW step on the host"]
+    assert host == pytest.approx(adamw_host * HOST_LOWBIT_BYTES_PER_PARAMETER["adamw_bf16"] / 100)
+    assert layout_args(offloaded).endswith("optimizer_offload=true optimizer=adamw_bf16")
+    replicated = {
+        opt: plan_layout(
+            config.replace(fsdp=False, optimizer=opt, precision="bf16"),
+            1,
+            4,
+            1,
+            Assumptions(),
+            _StubTraces(model_config),
+            model_config,
+            model_numel(model_config),
+        ).device_gib["optimizer step peak (separate phase)"]
+        for opt in ("adamw", "adamw8bit", "adamw_bf16")
+    }
+    assert replicated["adamw_bf16"] < replicated["adamw8bit"] < replicated["adamw"]

@@ -165,8 +165,9 @@ class Layout:
     dp: int
     cp: int
     ep: int
-    sharded: bool  # FSDP2 shards parameters, gradients and AdamW state over dp*cp > 1 ranks (fsdp=true)
-    optimizer_offload: bool  # FSDP2 keeps the fp32 parameters, gradients and AdamW state in host memory
+    sharded: bool  # FSDP2 shards parameters, gradients and optimizer state over dp*cp > 1 ranks (fsdp=true)
+    optimizer_offload: bool  # FSDP2 keeps the parameters, gradients and optimizer state in host memory
+    optimizer: str = "adamw"  # the run's `optimizer` (`genomelm.run.config.OPTIMIZERS`)
 
     @property
     def world(self) -> int:
@@ -222,6 +223,7 @@ class Plan:
     stage: str = "train"  # "train" (the training step) or "eval" (the evaluator's forward)
     evaluation: EvalTime | None = None  # stage="eval"
     roofline: dict[str, Any] = field(default_factory=dict)  # `plan_time.roofline_summary`: op by op
+    optimizer: str = "adamw"  # training's `optimizer` (`genomelm.run.config.OPTIMIZERS`)
 
     @property
     def host_gib_total(self) -> float:

@@ -1,5 +1,6 @@
 """Bytes per rank: the traced step (one decoder layer of each kind, cached per cp) read at the rank's tokens
-and scaled to every layer, plus the parameters, gradients and AdamW state by the sharding rules below; for
+and scaled to every layer, plus the parameters, gradients and optimizer state by the sharding rules below
+(their bytes per tensor for the run's `optimizer`: `genomelm.plan.optimizer_bytes`); for
 the evaluation (stage=eval), the traced forward read the same way, plus the parameters as stored
 (`EVAL_RULE`)."""
 
@@ -17,6 +18,7 @@ import torch
 from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
 from genomelm.model.config import is_preset
 from genomelm.plan.layouts import GIB, GPUS, Assumptions, Layout
+from genomelm.plan.optimizer_bytes import StateBytes, state_bytes
 from genomelm.plan.trace import (
     StepTrace,
     eval_param_dtype,
@@ -27,16 +29,20 @@ from genomelm.plan.trace import (
 )
 from genomelm.run.config import TrainConfig
 from genomelm.run.models import model_config_of
+from genomelm.train.optimizer import BF16_WEIGHTS
 
 SHARDING_RULE = (
-    "bytes per rank from the model's parameter count (meta device), W = dp*cp ranks: with FSDP2 (fsdp=true, "
-    "W > 1) every parameter, its fp32 gradient and its AdamW state (2 x fp32) are sharded over all W ranks; "
-    "the routed experts are split over ep ranks (E/ep each) and sharded again over the W/ep ranks holding "
-    "the same experts, so each rank holds (all parameters) / W x (4 + 4 + 8) B; FSDP gathers one decoder "
-    "layer in bf16 while it prefetches the next (2 x 2 B per parameter of the largest layer, its experts / "
-    "ep) and reduce-scatters its gradient from a bf16 + fp32 copy (6 B); without FSDP each rank holds every "
-    "parameter (experts / ep) x 16 B; optimizer_offload=true keeps the fp32 parameters, gradients and AdamW "
-    "state in pinned host memory (FSDP2 CPUOffloadPolicy), leaving the gathered bf16 layers on the GPU"
+    "bytes per rank from the model's parameter tensors (meta device), W = dp*cp ranks: with FSDP2 "
+    "(fsdp=true, W > 1) every parameter, its gradient and its optimizer state are sharded over all W ranks "
+    "along dim 0; the routed experts are split over ep ranks (E/ep each) and sharded again over the W/ep "
+    "ranks holding the same experts, so each rank holds (all parameters) / W x the optimizer's bytes per "
+    "parameter (`optimizer` rule: adamw 4 + 4 + 8 B; adamw8bit 4 + 4 + ~2.03 B; adamw_bf16 ~2 + 2 + ~2.03 "
+    "B), and the largest rank ceil(dim0 / shards) rows of each tensor (FSDP padding, counted apart); FSDP "
+    "gathers one decoder layer in bf16 while it prefetches the next (2 x 2 B per parameter of the largest "
+    "layer, its experts / ep) and reduce-scatters its gradient from a bf16 + fp32 copy (6 B); without FSDP "
+    "each rank holds every parameter (experts / ep) at those bytes; optimizer_offload=true keeps the "
+    "weights, gradients and optimizer state in pinned host memory (FSDP2 CPUOffloadPolicy), leaving the "
+    "gathered bf16 layers on the GPU"
 )
 MOE_RULE = (
     "expert parallelism: the busiest rank receives `imbalance` x the mean routed rows (its expert FLOPs and "
@@ -55,7 +61,9 @@ MOE_RULE = (
 )
 OFFLOAD_RULE = (
     "traced with offload=true (with recompute, offload moves only each layer's saved input to the host); "
-    "offload=false adds those bytes back to the device"
+    "offload=false adds those bytes back to the device; traced with torch's AdamW whatever the optimizer "
+    "(the update phase of a layout without FSDP scaled by the optimizer's weights, gradients and state over "
+    "AdamW's; with FSDP those are computed)"
 )
 EVAL_RULE = (
     "the evaluation (stage=eval): the evaluator's forward of one window traced under no_grad (bf16 autocast "
@@ -151,8 +159,13 @@ class TraceCache:
 
     @staticmethod
     def traced_run(run: TrainConfig) -> TrainConfig:
-        """The run as traced: training with recompute, offload on (`OFFLOAD_RULE`)."""
-        return run.replace(offload=True) if run.memory.recompute and run.plan.stage == "train" else run
+        """The run as traced: training with recompute, offload on (`OFFLOAD_RULE`); training with torch's
+        AdamW whatever the run's optimizer, so one trace serves every choice: the low-bit update cannot run
+        on fake tensors (torchao's quantiser reads a value: a data-dependent op), and the optimizer's bytes
+        are computed (`optimizer_bytes`)."""
+        if run.plan.stage != "train":
+            return run
+        return run.replace(optimizer="adamw", **({"offload": True} if run.memory.recompute else {}))
 
     def _key(self, run: TrainConfig, tokens: int, layers: list[int]) -> tuple:
         memory, options = run.memory, run.model_options
@@ -418,6 +431,25 @@ def saved_activations(
     return saved
 
 
+def state_categories(state: StateBytes, offloaded: bool) -> dict[str, float]:
+    """One rank's device bytes of weights, gradients and optimizer state by category, named by what they hold
+    (`OPTIMIZER_RULE`); none on the device with optimizer offload."""
+    if state.optimizer in BF16_WEIGHTS:
+        dtype = "bf16" if state.fp32_weights == 0 else "bf16, fp32-declared in fp32"
+    else:
+        dtype = "fp32"
+    if state.optimizer == "adamw":
+        moments = "optimizer state (AdamW, 2 x fp32)"
+    else:
+        moments = f"optimizer state (8-bit moments; {100 * state.unquantised:.2g}% of values unquantised)"
+    kept = 0.0 if offloaded else 1.0
+    return {
+        f"parameters ({dtype})": kept * state.weights,
+        f"gradients ({dtype})": kept * state.gradients,
+        moments: kept * state.moments,
+    }
+
+
 def rank_memory(
     config: TrainConfig,
     model_config: ModelConfig,
@@ -425,41 +457,58 @@ def rank_memory(
     params: ParameterShare,
     steps: ScaledTraces,
     a: Assumptions,
+    state: StateBytes,
 ) -> RankMemory:
-    """One rank's device bytes by category and its node's host bytes (`SHARDING_RULE`, `OFFLOAD_RULE`)."""
+    """One rank's device bytes by category and its node's host bytes (`SHARDING_RULE`, `OFFLOAD_RULE`), the
+    weights, gradients and optimizer state as `state` counts them (`OPTIMIZER_RULE`)."""
     hi, opt_offload = steps.hi, layout.optimizer_offload
     transients = module_transients(config, model_config, layout, steps, a)
     host_inputs = (
         steps.line(steps.lo.host_bytes, hi.host_bytes) * model_config.num_hidden_layers / len(steps.layers)
     )
+    held = state_categories(state, opt_offload)
     device = {
-        "parameters (fp32)": 0.0 if opt_offload else 4 * params.local,
+        **held,
         "buffers": _categories(hi, "Buffer") * params.total / sum(hi.param_numel.values()),
-        "gradients (fp32)": 0.0 if opt_offload else 4 * params.local,
-        "optimizer state (AdamW, 2 x fp32)": 0.0 if opt_offload else 8 * params.local,
         "saved activations (all layers)": saved_activations(config, model_config, steps, host_inputs),
         "largest transient (module below)": max(transients.values(), default=0.0),
     }
     if layout.sharded:
+        # the largest rank's shards hold ceil(dim0 / shards) rows (FSDP2 splits dim 0 as torch.chunk does)
+        device[PADDING] = 0.0 if opt_offload else state.padding
         device["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] = _largest_layer(
             model_config, layout, params
         ) * (2 * 2 + 2 + 4)
-        opt_phase = sum(
-            device[k]
-            for k in ("parameters (fp32)", "buffers", "gradients (fp32)", "optimizer state (AdamW, 2 x fp32)")
-        )
-    else:  # traced: the gradient sum, clipping and AdamW (its temporaries), per parameter
-        opt_phase = hi.optimizer_peak_total * params.local / sum(hi.param_numel.values())
+        opt_phase = sum(device[k] for k in (*held, "buffers", PADDING))
+    else:  # traced with torch's AdamW (the gradient sum, clipping and the step's temporaries), per parameter
+        traced = hi.optimizer_peak_total * params.local / sum(hi.param_numel.values())
+        # another optimizer: its weights, gradients and state in proportion to AdamW's (`OPTIMIZER_RULE`)
+        opt_phase = traced * state.total / max(adamw_total(model_config, config, layout), 1.0)
     peak = max(sum(device.values()), opt_phase)
     device["optimizer step peak (separate phase)"] = opt_phase
     ranks_per_node = min(a.gpus_per_node, layout.world)
     host = {}
     if config.memory.offload:
         host["offloaded layer inputs (pinned)"] = host_inputs * ranks_per_node
-    if opt_offload:
-        optimizer = "optimizer offload: fp32 parameters, gradients, AdamW (pinned)"
-        host[optimizer] = 16 * params.local * ranks_per_node
+    if opt_offload:  # a node's ranks together hold about the even share each (`StateBytes`)
+        host[offload_name(state.optimizer)] = state.total * ranks_per_node
     return RankMemory(device, transients, host, host_inputs, peak, usable_gib(config))
+
+
+PADDING = "FSDP padding (largest rank: ceil(dim0 / shards) rows)"
+
+
+def offload_name(optimizer: str) -> str:
+    """The host category of the optimizer offload's weights, gradients and state."""
+    if optimizer == "adamw":
+        return "optimizer offload: fp32 parameters, gradients, AdamW (pinned)"
+    weights = "bf16" if optimizer in BF16_WEIGHTS else "fp32"
+    return f"optimizer offload: {weights} parameters, gradients, 8-bit moments (pinned)"
+
+
+def adamw_total(model_config: ModelConfig, config: TrainConfig, layout: Layout) -> float:
+    """Bytes of one rank's weights, gradients and AdamW state (the traced optimizer's)."""
+    return state_bytes(model_config, config.model_options, "adamw", layout).total
 
 
 def eval_transients(

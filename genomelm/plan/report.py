@@ -16,7 +16,7 @@ def layout_args(plan: Plan) -> str:
         return f"dp={plan.dp} cp={plan.cp} ep={plan.ep}"
     return (
         f"dp={plan.dp} cp={plan.cp} ep={plan.ep} offload={str(plan.offload).lower()} "
-        f"optimizer_offload={str(plan.optimizer_offload).lower()}"
+        f"optimizer_offload={str(plan.optimizer_offload).lower()} optimizer={plan.optimizer}"
     )
 
 
@@ -61,7 +61,7 @@ def describe(plan: Plan) -> str:
         (
             f"plan {plan.run}: {plan.seq:,}-token windows on {plan.gpus} x {plan.gpu.upper()} "
             f"(dp {plan.dp} x cp {plan.cp}, ep {plan.ep}; fsdp {plan.fsdp}; recompute {plan.recompute}, "
-            f"offload {plan.offload}, optimizer_offload {plan.optimizer_offload})"
+            f"offload {plan.offload}, optimizer_offload {plan.optimizer_offload}; optimizer {plan.optimizer})"
         ),
         (
             f"  {verdict}: peak {plan.peak_gib_per_rank:,.1f} GiB per rank of {plan.usable_gib:.0f} GiB "
@@ -220,12 +220,12 @@ def describe_search(plans: list[Plan], limit: int = 0) -> str:
         return _describe_eval_search(plans, limit)
     rows = [
         (
-            f"{'fits':<5} {'dp':>3} {'cp':>3} {'ep':>3} {'offload':<8} {'opt_offload':<12} {'peak GiB':>10} "
-            f"{'host GiB/node':>14} {'tokens/s':>10}"
+            f"{'fits':<5} {'dp':>3} {'cp':>3} {'ep':>3} {'offload':<8} {'opt_offload':<12} {'optimizer':<11} "
+            f"{'peak GiB':>10} {'host GiB/node':>14} {'tokens/s':>10}"
         )
     ]
     for p in plans[: limit or None]:
-        switches = f"{str(p.offload).lower():<8} {str(p.optimizer_offload).lower():<12}"
+        switches = f"{str(p.offload).lower():<8} {str(p.optimizer_offload).lower():<12} {p.optimizer:<11}"
         sizes = f"{p.peak_gib_per_rank:>10,.1f} {p.host_gib_total:>14,.1f} {p.tokens_per_s_projected:>10,.0f}"
         rows.append(f"{'yes' if p.fits else 'no':<5} {p.dp:>3} {p.cp:>3} {p.ep:>3} {switches} {sizes}")
     if limit and len(plans) > limit:

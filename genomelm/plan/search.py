@@ -29,6 +29,7 @@ from genomelm.plan.memory import (
     scaled_traces,
     trace_token_counts,
 )
+from genomelm.plan.optimizer_bytes import OPTIMIZER_RULE, state_bytes
 from genomelm.plan.roofline import OVERLAP_RULE
 from genomelm.plan.timing import (
     StepTime,
@@ -39,7 +40,9 @@ from genomelm.plan.timing import (
     step_time,
 )
 from genomelm.plan.trace import eval_param_dtype, eval_precision, reduced_layers
-from genomelm.run.config import TrainConfig
+from genomelm.run.config import OPTIMIZERS, TrainConfig
+from genomelm.run.precision import resolve_precision
+from genomelm.train.optimizer import BF16_WEIGHTS
 
 
 def traced_assumptions(a: Assumptions, model_config: ModelConfig, cp: int) -> Assumptions:
@@ -72,7 +75,8 @@ def check_layout(config: TrainConfig, model_config: ModelConfig, dp: int, cp: in
             f"ep={ep} must divide dp*cp={world} and the {model_config.n_routed_experts} routed experts"
         )
     sharded = config.parallel.fsdp and world > 1
-    return Layout(dp, cp, ep, sharded, config.parallel.optimizer_offload and sharded and not evaluating)
+    opt_offload = config.parallel.optimizer_offload and sharded and not evaluating
+    return Layout(dp, cp, ep, sharded, opt_offload, config.optim.optimizer)
 
 
 def window_splits(config: TrainConfig, cp: int) -> bool:
@@ -111,8 +115,9 @@ def plan_layout(
     traced = traced_assumptions(a, model_config, cp)
     steps = scaled_traces(config, model_config, cp, traced, traces, optimizer=not layout.sharded)
     params = ParameterShare.of(numel, layout)
-    memory = rank_memory(config, model_config, layout, params, steps, a)
-    time = step_time(config, model_config, layout, params, steps, memory.host_inputs, a)
+    state = state_bytes(model_config, config.model_options, config.optim.optimizer, layout)
+    memory = rank_memory(config, model_config, layout, params, steps, a, state)
+    time = step_time(config, model_config, layout, params, steps, memory.host_inputs, a, state)
     return _plan(config, layout, a, memory, time, _notes(config, model_config, layout, steps))
 
 
@@ -133,6 +138,7 @@ def _plan(
         recompute=config.memory.recompute,
         offload=config.memory.offload,
         optimizer_offload=layout.optimizer_offload,
+        optimizer=layout.optimizer,
         fsdp=layout.sharded,
         fits=memory.fits(a),
         usable_gib=memory.usable,
@@ -155,6 +161,7 @@ def _plan(
             "busiest_rank_flops_per_token": time.busiest_flops / tokens,
             "overlap": OVERLAP_RULE,
             "sharding": SHARDING_RULE,
+            "optimizer": OPTIMIZER_RULE,
             "moe": MOE_RULE,
             "offload": OFFLOAD_RULE,
         },
@@ -277,9 +284,10 @@ def search(
     config: TrainConfig, assumptions: Assumptions | None = None, traces: TraceCache | None = None
 ) -> list[Plan]:
     """Every dp x cp x ep layout of `config.plan.gpus` (64 if unset), for training with offload and
-    optimizer_offload on and off, ranked (`rank`); with stage=eval the evaluator's layouts (dp x cp x ep
-    alone: it neither offloads nor keeps an optimizer). One pair of traces per cp (see `TraceCache`), traced
-    first, in parallel."""
+    optimizer_offload on and off and each optimizer (`optimizer_choices`), ranked (`rank`); with stage=eval
+    the evaluator's layouts (dp x cp x ep alone: it neither offloads nor keeps an optimizer). One pair of
+    traces per cp (see `TraceCache`; the optimizer's bytes are computed, not traced), traced first, in
+    parallel."""
     assumptions = assumptions or load_assumptions(config)
     model_config = resolve_model_config(config)
     evaluating = config.plan.stage == "eval"
@@ -295,9 +303,10 @@ def search(
         [{}]
         if evaluating
         else [
-            {"offload": offload, "optimizer_offload": opt_offload}
+            {"offload": offload, "optimizer_offload": opt_offload, **optimizer}
             for offload in (True, False)
             for opt_offload in opt_offloads
+            for optimizer in optimizer_choices(config)
         ]
     )
     traced_optimizer = not sharded and not evaluating
@@ -320,6 +329,21 @@ def search(
                 plan = plan_layout(run, gpus // cp, cp, ep, assumptions, traces, model_config, numel, stored)
                 plans.append(plan)
     return rank(plans)
+
+
+def optimizer_choices(config: TrainConfig) -> list[dict[str, str]]:
+    """The optimizer settings a training search plans each layout with: every `OPTIMIZERS` choice, adamw_bf16
+    where the run's precision resolves to bf16 on the GPUs planned for (its weights are read under bf16
+    autocast: the run's validation asks for precision=bf16, which "auto" is on a GPU)."""
+    bf16 = resolve_precision(config.memory.precision, torch.device("cuda")) == "bf16"
+    choices = []
+    for optimizer in OPTIMIZERS:
+        if optimizer in BF16_WEIGHTS:
+            if bf16:
+                choices.append({"optimizer": optimizer, "precision": "bf16"})
+        else:
+            choices.append({"optimizer": optimizer})
+    return choices
 
 
 def rank(plans: list[Plan]) -> list[Plan]:

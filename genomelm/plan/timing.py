@@ -20,6 +20,7 @@ from genomelm.model import ModelConfig
 from genomelm.plan import rates, roofline
 from genomelm.plan.layouts import Assumptions, EvalTime, Layout
 from genomelm.plan.memory import ParameterShare, ScaledTraces
+from genomelm.plan.optimizer_bytes import StateBytes
 from genomelm.plan.rates import Peaks
 from genomelm.run import scoring
 from genomelm.run.config import TrainConfig
@@ -32,10 +33,23 @@ from genomelm.run.config import TrainConfig
 # 0.1 s).
 HOST_ADAMW_BYTES_PER_PARAMETER = 100
 ADAMW_BYTES_PER_PARAMETER = 100
+# The low-bit choices (adamw8bit, adamw_bf16) on the GPU: torchao's `single_param_adam` compiled by inductor
+# into one kernel per parameter (`genomelm.train.lowbit`), which reads the weight, the gradient and both
+# 8-bit moments with their scales and writes the weight and the moments: `StateBytes.fused_update`, ~16 B
+# per parameter with fp32 weights, ~10 B with bf16 ones, at the GPU's memory bandwidth (one launch per
+# parameter tensor, ~1,000 of them at full size: milliseconds, not counted). On the host (optimizer_offload)
+# the update runs eagerly, op by op (`LowBitAdamW(compiled=False)`), and torchao's 8-bit quantiser is a
+# branchless binary search over the 256 codes in int64: counted with a dispatch mode over one step of a
+# [256, 1024] parameter, 1,558 B per parameter over 130 ops with fp32 weights and 1,648 B over 143 ops with
+# bf16 ones (torch's AdamW, counted the same way: 84 B over 8 ops, against the 100 B assumed above), so
+# 1,600 and 1,700 B; on one core of the planner's CPU it took 29x (bf16: 32x) AdamW's time, so these are
+# the lower end.
+HOST_LOWBIT_BYTES_PER_PARAMETER = {"adamw8bit": 1600, "adamw_bf16": 1700}
 # With optimizer_offload and gradient accumulation, FSDP2 adds each micro-batch's reduced fp32 gradient shard
 # to the one already on the host inside the backward, after the first: a blocking device-to-host copy (4 B
 # per parameter over PCIe) and an add on the host CPU (read both, write one: 12 B) that nothing overlaps
-# (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, `foreach_reduce`'s offload branch).
+# (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, `foreach_reduce`'s offload branch);
+# half of both where the gradients are bf16 (adamw_bf16: the weights' dtype).
 HOST_ACCUMULATE_BYTES_PER_PARAMETER = 12
 # The expert exchange's copies on the receiving rank, per MoE layer and pass: its received rows to the order
 # of its local experts and their outputs back to arrival order (`parallel/expert.py`), each read and written
@@ -170,34 +184,24 @@ def step_time(
     steps: ScaledTraces,
     host_inputs: float,
     a: Assumptions,
+    state: StateBytes,
 ) -> StepTime:
-    """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads."""
+    """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads;
+    `state`: its weights, gradients and optimizer state (the update's bytes)."""
     p = device_peaks(a, config.plan.gpu)
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     comm, comm_s, overlapped_s = comm_bytes(model_config, layout, params, steps, a, p)
     kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu)
     compute_s, mean_s = kernels.busiest_s, kernels.mean_s
     host: dict[str, float] = {}
-    accum, pcie = config.optim.grad_accum, p.links.pcie
+    accum = config.optim.grad_accum
     if config.memory.offload:  # the layer inputs out and back, per window, on the copier's own stream
-        overlapped_s += 2 * host_inputs / pcie
+        overlapped_s += 2 * host_inputs / p.links.pcie
     if layout.optimizer_offload:
-        host_bandwidth = rates.rate("host_memory").on(config.plan.gpu) / a.gpus_per_node
-        # the fp32 gradients down and the fp32 parameters up, once per optimizer step
-        host["optimizer offload copies"] = 2 * 4 * params.local / accum / pcie
-        # every micro-batch after the first: its gradient added to the host's inside the backward
-        host["gradient accumulation on the host"] = (
-            (accum - 1)
-            / accum
-            * params.local
-            * (4 / pcie + HOST_ACCUMULATE_BYTES_PER_PARAMETER / host_bandwidth)
-        )
-        host["AdamW step on the host"] = (
-            HOST_ADAMW_BYTES_PER_PARAMETER * params.local / accum / host_bandwidth
-        )
-    else:  # the AdamW step on the GPU, per window
-        adamw_s = ADAMW_BYTES_PER_PARAMETER * params.local / accum / p.memory
-        compute_s, mean_s = compute_s + adamw_s, mean_s + adamw_s
+        host = host_update(config, params, state, a, p)
+    else:  # the update on the GPU, per window
+        update_s = update_bytes(params, state) / accum / p.memory
+        compute_s, mean_s = compute_s + update_s, mean_s + update_s
     time = _step_time(
         rank_flops,
         busiest_flops,
@@ -212,6 +216,40 @@ def step_time(
     )
     time.host_parts = host
     return time
+
+
+def update_bytes(params: ParameterShare, state: StateBytes) -> float:
+    """Bytes one rank's optimizer update moves through the GPU's memory: AdamW's per-tensor loop
+    (`ADAMW_BYTES_PER_PARAMETER`), or the low-bit choices' fused kernel per parameter."""
+    if state.optimizer == "adamw":
+        return ADAMW_BYTES_PER_PARAMETER * params.local
+    return state.fused_update
+
+
+def host_update(
+    config: TrainConfig, params: ParameterShare, state: StateBytes, a: Assumptions, p: Peaks
+) -> dict[str, float]:
+    """Seconds per window of the host work optimizer offload adds, by part: the copies once per optimizer
+    step, the gradient accumulation on the host, and the update on the host CPU (AdamW's, or torchao's
+    eager low-bit update: `HOST_LOWBIT_BYTES_PER_PARAMETER`)."""
+    accum, pcie = config.optim.grad_accum, p.links.pcie
+    host_bandwidth = rates.rate("host_memory").on(config.plan.gpu) / a.gpus_per_node
+    # the gradients down and the parameters up, once per optimizer step, in the weights' dtype
+    copies = state.weights + state.gradients
+    grad_bytes = state.gradients / max(state.values, 1.0)  # per parameter: 4, or ~2 for bf16 weights
+    name = "AdamW step on the host" if state.optimizer == "adamw" else f"{state.optimizer} step on the host"
+    per_parameter = HOST_LOWBIT_BYTES_PER_PARAMETER.get(state.optimizer, HOST_ADAMW_BYTES_PER_PARAMETER)
+    return {
+        "optimizer offload copies": copies / accum / pcie,
+        # every micro-batch after the first: its gradient added to the host's inside the backward
+        "gradient accumulation on the host": (
+            (accum - 1)
+            / accum
+            * params.local
+            * (grad_bytes / pcie + HOST_ACCUMULATE_BYTES_PER_PARAMETER * grad_bytes / 4 / host_bandwidth)
+        ),
+        name: per_parameter * params.local / accum / host_bandwidth,
+    }
 
 
 def forward_time(
