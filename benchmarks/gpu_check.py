@@ -34,6 +34,8 @@ Checks, in this order, one table row each:
 6. One trainer step of `tiny` on dp 2 x ep 2 (2 processes, NCCL, FSDP2, fp32) against one process running
    both windows: loss and gradient norm within 1e-4 relative (skipped with fewer than 2 GPUs; on the CPU
    smoke, 2 gloo processes).
+6a. The low-bit optimizers' update (`benchmarks/optimizer_update.py`): torchao's update compiled, as CUDA runs
+   it, against the eager one on a [4096, 8192] parameter, and its bandwidth at the planner's bytes per value.
 7. With --long: the slice at 128k and 512k tokens (skipped without fla: the torch KDA path does not fit).
 
 --budget-s: a check whose estimated time exceeds what is left of the budget is skipped, with the estimate as
@@ -632,6 +634,22 @@ def check_kernel(setup: Setup, module_name: str, tokens: int) -> Row:
     return Row("ok" if result["ok"] else "mismatch", "; ".join(parts), seconds=seconds, details=result)
 
 
+def check_optimizer_update(setup: Setup, optimizer: str) -> Row:
+    """The low-bit optimizer's compiled update against its eager one on one [4096, 8192] parameter
+    (`benchmarks/optimizer_update.py`), with the compiled update's bandwidth at the planner's bytes."""
+    import optimizer_update
+
+    result = optimizer_update.check(setup.device, optimizer)
+    note = (
+        f"max relative error {result['max_rel_error']:.2e}; compiled {result['compiled_ms']:.2f} ms, eager "
+        f"{result['eager_ms']:.2f} ms; {result['planned_bytes_per_value']:.1f} B/value planned: "
+        f"{result['measured_gb_s']:,.0f} GB/s"
+    )
+    return Row(
+        "ok" if result["ok"] else "mismatch", note, seconds=result["compiled_ms"] / 1e3, details=result
+    )
+
+
 def check_roofline(setup: Setup, slice_model: SliceModel, length: int) -> Row:
     """The roofline's projection of the slice's step beside its measured time, part by part
     (`roofline_gpu.projected_vs_measured`; the table is printed): the first GPU contact's calibration of the
@@ -851,6 +869,10 @@ def plan(setup: Setup, long: bool) -> list[Check]:
             return "the slice on the torch paths did not run"
         return None if triton_installed() else "triton not installed (pip install triton)"
 
+    def cuda_missing() -> str | None:
+        # the CPU runs the update eagerly; tests/test_optimizers.py holds the compiled one to it there
+        return None if setup.cuda else "no CUDA (the compiled update is the GPU's path)"
+
     def gpus_missing() -> str | None:
         if setup.cuda and torch.cuda.device_count() < 2:
             return f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"
@@ -910,6 +932,16 @@ def plan(setup: Setup, long: bool) -> list[Check]:
             lambda: check_dp_ep(setup, rank_tokens),
             gpus_missing,
             False,
+        ),
+        *(
+            Check(
+                f"{optimizer} update: compiled vs eager, [4096, 8192]",
+                0,
+                lambda optimizer=optimizer: check_optimizer_update(setup, optimizer),
+                cuda_missing,
+                False,
+            )
+            for optimizer in ("adamw8bit", "adamw_bf16")
         ),
     ]
     if long:
