@@ -236,5 +236,5 @@ def test_dry_run_full_model_without_gpu():
     assert "dense S x S" not in text
     assert "recompute: full, per layer" in text and "offload of saved layer inputs: on" in text
     # the plan of the run's own layout, the one the planner ranks first for 64 B200 within 144.5 GiB
-    assert "64 x B200 (dp 8 x cp 8, ep 2" in text and "FITS" in text and "DOES NOT FIT" not in text
+    assert "64 x B200 (dp 4 x cp 16, ep 2" in text and "FITS" in text and "DOES NOT FIT" not in text
     assert "traced 3 of 45 layers" in text and "FLOPs per token" in text

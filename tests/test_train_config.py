@@ -135,7 +135,7 @@ def test_shipped_run_configs_load() -> None:
     for path in sorted((ROOT / "configs" / "train").glob("*.yaml")):
         TrainConfig.load(path)
     cluster = TrainConfig.load([ROOT / "configs/train/hg38-1m.yaml", ROOT / "configs/cluster/b200x64.yaml"])
-    assert (cluster.parallel.dp, cluster.parallel.cp, cluster.parallel.ep) == (4, 16, 2)
+    assert (cluster.parallel.dp, cluster.parallel.cp, cluster.parallel.ep) == (2, 32, 2)
     assert cluster.parallel.launcher == "ray" and cluster.plan.gpus == 64
 
 

@@ -158,7 +158,7 @@ class ParallelConfig:
     ep: int = 1  # expert parallel: the routed experts split over ep of the dp * cp ranks (ep divides dp * cp)
     cp_layout: str = "zigzag"  # "zigzag" (balanced indexer work) or "contiguous"
     fsdp: bool = True  # with more than one process: FSDP2 shards parameters, gradients and optimizer state
-    optimizer_offload: bool = False  # AdamW state and fp32 master weights in host memory (FSDP2, GPUs only)
+    optimizer_offload: bool = False  # weights, gradients and optimizer state in host memory (FSDP2, GPUs)
     ep_capacity_factor: float = 8.0  # refuse an MoE exchange giving a rank more than this x the mean tokens
     # "local" (processes on this machine), "ray" (Ray Train workers) or "env" (torchrun or srun started
     # this process as one rank: `genomelm.run.env_launch`)
