@@ -73,12 +73,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per case (the demo's: 60)")
     parser.add_argument(
-        "--cases", nargs="+", default=None, help="optimizers to run (default: all; adamw is always run first)"
+        "--cases",
+        nargs="+",
+        default=None,
+        help="optimizers to run (default: all); adamw at the default precision always runs first",
     )
     args = parser.parse_args()
-    cases = [case for case in CASES if args.cases is None or case[0] in args.cases]
-    if cases[0] != ("adamw", "auto"):
-        cases.insert(0, ("adamw", "auto"))
+    wanted = set(args.cases or [optimizer for optimizer, _ in CASES])
+    # adamw at bf16 is adamw_bf16's reference for the precision: it comes with it
+    cases = [
+        (optimizer, precision)
+        for optimizer, precision in CASES
+        if (optimizer, precision) == ("adamw", "auto")
+        or (optimizer in wanted and (precision == "auto" or "adamw_bf16" in wanted))
+    ]
     subprocess.run(
         [sys.executable, "-m", "genomelm.cli", "data", "--config", str(ROOT / "configs/data/demo.yaml")],
         check=True,
