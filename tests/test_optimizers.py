@@ -120,9 +120,13 @@ def resumed_from_step_2(runs: Path, full: str, name: str, *settings: str) -> lis
     """A copy of run `full` without its step-4 checkpoint, continued with `settings` (steps 3 and 4)."""
     shutil.copytree(runs / full, runs / name)
     shutil.rmtree(runs / name / "checkpoints" / "step-0000004")
+    metrics = runs / name / "metrics.jsonl"
+    rows = [json.loads(row) | {"copied": True} for row in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
     losses = train_losses(runs.parent / "data", runs, name, *settings)
-    steps = [json.loads(row)["step"] for row in (runs / name / "metrics.jsonl").read_text().splitlines()]
-    assert steps[4:] == [3, 4]  # continued from step 2, not started over
+    rows = [json.loads(row) for row in metrics.read_text().splitlines()]
+    # continued from step 2: the rows it kept are the copied ones, steps 3 and 4 its own
+    assert [(row["step"], "copied" in row) for row in rows] == [(1, True), (2, True), (3, False), (4, False)]
     return losses
 
 

@@ -243,7 +243,10 @@ def _simulate_rank(
                 parallel.prepare(model, param_dtype, config.parallel.ep_capacity_factor)
             model.train()
             runner = LayerRunner.for_memory(config.memory, offload=False)
-            optimizer = make_optimizer(model, config.optim, device)
+            # torch's AdamW whatever the run's optimizer: torchao's quantiser reads values (data-dependent
+            # on fake tensors), and the low-bit update, elementwise on each rank's own shards, has no
+            # collective and no host sync (tests/test_optimizers.py; benchmarks/gpu_check.py on a GPU)
+            optimizer = make_optimizer(model, dataclasses.replace(config.optim, optimizer="adamw"), device)
             step = TrainStep.for_run(config, model, optimizer, runner, parallel, device)
             windows = _windows(config, device, phase)
             phases = StepPhases(update=lambda: _phase(phase, "update"), assume_finite=True)
