@@ -3,13 +3,13 @@
 end (`eval_every=60`); the table gives the final training loss (the mean of the last 5 steps) and the held-out
 loss, each relative to AdamW's.
 
-    python benchmarks/optimizers.py                          # every case (about 75 minutes on 2 cores)
-    python benchmarks/optimizers.py --cases adamw adamw8bit  # the fp32 cases (about 12 minutes)
+    python benchmarks/optimizers.py                          # every case (about 18 minutes on 2 cores)
+    python benchmarks/optimizers.py --cases adamw adamw8bit  # the fp32 cases (about 6 minutes)
 
 `adamw_bf16` keeps bf16 weights, which the model reads under bf16 autocast, so it runs at precision=bf16;
-the table adds AdamW at precision=bf16 too, to tell the optimizer's effect from the precision's. A CPU
-without bf16 matrix units runs a bf16 demo step about 5x slower than an fp32 one (30 s against 6 s on 2
-cores).
+the table adds AdamW at precision=bf16 too, to tell the optimizer's effect from the precision's. On a CPU
+without bf16 matrix units a bf16 demo step is slower than an fp32 one (about 3.4 s against 2.7 s on 2 quiet
+cores); two trainings at once on the same cores slow each other several-fold (their thread pools contend).
 """
 
 from __future__ import annotations
