@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from data_fixtures import fly_windows
+from run_fixtures import short_run, train_until_first_save
 from test_parallel_mesh import train_losses
 
 from genomelm.model import GlmForCausalLM, ModelConfig
-from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.parallel.fsdp import fp32_declared
 from genomelm.run.config import OptimConfig, TrainConfig
 from genomelm.train.guards import RunMismatch
@@ -35,22 +35,7 @@ def windows(tmp_path_factory) -> Path:
 
 
 def config(tmp_path: Path, data: Path, optimizer: str, **overrides) -> TrainConfig:
-    settings = {
-        "run": "t",
-        "model": "tiny",
-        "data": str(data),
-        "seq": 128,
-        "steps": 6,
-        "lr": 3e-3,
-        "warmup_steps": 2,
-        "save_every": 3,
-        "wandb": "disabled",
-        "runs_dir": str(tmp_path / "runs"),
-        "results_dir": str(tmp_path / "results"),
-        "optimizer": optimizer,
-        **overrides,
-    }
-    return TrainConfig.load(None, [f"{k}={v}" for k, v in settings.items()] + precision_of(optimizer))
+    return short_run(tmp_path, data, *precision_of(optimizer), optimizer=optimizer, **overrides)
 
 
 def test_low_bit_choices_keep_torchao_8bit_moments_and_bf16_weights_with_the_fp32_declared_kept() -> None:
@@ -89,16 +74,7 @@ def test_one_process_resume_equals_the_uninterrupted_run(tmp_path, windows, opti
     reference = train(whole, progress=False)["losses"]
     assert reference[-1] < reference[0]
     interrupted = config(tmp_path / "b", windows, optimizer)
-    real_save = Checkpointer.save
-
-    def save_then_interrupt(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Checkpointer, "save", save_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        train(interrupted, progress=False)
-    monkeypatch.setattr(Checkpointer, "save", real_save)
+    train_until_first_save(interrupted, monkeypatch)
     resumed = train(interrupted, progress=False)
     assert resumed["start_step"] == 3
     assert resumed["losses"] == reference[3:]  # bit for bit: the quantised moments come back as kept

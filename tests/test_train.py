@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from data_fixtures import fly_windows
+from run_fixtures import short_run, short_run_settings, train_until_first_save
 
 from genomelm.model import load_model
 from genomelm.parallel.checkpoint import TMP_PREFIX, Checkpointer
@@ -36,35 +37,12 @@ def many_windows(tmp_path_factory) -> Path:
     return fly_windows(tmp_path_factory.mktemp("data") / "many", "300001-304096", 128)
 
 
-def settings(tmp_path: Path, data: Path, **overrides) -> list[str]:
-    """The run's `key=value` settings, as `genomelm train` takes them."""
-    settings = {
-        "run": "t",
-        "model": "tiny",
-        "data": str(data),
-        "seq": str(overrides.pop("seq", 128)),
-        "steps": 6,
-        "lr": 3e-3,
-        "warmup_steps": 2,
-        "save_every": 3,
-        "wandb": "disabled",
-        "runs_dir": str(tmp_path / "runs"),
-        "results_dir": str(tmp_path / "results"),
-    }
-    settings.update(overrides)
-    return [f"{k}={v}" for k, v in settings.items()]
-
-
-def config(tmp_path: Path, data: Path, **overrides) -> TrainConfig:
-    return TrainConfig.load(None, settings(tmp_path, data, **overrides))
-
-
 def metrics(cfg: TrainConfig) -> list[dict]:
     return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_overfits_one_repeated_window(tmp_path, one_window):
-    cfg = config(
+    cfg = short_run(
         tmp_path,
         one_window,
         seq=256,
@@ -81,20 +59,11 @@ def test_overfits_one_repeated_window(tmp_path, one_window):
 
 
 def test_resume_reproduces_uninterrupted_losses(tmp_path, many_windows, monkeypatch):
-    whole = config(tmp_path / "a", many_windows)
+    whole = short_run(tmp_path / "a", many_windows)
     reference = train(whole, progress=False)["losses"]
 
-    interrupted = config(tmp_path / "b", many_windows)
-    real_save = Checkpointer.save
-
-    def save_then_interrupt(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt  # Ctrl-C right after the step-3 checkpoint
-
-    monkeypatch.setattr(Checkpointer, "save", save_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        train(interrupted, progress=False)
-    monkeypatch.setattr(Checkpointer, "save", real_save)
+    interrupted = short_run(tmp_path / "b", many_windows)
+    train_until_first_save(interrupted, monkeypatch)  # Ctrl-C right after the step-3 checkpoint
     assert Checkpointer(interrupted.run_dir).latest().name == "step-0000003"
 
     resumed = train(interrupted, progress=False)
@@ -112,7 +81,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, many_windows, monkeypa
 
 
 def test_kill_during_checkpoint_write_leaves_last_checkpoint_loadable(tmp_path, many_windows):
-    overrides = settings(tmp_path, many_windows, steps=10_000, save_every=1, keep_checkpoints=2)
+    overrides = short_run_settings(tmp_path, many_windows, steps=10_000, save_every=1, keep_checkpoints=2)
     cfg = TrainConfig.load(None, overrides)
     checkpointer = Checkpointer(cfg.run_dir)
     root = checkpointer.root
@@ -192,7 +161,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, many_windows, monkeypa
     monkeypatch.setattr(
         GlmForCausalLM, "forward", lambda self, *a, **k: real_forward(self, *a, **k) * float("nan")
     )
-    cfg = config(tmp_path, many_windows, steps=10, max_bad_steps=3)
+    cfg = short_run(tmp_path, many_windows, steps=10, max_bad_steps=3)
     with pytest.raises(NonFiniteLoss, match="3 non-finite steps in a row"):
         train(cfg, progress=False)
     rows = metrics(cfg)
@@ -203,7 +172,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, many_windows, monkeypa
 def test_trained_checkpoint_loads_in_transformers(tmp_path, many_windows):
     from transformers import Glm5NextForConditionalGeneration
 
-    cfg = config(tmp_path, many_windows, steps=2, save_every=2)
+    cfg = short_run(tmp_path, many_windows, steps=2, save_every=2)
     path = train(cfg, progress=False)["checkpoint"] / "model"
     ours = load_model(str(path)).eval()
     theirs = Glm5NextForConditionalGeneration.from_pretrained(
