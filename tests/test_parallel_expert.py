@@ -202,6 +202,48 @@ def test_skewed_routing_equals_one_process() -> None:
     print(f"skewed ep=2 vs one process, max |diff| / max|grad|: {worst}")
 
 
+def planned_and_per_chunk_rank() -> dict[str, Any]:
+    """This rank's window through the expert-parallel model twice: with a layer's split sizes exchanged once
+    before its chunks (`plan_expert_chunks`, the MoE's way), and chunk by chunk (the experts left unplanned);
+    the loss, the gradients and the count all-gathers of each (forward and backward with recompute)."""
+    from genomelm.parallel import expert
+
+    gathers = {"n": 0}
+    gather = expert.all_gather_slots
+
+    def counted(*args: Any) -> torch.Tensor:
+        gathers["n"] += 1
+        return gather(*args)
+
+    expert.all_gather_slots = counted
+    out = {}
+    for planned in (True, False):
+        gathers["n"] = 0
+        model = build(skew=False)
+        for name in expert.apply_expert_parallel(model, dist.group.WORLD):
+            if not planned:
+                model.get_submodule(name).plan_chunks = None
+        loss = run_step(model, fly_rows(LENGTH, dist.get_rank()), None, False)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[planned] = {"loss": loss, "grads": grads, "gathers": gathers["n"]}
+    return out
+
+
+def test_a_layers_split_sizes_exchanged_once_equal_the_per_chunk_exchange() -> None:
+    """tiny's 3 MoE layers at 256 tokens per rank in chunks of 200 (2 chunks): one count all-gather per layer
+    instead of one per chunk, and the same loss and gradients bit for bit (the same rows meet the same
+    experts in the same order; the recompute in the backward exchanges no counts either way)."""
+    results = launch(planned_and_per_chunk_rank, EP, timeout_s=TIMEOUT_S)
+    chunks = -(-LENGTH // CHUNK_TOKENS)
+    for result in results:
+        planned, per_chunk = result[True], result[False]
+        assert (planned["gathers"], per_chunk["gathers"]) == (3, 3 * chunks)
+        assert torch.equal(planned["loss"], per_chunk["loss"])
+        assert planned["grads"].keys() == per_chunk["grads"].keys()
+        for name, grad in planned["grads"].items():
+            assert torch.equal(grad, per_chunk["grads"][name]), name
+
+
 @pytest.mark.slow  # bf16 on a CPU is the slowest path: 15-48 s measured on 2 shared cores
 def test_bf16_ep2_close_to_one_process() -> None:
     """Under bf16 autocast the rows travel in bf16 and each GEMM runs on the same bf16 rows as in one process,

@@ -16,6 +16,7 @@ from genomelm.model import ModelConfig
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
 from genomelm.parallel.simulation import Collective, CollectiveError, SimulationMode, check_ranks_agree
 from genomelm.plan.simulate import (
+    EXCHANGE_SYNC_SITE,
     Simulation,
     describe_simulation,
     simulate_eval_layout,
@@ -33,14 +34,14 @@ def _tiny(*settings: str) -> TrainConfig:
 
 def _check_sync_bound(config: TrainConfig, model: str) -> None:
     """Every rank agrees on its collectives (checked inside), and a micro-batch's host syncs are the expert
-    exchanges' split sizes only: one per exchange."""
+    exchanges' split sizes only: one per MoE layer, for all its chunks."""
     model_config = ModelConfig.preset(model)
     simulation = simulate_step(config, model_config)
     assert len(simulation.ranks) == simulation.dims.world
     syncs = simulation.syncs_per_window()
-    exchanges = simulation.moe_calls_per_window(config, model_config)
-    assert sum(syncs.values()) <= exchanges, syncs
-    assert all("expert_parallel_forward" in site for site in syncs), syncs
+    layers = simulation.expert_syncs_per_window(config, model_config)  # MoE layers, 0 without ep
+    assert (0 if layers else -1) < sum(syncs.values()) <= layers, syncs
+    assert all(EXCHANGE_SYNC_SITE in site for site in syncs), syncs
     assert simulation.syncs_per_update() == {}
     assert not [s for r in simulation.ranks for s in r.syncs if s.phase == "input"]  # pinned, asynchronous
     kinds = Counter(c.kind for c in simulation.ranks[0].collectives)
@@ -50,9 +51,10 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
 
 
 @pytest.mark.slow
-def test_dp2_cp2_ep2_step_on_fake_cuda_has_device_collectives_and_one_sync_per_exchange() -> None:
+def test_dp2_cp2_ep2_step_on_fake_cuda_has_device_collectives_and_one_sync_per_moe_layer() -> None:
     """Before the fixes: CPU index tensors copied per exchange (`torch.tensor(..., device=...)` in the
-    backward), `.tolist()` / `int()` / `repeat_interleave` syncs, several per exchange."""
+    backward), `.tolist()` / `int()` / `repeat_interleave` syncs, several per exchange; then one per chunk of
+    each MoE layer (8 here), now one per layer."""
     config = _tiny("seq=1024", "dp=2", "cp=2", "ep=2", "moe_chunk_tokens=128")
     _check_sync_bound(config, "tiny")
 
@@ -225,7 +227,7 @@ def tiny_eval() -> tuple[TrainConfig, Simulation]:
 
 # where the scoring of a window may wait for the device: the expert exchange's split sizes, the window's
 # rows to the device and its losses read back (`token_losses`), the dp replicas' pass counter (`_sum`)
-EVAL_SYNC_SITES = ("in expert_parallel_forward", "in token_losses", "in _sum")
+EVAL_SYNC_SITES = (EXCHANGE_SYNC_SITE, "in token_losses", "in _sum")
 
 
 def test_dp2_cp2_ep2_eval_step_is_forward_only_with_syncs_at_the_exchange_and_the_read_back(
@@ -249,13 +251,12 @@ def test_dp2_cp2_ep2_eval_step_is_forward_only_with_syncs_at_the_exchange_and_th
         assert issued == [("int64", dp_group, "_sum")]  # the pass counter only
         _assert_gpu_routes(rank.routes)
     syncs = simulation.syncs_per_window()
-    exchanges = simulation.moe_calls_per_window(config, model_config)
-    assert exchanges == 3 * (512 // 128 + 256 // 128)  # MoE layers x chunks of both forwards
+    exchanges = simulation.expert_syncs_per_window(config, model_config)
+    assert exchanges == 3 * 2  # MoE layers x both forwards (each reads all its chunks' sizes at once)
     by_site = {key: sum(n for site, n in syncs.items() if key in site) for key in EVAL_SYNC_SITES}
     assert sum(by_site.values()) == sum(syncs.values()), syncs  # nowhere else
-    # one per exchange (at most: the simulation counts a `.tolist()` of one storage from one line as one read,
-    # and two exchanges' count matrices can share a freed storage's address)
-    assert 0 < by_site["in expert_parallel_forward"] <= exchanges, syncs
+    # one per MoE layer and forward
+    assert 0 < by_site[EXCHANGE_SYNC_SITE] <= exchanges, syncs
     # per forward: the read-back, and (from pageable host memory) the ids' and the labels' copies
     assert forwards <= by_site["in token_losses"] <= 3 * forwards, syncs
     assert by_site["in _sum"] <= 2, syncs  # its count to the device and the sum read back
@@ -326,11 +327,10 @@ def test_eval_layout_of_a_planned_run_is_the_evaluations_forward_with_its_contex
     assert simulation.stage == "eval" and simulation.tokens_per_window == 1024 and simulation.cut_tokens > 0
     text = describe_simulation(simulation, config, traced, model_config)
     syncs = simulation.syncs_per_window()
-    exchange = sum(n for site, n in syncs.items() if "expert_parallel_forward" in site)
-    calls = simulation.moe_calls_per_window(config, traced)
+    exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
+    calls = simulation.expert_syncs_per_window(config, traced)
     assert 0 < exchange <= calls
-    # MoE layers x chunks of the run's own forwards: the window's 2,048 tokens per rank, then the cut's 1,024
-    full = 3 * (2048 // 128 + 1024 // 128)
+    full = 3 * 2  # MoE layers x the run's own forwards (the window's, then the cut's)
     simulated = sum(syncs.values())
     projected = simulated - exchange + exchange / calls * full
     assert f"host syncs per window: {simulated:g} simulated; {projected:g} at the full model" in text

@@ -14,6 +14,8 @@ autocast off; the expert GEMMs follow the caller's autocast (bf16 on GPUs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -88,6 +90,9 @@ class Experts(nn.Module):
         # the place in the MoE's forward of the chunk being run (set by `MoE`): lets a module that splits the
         # experts over processes find what it kept of this chunk when a recompute runs it again
         self.chunk_index = 0
+        # set by a module that splits the experts over processes: told every chunk's expert ids [T_c, k]
+        # before the first chunk runs, so it can exchange all of a layer's split sizes at once
+        self.plan_chunks: Callable[[list[Tensor]], None] | None = None
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """Sum of weighted expert outputs per token: x [T, D], expert_ids/weights [T, k] -> (out [T, D],
@@ -200,9 +205,15 @@ class MoE(nn.Module):
         """x: [B, S, D] -> [B, S, D]. Records `tokens_per_expert` (detached); each chunk runs through
         `chunk_runner`."""
         flat = x.reshape(-1, x.shape[-1])
+        chunks = flat.split(self.chunk_tokens)
+        if self.experts.plan_chunks is not None:
+            # the routing of every chunk ahead of the first: the chunks' forwards route again (in their own
+            # recompute regions, with autograd) and choose the same experts, as the same ops on the same rows
+            with torch.no_grad():
+                self.experts.plan_chunks([self.gate(chunk)[0] for chunk in chunks])
         outputs = []
         counts = torch.zeros(self.experts.num_experts, dtype=torch.long, device=x.device)
-        for index, chunk in enumerate(flat.split(self.chunk_tokens)):
+        for index, chunk in enumerate(chunks):
             out, chunk_counts = self.chunk_runner(self._chunk_forward, chunk, index)
             outputs.append(out)
             counts += chunk_counts

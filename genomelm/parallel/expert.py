@@ -13,10 +13,11 @@ experts' owners:
 1. this rank's pairs are sorted by global expert (so also by owning rank), counts [E] per expert;
 2. one all-gather of the counts: every rank knows the whole [ep, E] count matrix, hence every send and receive
    size and the capacity decision, which is therefore the same on every rank (all raise together, none hangs);
-   its row sums are copied to the host once (the all-to-all takes its split sizes there): the exchange's one
-   host sync, inherent to an uneven all-to-all. A recompute in the backward pass routes the chunk exactly as
-   the forward did, so it reuses the forward's matrix and sizes (kept per chunk, found by
-   `Experts.chunk_index`): no all-gather and no host sync;
+   its row sums are copied to the host (the all-to-all takes its split sizes there): a host sync, inherent to
+   an uneven all-to-all. The MoE routes all its chunks before the first (`Experts.plan_chunks`), so one
+   all-gather and one host copy serve all of a layer's chunks (`plan_expert_chunks`). A recompute in the
+   backward pass routes each chunk exactly as the forward did, so it reuses the forward's matrix and sizes
+   (kept per chunk, found by `Experts.chunk_index`): no all-gather and no host sync;
 3. an uneven all-to-all of the rows (in the compute dtype: bf16 under autocast) to the owners; the rows arrive
    grouped by source rank, then expert, and are reordered expert-major for one grouped GEMM over the local
    experts (`Experts.expert_rows`, the local path's own GEMM), then put back in arrival order;
@@ -66,6 +67,9 @@ class ExpertCapacityError(RuntimeError):
     exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
+Sizes = tuple[int, Tensor, list[list[int]]]  # (pairs, count matrix [src, dst, local expert], rows [src][dst])
+
+
 @dataclass
 class ExpertShard:
     """One `Experts` module's share of the routed experts: the expert-parallel group, this rank's place in it,
@@ -81,9 +85,9 @@ class ExpertShard:
     name: str = ""  # the module's name in the model, for messages
     received_tokens: int = field(default=0, compare=False)  # (token, expert) rows computed here
     # chunk index -> (pairs, count matrix, rows between ranks) of the last forward: what a recompute reuses
-    kept_sizes: dict[int, tuple[int, Tensor, list[list[int]]]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    kept_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
+    # the same for the chunks of the forward under way, exchanged before its first chunk (`plan_chunks`)
+    planned_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def split(
@@ -159,6 +163,38 @@ def _check_capacity(settings: ExpertShard, received: list[int]) -> None:
         )
 
 
+def _in_recompute() -> bool:
+    """Whether this runs again inside the backward pass (activation recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _exchange_sizes(settings: ExpertShard, counts: Tensor) -> list[tuple[Tensor, list[list[int]]]]:
+    """counts [n, E] long: this rank's pairs per expert in each of n chunks -> per chunk (count matrix
+    [ep src, ep dst, local expert], rows between ranks [src][dst]). One all-gather of the counts and one
+    host copy of the rows between ranks (every send and receive size) for all n chunks: the exchanges'
+    only host sync. Each chunk's capacity decision comes from it, so it is the same on every rank."""
+    ep, n = settings.ep, counts.shape[0]
+    matrices = all_gather_slots(counts, settings.group).view(ep, n, ep, settings.per_rank).transpose(0, 1)
+    rows = matrices.sum(-1).tolist()  # [chunk][src][dst]
+    for rows_between in rows:
+        _check_capacity(settings, [sum(column) for column in zip(*rows_between)])
+    return list(zip(matrices, rows))
+
+
+def plan_expert_chunks(settings: ExpertShard, chunk_ids: list[Tensor]) -> None:
+    """The split sizes of all the chunks a MoE forward is about to run (`Experts.plan_chunks`; chunk_ids: each
+    chunk's expert ids [T_c, k]), exchanged at once: one collective and one host sync per layer instead of
+    one per chunk. A recompute reuses the forward's sizes (`ExpertShard.kept_sizes`) and exchanges none."""
+    if _in_recompute():
+        return
+    experts = settings.num_experts
+    counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=experts) for ids in chunk_ids])
+    settings.planned_sizes = {
+        index: (ids.numel(), matrix, rows)
+        for index, (ids, (matrix, rows)) in enumerate(zip(chunk_ids, _exchange_sizes(settings, counts)))
+    }
+
+
 def expert_parallel_forward(
     module: Experts, settings: ExpertShard, x: Tensor, expert_ids: Tensor, weights: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -166,8 +202,9 @@ def expert_parallel_forward(
     weights [T, k] (global ids; fp32 routing) -> (out [T, D] in x's dtype, counts [E] long of this rank's
     pairs).
 
-    Three collectives per call on every rank: one all-gather of the counts (not in a recompute), two uneven
-    all-to-alls of rows (one each way); the backward runs the two all-to-alls reversed. Adds the rows computed
+    Two uneven all-to-alls of rows per call on every rank (one each way), and an all-gather of the counts
+    unless the MoE planned the chunk (`plan_expert_chunks`) or a recompute replays it; the backward runs the
+    two all-to-alls reversed. Adds the rows computed
     here to `settings.received_tokens` (not during a recompute in the backward pass).
     """
     ep, per_rank = settings.ep, settings.per_rank
@@ -177,17 +214,16 @@ def expert_parallel_forward(
     token_of_pair = order // k
     counts = torch.bincount(flat_ids, minlength=settings.num_experts)
     # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
-    recompute = torch._C._current_graph_task_id() != -1  # run again inside the backward pass
-    kept = settings.kept_sizes.get(module.chunk_index) if recompute else None
-    if kept is not None and kept[0] == flat_ids.numel():  # the routing replays the forward's exactly
-        _, matrix, rows_between = kept
+    recompute = _in_recompute()
+    if recompute:
+        kept = settings.kept_sizes.get(module.chunk_index)
     else:
-        matrix = all_gather_slots(counts.unsqueeze(0), settings.group).view(ep, ep, per_rank)
-        # the exchange's one host sync: every send and receive size, and the capacity decision, come from it
-        rows_between = matrix.sum(-1).tolist()  # [src][dst]
-        _check_capacity(settings, [sum(column) for column in zip(*rows_between)])
-        if not recompute:
-            settings.kept_sizes[module.chunk_index] = (flat_ids.numel(), matrix, rows_between)
+        kept = settings.planned_sizes.pop(module.chunk_index, None)
+    if kept is None or kept[0] != flat_ids.numel():  # not planned by the MoE (the experts called alone)
+        kept = (flat_ids.numel(), *_exchange_sizes(settings, counts.unsqueeze(0))[0])
+    _, matrix, rows_between = kept
+    if not recompute:
+        settings.kept_sizes[module.chunk_index] = kept
     send = rows_between[settings.rank]
     recv = [row[settings.rank] for row in rows_between]
 
@@ -260,6 +296,7 @@ def apply_expert_parallel(
             settings.received_tokens = previous.received_tokens
         setattr(module, SHARD_ATTRIBUTE, settings)
         module.forward = functools.partial(expert_parallel_forward, module, settings)
+        module.plan_chunks = functools.partial(plan_expert_chunks, settings)
         _note_route(model, name, ep)
         changed.append(name)
     return changed

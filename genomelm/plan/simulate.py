@@ -87,6 +87,7 @@ from genomelm.train.optimizer import make_optimizer
 from genomelm.train.step import StepPhases, TrainStep
 
 GPU_CAPABILITY = {"b200": (10, 0), "h200": (9, 0), "h100": (9, 0)}
+EXCHANGE_SYNC_SITE = "in _exchange_sizes"  # where the expert exchanges read their split sizes
 
 
 def simulates_cuda(config: TrainConfig) -> bool:
@@ -118,14 +119,13 @@ class Simulation:
     stage: str = "train"
     cut_tokens: int = 0
 
-    def moe_calls_per_window(self, config: TrainConfig, model_config: ModelConfig) -> int:
-        """Expert exchanges per micro-batch (or evaluated window) that need their split sizes on the host:
-        MoE layers x chunks of the rank's tokens, per forward (a recompute reuses the forward's)."""
+    def expert_syncs_per_window(self, config: TrainConfig, model_config: ModelConfig) -> int:
+        """Host syncs the expert exchanges need per micro-batch (or evaluated window): one per MoE layer per
+        forward, which reads the split sizes of all the layer's chunks at once (`plan_expert_chunks`); a
+        recompute reuses the forward's."""
         layers = sum(kind == MOE for kind in model_config.mlp_layer_types)
-        chunk = config.model_options.moe_chunk_tokens
-        forwards = [t for t in (self.tokens_per_window, self.cut_tokens) if t]
-        chunks = sum(-(-(tokens // self.dims.cp) // chunk) for tokens in forwards)
-        return layers * chunks if self.dims.ep > 1 else 0
+        forwards = sum(1 for tokens in (self.tokens_per_window, self.cut_tokens) if tokens)
+        return layers * forwards if self.dims.ep > 1 else 0
 
     def syncs_per_window(self) -> dict[str, float]:
         """Host syncs per micro-batch (forward + backward of one window) by "kind at site", the busiest
@@ -396,10 +396,10 @@ def describe_simulation(
         return _describe_eval(simulation, config, traced, full)
     rank = simulation.ranks[-1]
     syncs = simulation.syncs_per_window()
-    traced_calls = simulation.moe_calls_per_window(config, traced)
+    traced_calls = simulation.expert_syncs_per_window(config, traced)
     full_sim = Simulation(simulation.dims, config.seq_len)
-    full_calls = full_sim.moe_calls_per_window(config, full)
-    exchange = sum(n for site, n in syncs.items() if "expert_parallel_forward" in site)
+    full_calls = full_sim.expert_syncs_per_window(config, full)
+    exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
     per_call = exchange / traced_calls if traced_calls else 0.0
     projected = sum(syncs.values()) - exchange + per_call * full_calls
     dims = simulation.dims
@@ -414,8 +414,8 @@ def describe_simulation(
     lines += [f"    {kind:<58} {n:>5} x {size / 1e6:>10,.2f} MB" for kind, (n, size) in by_kind.items()]
     lines.append(
         f"  host syncs per micro-batch: {sum(syncs.values()):g} simulated; {projected:g} at the full model "
-        f"({full_calls} expert exchanges x {per_call:g} + the rest: the exchange's split sizes, inherent; a "
-        "recompute reuses the forward's)"
+        f"({full_calls} MoE layer forwards x {per_call:g} + the rest: the expert exchanges' split sizes, all "
+        "of a layer's chunks at once, inherent; a recompute reuses the forward's)"
     )
     lines += [f"    {n:>6g}  {site}" for site, n in sorted(syncs.items(), key=lambda item: -item[1])]
     inputs = Counter(f"{s.kind} at {s.site}" for s in rank.syncs if s.phase == "input")
@@ -459,11 +459,11 @@ def _describe_eval(
     rank = simulation.ranks[-1]
     dims = simulation.dims
     syncs = simulation.syncs_per_window()
-    traced_calls = simulation.moe_calls_per_window(config, traced)
+    traced_calls = simulation.expert_syncs_per_window(config, traced)
     full_cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
     full_sim = Simulation(dims, config.seq_len, stage="eval", cut_tokens=full_cut)
-    full_calls = full_sim.moe_calls_per_window(config, full)
-    exchange = sum(n for site, n in syncs.items() if "expert_parallel_forward" in site)
+    full_calls = full_sim.expert_syncs_per_window(config, full)
+    exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
     per_call = exchange / traced_calls if traced_calls else 0.0
     projected = sum(syncs.values()) - exchange + per_call * full_calls
     forwards = f"{simulation.tokens_per_window // dims.cp:,} tokens per rank"
@@ -485,8 +485,8 @@ def _describe_eval(
     lines += [f"    {kind:<58} {n:>5} x {size / 1e6:>10,.2f} MB" for kind, (n, size) in by_kind.items()]
     lines.append(
         f"  host syncs per window: {sum(syncs.values()):g} simulated; {projected:g} at the full model "
-        f"({full_calls} expert exchanges x {per_call:g} + the rest: per forward the window's rows copied to "
-        "the device and its losses read back, per window the dp replicas' pass counter)"
+        f"({full_calls} MoE layer forwards x {per_call:g} + the rest: per forward the window's rows copied "
+        "to the device and its losses read back, per window the dp replicas' pass counter)"
     )
     lines += [f"    {n:>6g}  {site}" for site, n in sorted(syncs.items(), key=lambda item: -item[1])]
     build = Counter(f"{s.kind} at {s.site}" for s in rank.syncs if s.phase == "build")
