@@ -334,8 +334,8 @@ def test_by_source_sums_forward_recompute_and_backward_of_one_file():
 def test_plan_costs_kda_as_fla_runs_it_and_keeps_the_torch_paths_memory():
     """On fake tensors the KDA layers' kernels come from fla's route (the stand-ins' forward and backward ops,
     costed by fla's FLOP formula on the bf16 unit and their own byte estimate), under context parallelism too
-    (one more delta-rule pass per segment: its summary); their memory stays the torch path's.
-    kda_backend=torch plans the torch path."""
+    (one more delta-rule pass per segment: its summary), the recompute's forward counted as recompute; their
+    memory stays the torch path's. kda_backend=torch plans the torch path."""
     config = ModelConfig.preset("tiny")
     kda = [
         f"layers.{i}" for i in range(config.num_hidden_layers) if config.layer_types[i] == "linear_attention"
@@ -357,6 +357,10 @@ def test_plan_costs_kda_as_fla_runs_it_and_keeps_the_torch_paths_memory():
                 fla["genomelm_simulation.chunk_kda_backward"],
             )
             assert forward.unit == backward.unit == "bf16" and forward.bytes > 0 and backward.bytes > 0
+            # the layer's recompute runs fla's forward again inside the backward: the forward's class,
+            # counted as recompute (not as a backward kernel of the op that set it off): MFU omits it
+            assert [c.op for c in gpu.ops[part].values()].count("genomelm_simulation.chunk_kda") == 1
+            assert forward.recompute_flops == pytest.approx(forward.flops / 2) and forward.recompute_flops > 0
             assert backward.flops / backward.count == pytest.approx(2 * forward.flops / forward.count)
             assert not any(c.op.startswith("genomelm_simulation") for c in torch_path.ops[part].values())
             assert sum(c.flops for c in gpu.ops[part].values()) == pytest.approx(gpu.flops[part])

@@ -189,6 +189,8 @@ _FRAME_FILES: dict[Any, str | None] = {}  # code object -> its file relative to 
 _RECOMPUTE = (torch.utils.checkpoint.__file__, "recompute_fn")  # non-reentrant checkpoint's recompute
 _EXPERT_ROWS, _EXPERT_WEIGHTS = Experts.expert_rows.__code__, Experts.weights_in.__code__
 _EXPERT_FILES = ("genomelm/model/moe.py", "genomelm/model/mlp.py")  # where expert_rows's kernels are issued
+_MODEL_FILES = ("genomelm/model", "genomelm/parallel")  # a backward op issued here is a Python backward
+_STAND_IN_FILES = ("genomelm/plan/fla_stand_in.py",)  # fla's kernels as the model calls them (traced)
 
 
 def in_recompute() -> bool:
@@ -274,9 +276,11 @@ class OpLog:
         recompute = False
         expert = expert_work(where)
         if node is not None:  # the backward: a Python backward or a recompute has its own model frame
-            in_model = where is not None and where.startswith(("genomelm/model", "genomelm/parallel"))
+            in_model = where is not None and where.startswith(_MODEL_FILES)
             if in_model:
                 recompute = in_recompute()
+            elif where is not None and where.startswith(_STAND_IN_FILES) and in_recompute():
+                recompute = True  # fla's kernel (its stand-in) run again by a layer's recompute
             else:
                 forward = node.metadata.get("genomelm_where")
                 where = f"backward of {forward or node.name()}"
