@@ -90,9 +90,10 @@ class Experts(nn.Module):
         # the place in the MoE's forward of the chunk being run (set by `MoE`): lets a module that splits the
         # experts over processes find what it kept of this chunk when a recompute runs it again
         self.chunk_index = 0
-        # set by a module that splits the experts over processes: told every chunk's expert ids [T_c, k]
-        # before the first chunk runs, so it can exchange all of a layer's split sizes at once
-        self.plan_chunks: Callable[[list[Tensor]], None] | None = None
+        # set by a module that splits the experts over processes: given, before the first chunk runs, a way to
+        # route every chunk (-> each chunk's expert ids [T_c, k]), so it can exchange all of a layer's split
+        # sizes at once
+        self.plan_chunks: Callable[[Callable[[], list[Tensor]]], None] | None = None
 
     def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """Sum of weighted expert outputs per token: x [T, D], expert_ids/weights [T, k] -> (out [T, D],
@@ -207,10 +208,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         chunks = flat.split(self.chunk_tokens)
         if self.experts.plan_chunks is not None:
-            # the routing of every chunk ahead of the first: the chunks' forwards route again (in their own
-            # recompute regions, with autograd) and choose the same experts, as the same ops on the same rows
-            with torch.no_grad():
-                self.experts.plan_chunks([self.gate(chunk)[0] for chunk in chunks])
+            # every chunk routed ahead of the first, where the experts ask for it: the chunks' forwards route
+            # again (in their own recompute regions, with autograd) and choose the same experts, as the same
+            # ops on the same rows
+            self.experts.plan_chunks(lambda: [self.gate(chunk)[0] for chunk in chunks])
         outputs = []
         counts = torch.zeros(self.experts.num_experts, dtype=torch.long, device=x.device)
         for index, chunk in enumerate(chunks):

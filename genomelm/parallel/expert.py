@@ -43,6 +43,7 @@ deep-copied; its state dict holds only the local slice.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,12 +182,15 @@ def _exchange_sizes(settings: ExpertShard, counts: Tensor) -> list[tuple[Tensor,
     return list(zip(matrices, rows))
 
 
-def plan_expert_chunks(settings: ExpertShard, chunk_ids: list[Tensor]) -> None:
-    """The split sizes of all the chunks a MoE forward is about to run (`Experts.plan_chunks`; chunk_ids: each
-    chunk's expert ids [T_c, k]), exchanged at once: one collective and one host sync per layer instead of
-    one per chunk. A recompute reuses the forward's sizes (`ExpertShard.kept_sizes`) and exchanges none."""
+def plan_expert_chunks(settings: ExpertShard, route: Callable[[], list[Tensor]]) -> None:
+    """The split sizes of all the chunks a MoE forward is about to run (`Experts.plan_chunks`; `route` gives
+    each chunk's expert ids [T_c, k], run here without autograd), exchanged at once: one collective and one
+    host sync per layer instead of one per chunk. A recompute reuses the forward's sizes
+    (`ExpertShard.kept_sizes`): it neither routes ahead nor exchanges."""
     if _in_recompute():
         return
+    with torch.no_grad():
+        chunk_ids = route()
     experts = settings.num_experts
     counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=experts) for ids in chunk_ids])
     settings.planned_sizes = {
