@@ -39,7 +39,7 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
     simulation = simulate_step(config, model_config)
     assert len(simulation.ranks) == simulation.dims.world
     syncs = simulation.syncs_per_window()
-    layers = simulation.expert_syncs_per_window(config, model_config)  # MoE layers, 0 without ep
+    layers = simulation.expert_syncs_per_window(model_config)  # MoE layers, 0 without ep
     assert (0 if layers else -1) < sum(syncs.values()) <= layers, syncs
     assert all(EXCHANGE_SYNC_SITE in site for site in syncs), syncs
     assert simulation.syncs_per_update() == {}
@@ -251,7 +251,7 @@ def test_dp2_cp2_ep2_eval_step_is_forward_only_with_syncs_at_the_exchange_and_th
         assert issued == [("int64", dp_group, "_sum")]  # the pass counter only
         _assert_gpu_routes(rank.routes)
     syncs = simulation.syncs_per_window()
-    exchanges = simulation.expert_syncs_per_window(config, model_config)
+    exchanges = simulation.expert_syncs_per_window(model_config)
     assert exchanges == 3 * 2  # MoE layers x both forwards (each reads all its chunks' sizes at once)
     by_site = {key: sum(n for site, n in syncs.items() if key in site) for key in EVAL_SYNC_SITES}
     assert sum(by_site.values()) == sum(syncs.values()), syncs  # nowhere else
@@ -328,7 +328,7 @@ def test_eval_layout_of_a_planned_run_is_the_evaluations_forward_with_its_contex
     text = describe_simulation(simulation, config, traced, model_config)
     syncs = simulation.syncs_per_window()
     exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
-    calls = simulation.expert_syncs_per_window(config, traced)
+    calls = simulation.expert_syncs_per_window(traced)
     assert 0 < exchange <= calls
     full = 3 * 2  # MoE layers x the run's own forwards (the window's, then the cut's)
     simulated = sum(syncs.values())

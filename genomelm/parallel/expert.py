@@ -208,8 +208,8 @@ def expert_parallel_forward(
 
     Two uneven all-to-alls of rows per call on every rank (one each way), and an all-gather of the counts
     unless the MoE planned the chunk (`plan_expert_chunks`) or a recompute replays it; the backward runs the
-    two all-to-alls reversed. Adds the rows computed
-    here to `settings.received_tokens` (not during a recompute in the backward pass).
+    two all-to-alls reversed. Adds the rows computed here to `settings.received_tokens` (not during a
+    recompute in the backward pass).
     """
     ep, per_rank = settings.ep, settings.per_rank
     k = expert_ids.shape[1]

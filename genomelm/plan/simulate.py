@@ -119,7 +119,7 @@ class Simulation:
     stage: str = "train"
     cut_tokens: int = 0
 
-    def expert_syncs_per_window(self, config: TrainConfig, model_config: ModelConfig) -> int:
+    def expert_syncs_per_window(self, model_config: ModelConfig) -> int:
         """Host syncs the expert exchanges need per micro-batch (or evaluated window): one per MoE layer per
         forward, which reads the split sizes of all the layer's chunks at once (`plan_expert_chunks`); a
         recompute reuses the forward's."""
@@ -396,9 +396,9 @@ def describe_simulation(
         return _describe_eval(simulation, config, traced, full)
     rank = simulation.ranks[-1]
     syncs = simulation.syncs_per_window()
-    traced_calls = simulation.expert_syncs_per_window(config, traced)
+    traced_calls = simulation.expert_syncs_per_window(traced)
     full_sim = Simulation(simulation.dims, config.seq_len)
-    full_calls = full_sim.expert_syncs_per_window(config, full)
+    full_calls = full_sim.expert_syncs_per_window(full)
     exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
     per_call = exchange / traced_calls if traced_calls else 0.0
     projected = sum(syncs.values()) - exchange + per_call * full_calls
@@ -459,10 +459,10 @@ def _describe_eval(
     rank = simulation.ranks[-1]
     dims = simulation.dims
     syncs = simulation.syncs_per_window()
-    traced_calls = simulation.expert_syncs_per_window(config, traced)
+    traced_calls = simulation.expert_syncs_per_window(traced)
     full_cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
     full_sim = Simulation(dims, config.seq_len, stage="eval", cut_tokens=full_cut)
-    full_calls = full_sim.expert_syncs_per_window(config, full)
+    full_calls = full_sim.expert_syncs_per_window(full)
     exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
     per_call = exchange / traced_calls if traced_calls else 0.0
     projected = sum(syncs.values()) - exchange + per_call * full_calls
