@@ -40,7 +40,8 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
     assert len(simulation.ranks) == simulation.dims.world
     syncs = simulation.syncs_per_window()
     layers = simulation.expert_syncs_per_window(model_config)  # MoE layers, 0 without ep
-    assert (0 if layers else -1) < sum(syncs.values()) <= layers, syncs
+    assert sum(syncs.values()) <= layers, syncs
+    assert (sum(syncs.values()) > 0) == (layers > 0), syncs
     assert all(EXCHANGE_SYNC_SITE in site for site in syncs), syncs
     assert simulation.syncs_per_update() == {}
     assert not [s for r in simulation.ranks for s in r.syncs if s.phase == "input"]  # pinned, asynchronous
@@ -52,9 +53,8 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
 
 @pytest.mark.slow
 def test_dp2_cp2_ep2_step_on_fake_cuda_has_device_collectives_and_one_sync_per_moe_layer() -> None:
-    """Before the fixes: CPU index tensors copied per exchange (`torch.tensor(..., device=...)` in the
-    backward), `.tolist()` / `int()` / `repeat_interleave` syncs, several per exchange; then one per chunk of
-    each MoE layer (8 here), now one per layer."""
+    """No CPU index tensor reaches a collective, and a micro-batch waits for the host once per MoE layer:
+    the split sizes of its 4 chunks (128 tokens each of a rank's 512), read at once."""
     config = _tiny("seq=1024", "dp=2", "cp=2", "ep=2", "moe_chunk_tokens=128")
     _check_sync_bound(config, "tiny")
 

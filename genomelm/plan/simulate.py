@@ -386,6 +386,20 @@ def _scoring_model(
     return (ContextParallelScorer(model, context) if context is not None else model), model
 
 
+def _full_size_syncs(
+    simulation: Simulation, full_sim: Simulation, traced: ModelConfig, full: ModelConfig
+) -> tuple[int, float, float]:
+    """(the expert exchanges' syncs at the whole model's size, the simulated ones per MoE layer forward, all
+    host syncs per window at full size): the simulated exchange syncs scaled from the `traced` layers to
+    `full`'s, the rest as simulated."""
+    syncs = simulation.syncs_per_window()
+    traced_calls = simulation.expert_syncs_per_window(traced)
+    full_calls = full_sim.expert_syncs_per_window(full)
+    exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
+    per_call = exchange / traced_calls if traced_calls else 0.0
+    return full_calls, per_call, sum(syncs.values()) - exchange + per_call * full_calls
+
+
 def describe_simulation(
     simulation: Simulation, config: TrainConfig, traced: ModelConfig, full: ModelConfig
 ) -> str:
@@ -396,12 +410,9 @@ def describe_simulation(
         return _describe_eval(simulation, config, traced, full)
     rank = simulation.ranks[-1]
     syncs = simulation.syncs_per_window()
-    traced_calls = simulation.expert_syncs_per_window(traced)
-    full_sim = Simulation(simulation.dims, config.seq_len)
-    full_calls = full_sim.expert_syncs_per_window(full)
-    exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
-    per_call = exchange / traced_calls if traced_calls else 0.0
-    projected = sum(syncs.values()) - exchange + per_call * full_calls
+    full_calls, per_call, projected = _full_size_syncs(
+        simulation, Simulation(simulation.dims, config.seq_len), traced, full
+    )
     dims = simulation.dims
     lines = [
         f"simulated step on fake CUDA (rank {rank.rank} of dp {dims.dp} x cp {dims.cp}, ep {dims.ep}; "
@@ -459,13 +470,9 @@ def _describe_eval(
     rank = simulation.ranks[-1]
     dims = simulation.dims
     syncs = simulation.syncs_per_window()
-    traced_calls = simulation.expert_syncs_per_window(traced)
     full_cut = context_cut_tokens(config.seq_len, config.eval.bucket, config.eval.context_cut)
     full_sim = Simulation(dims, config.seq_len, stage="eval", cut_tokens=full_cut)
-    full_calls = full_sim.expert_syncs_per_window(full)
-    exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
-    per_call = exchange / traced_calls if traced_calls else 0.0
-    projected = sum(syncs.values()) - exchange + per_call * full_calls
+    full_calls, per_call, projected = _full_size_syncs(simulation, full_sim, traced, full)
     forwards = f"{simulation.tokens_per_window // dims.cp:,} tokens per rank"
     if simulation.cut_tokens:
         forwards += f", then the context cut's {simulation.cut_tokens // dims.cp:,}"
