@@ -18,7 +18,6 @@ and writes (broadcast dimensions counted once). Views and allocations launch no 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import sys
@@ -326,8 +325,17 @@ def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float
     n = op.count if count is None else count
     if n <= 0:
         return 0.0, "memory"
-    compute = op.flops / op.count / p.flops_rate(rate_key(op), op.unit) if op.unit != "memory" else 0.0
-    memory = op.bytes / op.count / p.memory
+    return _kernels_seconds(rate_key(op), op.unit, op.flops / op.count, op.bytes / op.count, n, p)
+
+
+def _kernels_seconds(
+    rate: str, unit: str, flops: float, nbytes: float, n: float, p: Peaks
+) -> tuple[float, str]:
+    """`op_seconds` of n kernels of `flops` and `nbytes` each, on `rate`'s row for `unit`."""
+    if n <= 0:
+        return 0.0, "memory"
+    compute = flops / p.flops_rate(rate, unit) if unit != "memory" else 0.0
+    memory = nbytes / p.memory
     body = max(compute, memory)
     bound = "launch" if p.launch_s > body else ("compute" if compute > memory else "memory")
     return n * (body + p.launch_s), bound
@@ -393,8 +401,7 @@ def project(
                 low.bytes / low.count if low else op.bytes / op.count, op.bytes / op.count, t1, t2, tokens
             )
             scale = times * scales[op.expert]
-            read = dataclasses.replace(op, count=1, flops=per_flops, bytes=per_bytes)
-            seconds, bound = op_seconds(read, p, count * scale)
+            seconds, bound = _kernels_seconds(rate_key(op), op.unit, per_flops, per_bytes, count * scale, p)
             recompute_share = op.recompute_flops / op.flops if op.flops else 0.0
             flops = per_flops * count * scale
             slot = merged.get(op.key)

@@ -291,8 +291,10 @@ def _step_trace(
     fake: bool,
     optimizer: bool,
     kda_backend: str,
+    memory: bool = True,
 ) -> StepTrace:
-    """`trace_step`'s step of `config` (the traced `layers` already cut out) with KDA on `kda_backend`."""
+    """`trace_step`'s step of `config` (the traced `layers` already cut out) with KDA on `kda_backend`; its
+    kernels alone without `memory` (`_StepProbe`)."""
     chunks = run.memory.recompute_chunks
     with _traced_model(run, config, tokens_per_rank, fake, torch.float32, chunks, kda_backend) as traced:
         model, parallel, rows = traced
@@ -300,7 +302,7 @@ def _step_trace(
         runner = LayerRunner.for_memory(run.memory)
         if runner.copier is not None and fake:
             runner.copier = MetaHostCopier()
-        return _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer)
+        return _measure(model, rows, runner, parallel, run, layers, tokens_per_rank, optimizer, memory)
 
 
 def _forward_trace(
@@ -310,14 +312,15 @@ def _forward_trace(
     tokens_per_rank: int,
     fake: bool,
     kda_backend: str,
+    memory: bool = True,
 ) -> StepTrace:
     """`trace_forward`'s forward of `config` (the traced `layers` already cut out) with KDA on
-    `kda_backend`."""
+    `kda_backend`; its kernels alone without `memory` (`_StepProbe`)."""
     dtype = eval_param_dtype(run)
     with _traced_model(run, config, tokens_per_rank, fake, dtype, False, kda_backend) as traced:
         model, parallel, rows = traced
         model.eval()
-        probe = _StepProbe(model, None, None, layers, optimizer=False)
+        probe = _StepProbe(model, None, None, layers, optimizer=False, memory=memory)
         context = parallel.context if parallel is not None else None
         scorer = ContextParallelScorer(model, context) if context is not None else model
         with torch.no_grad(), autocast_for(eval_precision(run), probe.device), probe.tracked():
@@ -341,9 +344,9 @@ def _fla_kda_kernels(
         return trace
     config = sub_config(model_config, kda_layers)
     if forward_only:
-        fla = _forward_trace(run, config, kda_layers, tokens_per_rank, True, "fla")
+        fla = _forward_trace(run, config, kda_layers, tokens_per_rank, True, "fla", memory=False)
     else:
-        fla = _step_trace(run, config, kda_layers, tokens_per_rank, True, False, "fla")
+        fla = _step_trace(run, config, kda_layers, tokens_per_rank, True, False, "fla", memory=False)
     parts = [f"layers.{i}" for i in kda_layers]
     return dataclasses.replace(
         trace,
@@ -361,10 +364,11 @@ def _measure(
     layers: list[int],
     tokens_per_rank: int,
     optimizer: bool,
+    memory: bool = True,
 ) -> StepTrace:
     """`TrainStep.run` of one window with the trackers around its two phases (forward + backward; the
     update)."""
-    probe = _StepProbe(model, runner, run.optim, layers, optimizer)
+    probe = _StepProbe(model, runner, run.optim, layers, optimizer, memory)
     step = TrainStep(
         model,
         probe.optimizer,
@@ -382,7 +386,10 @@ class _StepProbe:
     """The planner's instruments on one traced step: MemTracker over the forward + backward and, apart, over
     the update; the live bytes as each decoder layer (and the final norm) starts; FLOPs and collective bytes
     by decoder layer (`OpCounter`). Without a `runner` and `optim` (the evaluator's forward): no optimizer,
-    and the layers' starts marked by forward pre-hooks."""
+    and the layers' starts marked by forward pre-hooks. Without `memory` (fla's pass over the KDA layers,
+    whose bytes the plan takes from the torch path): the counter alone, told the running layer by the
+    tracker's module hooks (torch's `ModTracker`), about half the time of a tracked pass; the trace's
+    byte fields are then empty."""
 
     def __init__(
         self,
@@ -391,8 +398,10 @@ class _StepProbe:
         optim: OptimConfig | None,
         layers: list[int],
         optimizer: bool,
+        memory: bool = True,
     ) -> None:
         self.model, self.runner, self.layers, self.track_update = model, runner, layers, optimizer
+        self.memory = memory
         self.device = torch.device("cpu")
         self.optimizer = make_optimizer(model, optim, self.device) if optim is not None else None
         self.names = {layer: f"layers.{layers[i]}" for i, layer in enumerate(model.layers)}
@@ -407,7 +416,7 @@ class _StepProbe:
             self.handles += hooks
 
     def mark(self) -> None:
-        if self.in_forward:
+        if self.in_forward and self.memory:
             self.marks.append(snapshot_total(self.tracker, self.device))
 
     def counting_runner(self, layer: nn.Module, hidden: torch.Tensor, selection: Any) -> Any:
@@ -428,8 +437,9 @@ class _StepProbe:
 
     @contextmanager
     def tracked(self) -> Iterator[None]:
-        """The forward (and backward) under the memory tracker and the counter."""
-        with self.tracker, self.counter, SourceTags():
+        """The forward (and backward) under the memory tracker (its module hooks alone without `memory`) and
+        the counter."""
+        with self.tracker if self.memory else self.tracker._mod_tracker, self.counter, SourceTags():
             yield
 
     @contextmanager
@@ -448,37 +458,46 @@ class _StepProbe:
             self.counter.updating = False
 
     def trace(self, tokens_per_rank: int, cp: int) -> StepTrace:
-        """What the step held and did, once it has run."""
+        """What the step held and did, once it has run (what it did alone without `memory`)."""
         for handle in self.handles:
             handle.remove()
         device, layers, names = self.device, self.layers, self.names
+        kernels = StepTrace(
+            tokens_per_rank=tokens_per_rank,
+            cp=cp,
+            layers=layers,
+            param_numel=numel_by_part(self.model, names),
+            step_peak={},
+            optimizer_peak={},
+            kept={},
+            transients={},
+            flops=flops_by_part(self.counter, names),
+            comm=self.counter.bytes,
+            expert_flops=self.counter.expert_flops,
+            ops=self.counter.ops.parts,
+            expert_rows={
+                part_of(name, names).removesuffix(".mlp.experts"): rows
+                for name, rows in received_tokens(self.model, reset=False).items()
+            },
+        )
+        if not self.memory:
+            return kernels
         peaks = self.tracker.get_tracker_snapshot("peak")
         host = peaks.get(torch.device("meta"), {}).get("Total", 0)
         copier = self.runner.copier if self.runner is not None else None
         if copier is not None and not isinstance(copier, MetaHostCopier):
             host = copier.bytes_offloaded
         update_peak = self.update_tracker.get_tracker_snapshot("peak").get(device, {})
-        return StepTrace(
-            tokens_per_rank=tokens_per_rank,
-            cp=cp,
-            layers=layers,
-            param_numel=numel_by_part(self.model, names),
+        return dataclasses.replace(
+            kernels,
             step_peak=categories(peaks.get(device, {})),
             optimizer_peak=categories(update_peak) if self.track_update else {},
             kept={layers[i]: self.marks[i + 1] - self.marks[i] for i in range(len(layers))},
             transients=transients(self.tracker, device, names),
             moments=moments(self.tracker, names),
             starts=starts(self.tracker, device, names),
-            flops=flops_by_part(self.counter, names),
-            comm=self.counter.bytes,
-            expert_flops=self.counter.expert_flops,
-            ops=self.counter.ops.parts,
             host_bytes=host,
             recomputed=recomputed(self.tracker, device, names),
-            expert_rows={
-                part_of(name, names).removesuffix(".mlp.experts"): rows
-                for name, rows in received_tokens(self.model, reset=False).items()
-            },
         )
 
 
