@@ -3,7 +3,7 @@ each window and GPU, with its projected tokens/s, MFU and HFU (`genomelm.plan.ti
 memory per GPU and where a window's time goes. docs/planner.md's full-size table is this script's output,
 and `--check` says whether the shipped run configs carry the first choice of their own case.
 
-    python benchmarks/plan_table.py            # the table (about 5 minutes on 2 cores: two sets of traces)
+    python benchmarks/plan_table.py            # the table (about 2 minutes on 2 cores: two sets of traces)
     python benchmarks/plan_table.py --check    # and exit 1 when a shipped config is not its case's first
 
 Cases: 256k, 512k (configs/train/hg38-512k.yaml) and 1M (hg38-1m.yaml) on 64 B200 within the published
