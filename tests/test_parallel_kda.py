@@ -267,3 +267,39 @@ def test_segment_summary_gradients_match_recurrent_reference() -> None:
     got = torch.autograd.grad((summary * weights).sum(), inputs[1:])
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=1e-10, rtol=1e-10)
+
+
+def test_state_fold_equals_the_serial_fold_of_apply_state_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hand_over_states`' fold (batched over the heads; the summaries' gradients batched over the segments)
+    against `apply_state_map` applied segment by segment with autograd through it, fp32 at cp=8 (16 zigzag
+    segments), seen from rank 5: the same incoming states, final state and gradients of every rank's
+    summaries and of the initial state, bit for bit. The gather returns the whole window's summaries and the
+    reduce-scatter is read before it sums (one process, no group)."""
+    layout = ContextLayout(seq_len=16 * 64, cp=8, rank=5)
+    gen = torch.Generator().manual_seed(4)
+    batch, heads, dk, dv = 2, 3, 8, 6
+    gathered = (
+        0.3 * torch.randn(layout.num_segments, batch, heads, dk, dk + dv, generator=gen)
+    ).requires_grad_()
+    initial = torch.randn(batch, heads, dk, dv, generator=gen).requires_grad_()
+    grad_in = torch.randn(len(layout.segments), batch, heads, dk, dv, generator=gen)
+    grad_final = torch.randn(batch, heads, dk, dv, generator=gen)
+
+    states = [initial]
+    for segment in layout.slot_of_segment():
+        states.append(apply_state_map(gathered[segment], states[-1]))
+    expected = (torch.stack(states)[list(layout.segments)], states[-1])
+    loss = (expected[0] * grad_in).sum() + (expected[1] * grad_final).sum()
+    expected_grads = torch.autograd.grad(loss, [gathered, initial])
+
+    slots: dict[str, Tensor] = {}
+    monkeypatch.setattr(exchange, "all_gather_slots", lambda local, group: gathered.detach())
+    monkeypatch.setattr(
+        exchange, "reduce_scatter_slots", lambda whole, group: slots.setdefault("whole", whole)[:2]
+    )
+    local = torch.zeros(2, batch, heads, dk, dk + dv, requires_grad=True)
+    start = initial.detach().requires_grad_()
+    got = exchange.hand_over_states(local, start, layout, None)
+    grads = torch.autograd.grad((got[0] * grad_in).sum() + (got[1] * grad_final).sum(), [local, start])
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(slots["whole"], expected_grads[0]) and torch.equal(grads[1], expected_grads[1])
