@@ -274,3 +274,54 @@ def test_no_fp32_copy_of_the_streams() -> None:
     assert 1.75 <= triton_live <= triton_peak < 2, measured
     torch_peak, torch_live = measured["torch"]
     assert torch_peak > 10 and torch_live > 5, measured  # fp32 copies: 2x the streams' bytes each
+
+
+@pytest.mark.parametrize(("n", "tokens", "iters"), [(4, 150, 20), (3, 37, 2), (4, 5, 1)])
+def test_sinkhorn_kernel_matches_the_torch_path(n: int, tokens: int, iters: int) -> None:
+    """`sinkhorn_triton.sinkhorn` against `mhc._Sinkhorn` (fp32): the normalised matrices and d m, over whole
+    and partial token tiles, a non-power-of-two N (padded) and a single step."""
+    from genomelm.model import sinkhorn_triton
+    from genomelm.model.mhc import _Sinkhorn
+
+    gen = torch.Generator().manual_seed(5)
+    m = torch.softmax(3 * torch.randn(n, n, tokens, generator=gen), dim=1) + 1e-6
+    grad = torch.randn(n, n, tokens, generator=gen)
+    ours, ref = leaf(m), leaf(m)
+    out = sinkhorn_triton.sinkhorn(ours, iters, 1e-6)
+    expected = _Sinkhorn.apply(ref, iters, 1e-6)
+    close(out, expected, torch.float32, "normalised")
+    out.backward(grad)
+    expected.backward(grad)
+    close(ours.grad, ref.grad, torch.float32, "d m")
+    torch.testing.assert_close(out.sum(0), torch.ones(n, tokens), atol=1e-4, rtol=0)  # columns last
+
+
+def test_sinkhorn_traces_as_one_kernel_each_way() -> None:
+    """On fake tensors (the planner's trace) the Triton path's Sinkhorn is one op forward and one backward,
+    where the torch path dispatches three per step and more in its backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from genomelm.model import sinkhorn_triton
+    from genomelm.model.mhc import _Sinkhorn
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    with FakeTensorMode():
+        for name, fold in (("triton", sinkhorn_triton.sinkhorn), ("torch", _Sinkhorn.apply)):
+            m = torch.empty(4, 4, 1 << 16, requires_grad=True)
+            with Ops() as ops:
+                fold(m, 20, 1e-6).sum().backward()
+            assert m.grad.shape == m.shape
+            counts[name] = ops.names
+    kernels = [name for name in counts["triton"] if "sinkhorn" in name]
+    assert kernels == ["genomelm.mhc_sinkhorn", "genomelm.mhc_sinkhorn_backward"]
+    assert len(counts["torch"]) > 10 * len(counts["triton"])

@@ -21,7 +21,8 @@ among them) and saves no copy (details in `mhc_triton`). Both paths share the pe
 Speed on the CPU: the per-token weights are tiny ([N], [N, N] with N = 4), so they are computed token-minor
 ([.., T] with the T = B*S tokens last and contiguous): every elementwise op of the Sinkhorn iterations then
 runs over long contiguous rows instead of 4-wide ones. The RMS norm is folded into the projection
-(`_NormedMix`) and the Sinkhorn iterations have a hand-written backward that recomputes them (`_Sinkhorn`).
+(`_NormedMix`) and the Sinkhorn iterations have a hand-written backward that recomputes them (`_Sinkhorn`); on
+the Triton path they run as one kernel each way (`sinkhorn_triton`).
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ class HyperConnection(nn.Module):
                 return mhc_triton.combine(post, comb, block_output, residual)
         return hc_combine(post, comb, block_output, residual)
 
-    def _weights(self, mixes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """mixes [(2+N)*N, T] fp32 (token-minor) -> pre [N, T], post [N, T], comb [N, N, T]."""
+    def _weights(self, mixes: Tensor, kernels: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """mixes [(2+N)*N, T] fp32 (token-minor) -> pre [N, T], post [N, T], comb [N, N, T]; the Sinkhorn on
+        its Triton kernels with `kernels` (`sinkhorn_triton`), else `_Sinkhorn`."""
         n = self.hc_mult
         pre_w, post_w, comb_w = mixes.split([n, n, n * n])
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
@@ -105,10 +107,12 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b[:, None]) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b[:, None])
         comb_logits = comb_w.unflatten(0, (n, n)) * comb_s + comb_b.view(n, n, 1)
-        comb = _Sinkhorn.apply(
-            torch.softmax(comb_logits, dim=1) + self.hc_eps, self.sinkhorn_iters, self.hc_eps
-        )
-        return pre, post, comb
+        positive = torch.softmax(comb_logits, dim=1) + self.hc_eps
+        if kernels:
+            from . import sinkhorn_triton
+
+            return pre, post, sinkhorn_triton.sinkhorn(positive, self.sinkhorn_iters, self.hc_eps)
+        return pre, post, _Sinkhorn.apply(positive, self.sinkhorn_iters, self.hc_eps)
 
     def _mix(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = self.hc_mult
@@ -131,7 +135,7 @@ class HyperConnection(nn.Module):
         n = self.hc_mult
         batch, seq_len = streams.shape[:2]
         mixes = mhc_triton.mix(streams, self.fn.float(), self.norm_eps).T  # [(2+N)*N, T], token-minor
-        pre, post, comb = self._weights(mixes)
+        pre, post, comb = self._weights(mixes, kernels=True)
         return (
             post.T.contiguous().view(batch, seq_len, n),
             comb.permute(2, 0, 1).contiguous().view(batch, seq_len, n, n),

@@ -8,7 +8,8 @@ With T tokens, N = hc_mult streams of width D (K = N*D) and M = (2+N)*N mixing w
   returned in the residual's dtype.
 Every kernel loads its operands in their stored dtype, computes in fp32 registers (fp32 `tl.dot` in IEEE
 precision, as the torch path's fp32 matmuls are not TF32) and writes once. The per-token weights in between
-(sigmoids, softmax, Sinkhorn on [T, M]-sized tensors) stay in torch (`HyperConnection._weights`).
+(sigmoids, softmax on [T, M]-sized tensors) stay in torch (`HyperConnection._weights`); the Sinkhorn has its
+own kernels (`sinkhorn_triton`).
 
 Each pass and its backward is a torch custom op (`genomelm::mhc_*`) with a fake implementation, an autograd
 formula and a FLOP formula, and `*_bytes` estimates the HBM traffic of each from the shapes.
