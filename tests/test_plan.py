@@ -357,6 +357,23 @@ def test_fsdp_and_expert_sharding_arithmetic():
     assert plan.assumptions["sharding"].startswith("bytes per rank") and plan.assumptions["imbalance"] == 4.0
 
 
+def test_the_router_run_ahead_of_the_chunks_is_counted_under_expert_parallelism():
+    """`planned_routes`: with ep > 1 each MoE layer routes its chunks once more before the first (one fp32
+    GEMM per chunk on the rank's own tokens): 2 x T x D x E FLOPs per layer, executed but not model FLOPs,
+    at the fp32 GEMM rate; nothing at ep 1."""
+    from genomelm.plan.layouts import Layout
+    from genomelm.plan.timing import device_peaks, planned_routes
+
+    config = ModelConfig.preset("glm-5.3-flash")
+    peaks = device_peaks(Assumptions().resolved("b200"), "b200")
+    assert planned_routes(config, Layout(2, 32, 1, True, False), 32768, 8192, peaks) == []
+    (route,) = planned_routes(config, Layout(2, 32, 2, True, False), 32768, 8192, peaks)
+    moe = sum(t == "sparse" for t in config.mlp_layer_types)
+    assert route.count == 4 * moe and route.model_flops == 0
+    assert route.flops == 2 * 32768 * config.hidden_size * config.n_routed_experts * moe
+    assert route.rate == "gemm_fp32" and route.seconds >= route.flops / peaks.flops_rate("gemm_fp32", "fp32")
+
+
 def test_moe_transient_adds_every_chunk_a_layer_recompute_holds():
     """recompute without recompute_chunks (`MOE_RULE`): the MoE's transient adds what its recompute holds, as
     traced but with the traced bf16 expert-weight copies (one per chunk, every expert) replaced by the
@@ -567,15 +584,18 @@ def test_eval_time_arithmetic(tmp_path):
     layers = range(model_config.num_hidden_layers)
     busiest = flops["rest"] + sum(flops[f"layers.{kinds[layer_kind(model_config, i)]}"] for i in layers)
     assert a["flat_compute_s"] == pytest.approx(busiest / (a["tflops"] * 1e12 * a["mfu"]))  # no expert FLOPs
-    # the stub trace records no kernels: the roofline costs the expert exchange's copies alone (counted)
+    # the stub trace records no kernels: the roofline costs the expert exchange's copies and the router run
+    # ahead of the chunks alone (both counted)
     from genomelm.plan.layouts import Layout
-    from genomelm.plan.timing import device_peaks, exchange_copies
+    from genomelm.plan.timing import device_peaks, exchange_copies, planned_routes
 
     layout = Layout(2, 2, 2, True, False)
-    copies = exchange_copies(
-        model_config, layout, seq // 2, 1, device_peaks(Assumptions().resolved("b200"), "b200"), 4.0
-    )
-    assert a["compute_s"] == pytest.approx(sum(c.seconds for c in copies)) and a["compute_s"] > 0
+    peaks = device_peaks(Assumptions().resolved("b200"), "b200")
+    copies = exchange_copies(model_config, layout, seq // 2, 1, peaks, 4.0)
+    chunk_tokens = TrainConfig.from_args(["model=tiny"]).model_options.moe_chunk_tokens
+    routes = planned_routes(model_config, layout, seq // 2, chunk_tokens, peaks)
+    assert routes and copies
+    assert a["compute_s"] == pytest.approx(sum(c.seconds for c in copies + routes))
     assert e.window_s == pytest.approx(a["compute_s"] + a["comm_s"] + a["exposed_overlap_s"]) and e.cut_s > 0
     # the forward's collectives: every unit gathered once (bf16 as stored), the experts' all-to-all once
     moe = sum(t == "sparse" for t in model_config.mlp_layer_types)

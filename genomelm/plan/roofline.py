@@ -325,10 +325,10 @@ def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float
     n = op.count if count is None else count
     if n <= 0:
         return 0.0, "memory"
-    return _kernels_seconds(rate_key(op), op.unit, op.flops / op.count, op.bytes / op.count, n, p)
+    return kernels_seconds(rate_key(op), op.unit, op.flops / op.count, op.bytes / op.count, n, p)
 
 
-def _kernels_seconds(
+def kernels_seconds(
     rate: str, unit: str, flops: float, nbytes: float, n: float, p: Peaks
 ) -> tuple[float, str]:
     """`op_seconds` of n kernels of `flops` and `nbytes` each, on `rate`'s row for `unit`."""
@@ -401,7 +401,7 @@ def project(
                 low.bytes / low.count if low else op.bytes / op.count, op.bytes / op.count, t1, t2, tokens
             )
             scale = times * scales[op.expert]
-            seconds, bound = _kernels_seconds(rate_key(op), op.unit, per_flops, per_bytes, count * scale, p)
+            seconds, bound = kernels_seconds(rate_key(op), op.unit, per_flops, per_bytes, count * scale, p)
             recompute_share = op.recompute_flops / op.flops if op.flops else 0.0
             flops = per_flops * count * scale
             slot = merged.get(op.key)

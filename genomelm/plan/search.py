@@ -185,12 +185,13 @@ def eval_plan(
     weights = ParameterShare.of(stored, layout)
     memory = eval_rank_memory(config, model_config, layout, weights, steps, a)
     bf16 = eval_param_dtype(config) == torch.bfloat16
-    window = forward_time(model_config, layout, weights, steps, a, bf16, config.plan.gpu)
+    chunk_tokens = config.model_options.moe_chunk_tokens
+    window = forward_time(model_config, layout, weights, steps, a, bf16, config.plan.gpu, chunk_tokens)
     cut_tokens, cut = context_cut_tokens(config), None
     if cut_tokens:  # a forward of its own, traced (or read off the window's traces) at its tokens per rank
         cut_run = config.replace(seq=str(cut_tokens))
         cut_steps = scaled_traces(cut_run, model_config, layout.cp, traced, traces, optimizer=False)
-        cut = forward_time(model_config, layout, weights, cut_steps, a, bf16, config.plan.gpu)
+        cut = forward_time(model_config, layout, weights, cut_steps, a, bf16, config.plan.gpu, chunk_tokens)
     evaluation = evaluation_time(config, layout, window, cut, cut_tokens)
     notes = _notes(config, model_config, layout, steps)
     notes.append(

@@ -141,12 +141,57 @@ def exchange_copies(
     ]
 
 
+def planned_routes(
+    model_config: ModelConfig, layout: Layout, tokens: int, chunk_tokens: int, p: Peaks
+) -> list[roofline.CostedClass]:
+    """Under expert parallelism the router runs once more per MoE layer and window, before the layer's
+    chunks (`plan_expert_chunks`: every chunk routed without autograd so that one collective exchanges all
+    their split sizes; a recompute reuses them): one fp32 GEMM [chunk, D] x [D, E] per chunk of the rank's
+    own tokens (no imbalance: routing precedes the exchange), its bf16 input cast to fp32 and its logits
+    written. Its sigmoid, bias and top-k (a few small kernels per chunk) are left out. None at ep 1. FLOPs
+    executed, not model FLOPs (the model's own routing is traced)."""
+    if layout.ep == 1:
+        return []
+    moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
+    chunks = math.ceil(tokens / chunk_tokens)
+    count = chunks * moe_layers
+    width, experts = model_config.hidden_size, model_config.n_routed_experts
+    flops = 2.0 * tokens * width * experts * moe_layers
+    # per layer: the bf16 rows read and cast (2 + 4 B), the fp32 rows read, the router's weights once per
+    # chunk, the fp32 logits written
+    moved = moe_layers * (tokens * width * 10 + chunks * experts * width * 4 + tokens * experts * 4)
+    seconds, bound = roofline.kernels_seconds("gemm_fp32", "fp32", flops / count, moved / count, count, p)
+    where = "genomelm/parallel/expert.py (the router again before a layer's chunks; not traced, counted)"
+    rate = p.resolved("gemm_fp32", "fp32") if bound == "compute" else bound
+    return [
+        roofline.CostedClass(
+            f"aten.mm fp32 @ {where}",
+            "aten.mm",
+            "fp32",
+            where,
+            count,
+            flops,
+            moved,
+            seconds,
+            bound,
+            0.0,
+            rate,
+        )
+    ]
+
+
 def kernel_time(
-    model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions, gpu: str, passes: int = 3
+    model_config: ModelConfig,
+    layout: Layout,
+    steps: ScaledTraces,
+    a: Assumptions,
+    gpu: str,
+    chunk_tokens: int,
+    passes: int = 3,
 ) -> KernelTime:
     """The traced kernels of one window at the rank's tokens, every layer by its kind's (the update phase
     apart: it is costed from the parameters), with the expert exchange's copies (`passes` of them: forward,
-    recompute, backward)."""
+    recompute, backward) and the router run ahead of the chunks of `chunk_tokens` (`planned_routes`)."""
     p = device_peaks(a, gpu)
     times: dict[str, float] = {"rest": 1.0}
     for i in range(model_config.num_hidden_layers):
@@ -160,7 +205,8 @@ def kernel_time(
     def projected(rows: float) -> list[roofline.CostedClass]:
         traced = roofline.project(lo, hi, t1, t2, steps.tokens, times, p, rows, weights)
         copies = exchange_copies(model_config, layout, steps.tokens, passes, p, rows)
-        return sorted(traced + copies, key=lambda c: -c.seconds)
+        routes = planned_routes(model_config, layout, steps.tokens, chunk_tokens, p)
+        return sorted(traced + copies + routes, key=lambda c: -c.seconds)
 
     mean = projected(1.0)
     busiest = projected(scale) if scale != 1 else mean
@@ -191,7 +237,8 @@ def step_time(
     p = device_peaks(a, config.plan.gpu)
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     comm, comm_s, overlapped_s = comm_bytes(model_config, layout, params, steps, a, p)
-    kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu)
+    chunk_tokens = config.model_options.moe_chunk_tokens
+    kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu, chunk_tokens)
     compute_s, mean_s = kernels.busiest_s, kernels.mean_s
     host: dict[str, float] = {}
     accum = config.optim.grad_accum
@@ -260,14 +307,16 @@ def forward_time(
     a: Assumptions,
     stored_in_bf16: bool,
     gpu: str,
+    chunk_tokens: int,
 ) -> StepTime:
     """The evaluator's forward of the traced window on one rank of `layout`: its kernels at their roofline
     plus its collectives (`forward_comm_bytes`; FSDP2's gathers overlapped); `stored`: the parameters' bytes
-    as stored (bf16, with the fp32-declared ones fp32, when `stored_in_bf16`). No host copies."""
+    as stored (bf16, with the fp32-declared ones fp32, when `stored_in_bf16`); MoE chunks of `chunk_tokens`.
+    No host copies."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     p = device_peaks(a, gpu)
     comm, comm_s, overlapped_s = forward_comm_bytes(model_config, layout, stored, steps, a, p, stored_in_bf16)
-    kernels = kernel_time(model_config, layout, steps, a, gpu, passes=1)
+    kernels = kernel_time(model_config, layout, steps, a, gpu, chunk_tokens, passes=1)
     return _step_time(rank_flops, busiest_flops, comm, comm_s, 0.0, overlapped_s, kernels, a)
 
 
