@@ -92,16 +92,26 @@ def local_losses(fly: Path, tmp_path_factory) -> dict[int, float]:
     return losses
 
 
-@pytest.mark.slow
-def test_ray_run_equals_local_launcher(
-    ray_cluster: None, fly: Path, local_losses: dict[int, float], tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def ray_run(ray_cluster: None, fly: Path, tmp_path_factory) -> tuple[list[str], dict]:
+    """The same run as `local_losses` on Ray (no Hugging Face export: its sharded checkpoint is what
+    `test_ray_eval_equals_one_process` scores): its settings and summary."""
     from genomelm.commands.train import launch_training
 
-    summary = launch_training(TrainConfig.load(None, run_settings(fly, tmp_path, "ray", "launcher=ray")))
+    runs = tmp_path_factory.mktemp("ray-runs")
+    settings = run_settings(fly, runs, "ray", "export_final=false")
+    return settings, launch_training(TrainConfig.load(None, [*settings, "launcher=ray"]))
+
+
+@pytest.mark.slow
+def test_ray_run_equals_local_launcher(
+    ray_run: tuple[list[str], dict], local_losses: dict[int, float]
+) -> None:
+    settings, summary = ray_run
+    runs = Path(TrainConfig.load(None, settings).runs_dir)
     assert summary["start_step"] == 0 and summary["steps"] == 5
-    assert summary["checkpoint"] == tmp_path / "ray" / "checkpoints" / "step-0000005"
-    losses = step_losses(tmp_path, "ray")
+    assert summary["checkpoint"] == runs / "ray" / "checkpoints" / "step-0000005"
+    losses = step_losses(runs, "ray")
     assert sorted(losses) == [1, 2, 3, 4, 5]
     assert [losses[s] for s in range(1, 6)] == pytest.approx([local_losses[s] for s in range(1, 6)], rel=1e-6)
     assert summary["losses"] == pytest.approx([local_losses[s] for s in range(1, 6)], rel=1e-6)
@@ -222,20 +232,18 @@ def test_sigterm_to_the_driver_stops_the_workers_after_a_step_with_a_checkpoint(
 
 
 @pytest.mark.slow
-def test_ray_eval_equals_one_process(ray_cluster: None, fly: Path, tmp_path: Path, capsys) -> None:
+def test_ray_eval_equals_one_process(ray_run: tuple[list[str], dict], tmp_path: Path, capsys) -> None:
     """`genomelm eval launcher=ray dp=2 ep=2`: 2 Ray Train workers score a run trained on Ray (its sharded
     checkpoint, no Hugging Face export) as one local process does."""
     from genomelm.commands.eval import main as eval_main
-    from genomelm.commands.train import launch_training
 
-    run = run_settings(fly, tmp_path, "scored", "steps=2", "export_final=false", "bucket=64")
-    launch_training(TrainConfig.load(None, [*run, "launcher=ray"]))
+    run = [*ray_run[0], "bucket=64"]
     buckets = {}
     for name, layout in (("ray", ["launcher=ray", "cp=1", "dp=2", "ep=2"]), ("one", ["cp=1"])):
         assert eval_main([*run, f"results_dir={tmp_path / name}", *layout]) == 0
-        buckets[name] = json.loads((tmp_path / name / "scored" / "buckets.json").read_text())
+        buckets[name] = json.loads((tmp_path / name / "ray" / "buckets.json").read_text())
     capsys.readouterr()
-    assert buckets["ray"]["provenance"]["after_model"].endswith("step-0000002")
+    assert buckets["ray"]["provenance"]["after_model"].endswith("step-0000005")
     for a, b in zip(buckets["one"]["buckets"], buckets["ray"]["buckets"], strict=True):
         for model in ("before", "after"):
             assert b[model]["loss"] == pytest.approx(a[model]["loss"], rel=1e-5)
