@@ -4,8 +4,8 @@
 For m [N, N, T] fp32 (token-minor, N = hc_mult), each program takes a tile of tokens [N, N, BT] into registers
 and runs every step there: column sums, then `iters - 1` rounds of rows + columns, each step
 x / (sum_axis x + eps). The torch path issues three kernels per step (sum, add, divide): 2 x iters - 1 = 39
-steps at iters = 20, 117 kernels for the forward and as many again for each recompute, and its backward about
-twice that, per hyper-connection and token chunk; here one kernel each way.
+steps at iters = 20, 117 kernels for the forward and as many again for each recompute, and its backward three
+times that (the iterates again, then six per step), per hyper-connection; here one kernel each way.
 
 The backward recomputes the iterate entering each step from m (the step's input is what its gradient needs),
 walking the steps backwards: (2 x iters - 1)^2 / 2 normalisations of a [N, N] tile per token, all in
