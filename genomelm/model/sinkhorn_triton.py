@@ -49,6 +49,18 @@ def _step(x, step, eps):
 
 
 @triton.jit
+def _step_backward(g, x, step, eps):
+    """d x of Sinkhorn step `step` from its input x and d y = g: (g - sum_axis(g y)) / (sum_axis x + eps)."""
+    if step % 2 == 0:
+        denominator = tl.expand_dims(_tile_sum(x, 0), 0) + eps
+        out = (g - tl.expand_dims(_tile_sum(g * (x / denominator), 0), 0)) / denominator
+    else:
+        denominator = tl.expand_dims(_tile_sum(x, 1), 1) + eps
+        out = (g - tl.expand_dims(_tile_sum(g * (x / denominator), 1), 1)) / denominator
+    return out
+
+
+@triton.jit
 def _tile(T, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
     """Offsets and mask of this program's tile of an [N, N, T] tensor (padded rows and columns masked)."""
     rows = tl.arange(0, NP)
@@ -80,12 +92,7 @@ def _sinkhorn_bwd_kernel(
         x = m
         for before in range(0, step):  # the iterate entering `step`
             x = _step(x, before, eps)
-        if step % 2 == 0:
-            denominator = tl.expand_dims(_tile_sum(x, 0), 0) + eps
-            g = (g - tl.expand_dims(_tile_sum(g * (x / denominator), 0), 0)) / denominator
-        else:
-            denominator = tl.expand_dims(_tile_sum(x, 1), 1) + eps
-            g = (g - tl.expand_dims(_tile_sum(g * (x / denominator), 1), 1)) / denominator
+        g = _step_backward(g, x, step, eps)
     tl.store(gm_ptr + offsets, g, mask=mask)
 
 

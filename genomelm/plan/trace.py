@@ -388,8 +388,7 @@ class _StepProbe:
     by decoder layer (`OpCounter`). Without a `runner` and `optim` (the evaluator's forward): no optimizer,
     and the layers' starts marked by forward pre-hooks. Without `memory` (fla's pass over the KDA layers,
     whose bytes the plan takes from the torch path): the counter alone, told the running layer by the
-    tracker's module hooks (torch's `ModTracker`), about half the time of a tracked pass; the trace's
-    byte fields are then empty."""
+    tracker's module hooks (torch's `ModTracker`); the trace's byte fields are then empty."""
 
     def __init__(
         self,
