@@ -20,6 +20,7 @@ from genomelm.parallel.checkpoint import Checkpointer
 from genomelm.run.config import TrainConfig
 from genomelm.run.lock import LOCK_FILE, RunLock, RunLocked
 from genomelm.run.metrics import read_metrics
+from genomelm.run.stop import STOP_FILE
 from genomelm.train.guards import RunMismatch
 from genomelm.train.loop import train
 
@@ -296,7 +297,13 @@ def test_second_signal_ends_the_run_at_once(fly: Path, tmp_path: Path, cp: int) 
     try:
         _wait_for_rows(tmp_path / "runs" / "r" / "metrics.jsonl", 1, process)
         os.kill(process.pid, signal.SIGTERM)
-        time.sleep(0.05)
+        # the second signal as soon as the first is the run's stop request: the step and checkpoint that
+        # request waits for take far longer, so the second finds the run still inside them (sent after a
+        # fixed pause instead, it could come after a fast stop had finished and the handlers were gone)
+        request, deadline = tmp_path / "runs" / "r" / STOP_FILE, time.monotonic() + 60
+        while not request.exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr
+            time.sleep(0.001)
         os.kill(process.pid, signal.SIGTERM)
         err = process.communicate(timeout=60)[1]
     finally:
