@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:  # matplotlib (about 0.3 s to import) only where a figure is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 from genomelm.data.regions import seq_label
 from genomelm.eval.report import result_sets
@@ -61,6 +64,8 @@ def draw_sets(result: dict, figure: Figure) -> None:
 def save_figure(result: dict, path: Path) -> Path:
     """Write the figure of `result` as PNG to `path` (through a temporary name): two panels, or for several
     held-out folders a column of two panels each."""
+    from matplotlib.figure import Figure
+
     settings = result["settings"]
     if "sets" in result:
         figure = Figure(figsize=(6 * len(result["sets"]), 8), layout="constrained")
@@ -135,6 +140,8 @@ def draw_probe(result: dict, axes: tuple[Axes, Axes]) -> None:
 
 def save_probe_figure(result: dict, path: Path) -> Path:
     """Write the copy-probe figure of `result` as PNG to `path` (through a temporary name)."""
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(12, 4.5), layout="constrained")
     axes = figure.subplots(1, 2)
     draw_probe(result, (axes[0], axes[1]))
