@@ -116,3 +116,17 @@ def test_grouped_fallback_without_grouped_gemm_equals_loop() -> None:
     torch.testing.assert_close(got[2], reference[2], rtol=1e-6, atol=1e-6)
     for name, grad in reference[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["grouped", "loop"])
+def test_the_shared_expert_run_beside_the_experts_gives_the_same_layer(backend: str) -> None:
+    """Where the experts run the shared expert beside them (`Experts.runs_beside`, set by expert parallelism
+    to overlap its exchanges), the MoE's output and every gradient are the same bit for bit."""
+    x = torch.randn(2, 37, tiny_config().hidden_size, generator=torch.Generator().manual_seed(0))
+    after = _run(_moe(backend, 16), x)
+    beside = _moe(backend, 16)
+    beside.experts.runs_beside = True
+    got = _run(beside, x)
+    assert torch.equal(got[0], after[0]) and torch.equal(got[2], after[2])
+    for name, grad in after[1].items():
+        assert torch.equal(got[1][name], grad), name

@@ -99,8 +99,8 @@ def ep_rank(
     from genomelm.parallel.training import ContextRun
 
     exchanged = set()  # the dtypes of the all-to-all payloads, forward and backward
-    exchange = expert._exchange
-    expert._exchange = lambda rows, *args: exchanged.add(rows.dtype) or exchange(rows, *args)
+    start = expert.start_exchange
+    expert.start_exchange = lambda rows, *args, **kw: exchanged.add(rows.dtype) or start(rows, *args, **kw)
     model = build(skew)
     rank = dist.get_rank()
     context = None
@@ -242,6 +242,57 @@ def test_a_layers_split_sizes_exchanged_once_equal_the_per_chunk_exchange() -> N
         assert planned["grads"].keys() == per_chunk["grads"].keys()
         for name, grad in planned["grads"].items():
             assert torch.equal(grad, per_chunk["grads"][name]), name
+
+
+def overlapped_and_blocking_rank(cp_kind: str | None) -> dict[bool, dict[str, Any]]:
+    """This rank's step (window `rank`, or window 0 split context-parallel with `cp_kind`) with the expert
+    exchanges started ahead (`overlap`) and blocking: the loss, the gradients, and how many exchanges were
+    started without being waited for at once."""
+    from genomelm.parallel import expert
+    from genomelm.parallel.context import apply_context_parallel
+    from genomelm.parallel.training import ContextRun
+
+    ahead = {"n": 0}
+    start = expert.start_exchange
+
+    def counted(rows: torch.Tensor, send: list[int], recv: list[int], group: Any, wait: bool = False) -> Any:
+        ahead["n"] += not wait
+        return start(rows, send, recv, group, wait)
+
+    expert.start_exchange = counted
+    out = {}
+    for overlap in (True, False):
+        ahead["n"] = 0
+        model = build(skew=False)
+        context = None
+        if cp_kind is not None:
+            apply_context_parallel(model, dist.group.WORLD, cp_kind)
+            context = ContextRun.from_environment(cp_kind)
+        expert.apply_expert_parallel(model, dist.group.WORLD, overlap=overlap)
+        length = CP_LENGTH if cp_kind else LENGTH
+        loss = run_step(model, fly_rows(length, 0 if cp_kind else dist.get_rank()), context, False)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[overlap] = {"loss": loss, "grads": grads, "ahead": ahead["n"]}
+    return out
+
+
+@pytest.mark.parametrize("cp_kind", [None, "zigzag"], ids=["ep2", "cp2-ep2"])
+def test_exchanges_started_ahead_equal_blocking_exchanges(cp_kind: str | None) -> None:
+    """tiny's 3 MoE layers in chunks of 200 tokens (2 chunks per layer at 256 tokens per rank): with
+    `overlap`, every chunk's dispatch in the forward is started before its turn (the first with the split
+    sizes, each next one during the chunk before it's expert GEMMs) and every combine, forward and recompute,
+    before the shared expert runs; the loss and every gradient are equal bit for bit to blocking exchanges
+    (the same rows meet the same experts; only the waits move)."""
+    results = launch(overlapped_and_blocking_rank, EP, cp_kind, timeout_s=TIMEOUT_S)
+    chunks = -(-LENGTH // CHUNK_TOKENS)
+    for result in results:
+        overlapped, blocking = result[True], result[False]
+        # per layer: the forward's dispatches and combines, the recompute's combines
+        assert (overlapped["ahead"], blocking["ahead"]) == (3 * 3 * chunks, 0)
+        assert torch.equal(overlapped["loss"], blocking["loss"])
+        assert overlapped["grads"].keys() == blocking["grads"].keys()
+        for name, grad in overlapped["grads"].items():
+            assert torch.equal(grad, blocking["grads"][name]), name
 
 
 @pytest.mark.slow  # bf16 on a CPU is the slowest path: 15-48 s measured on 2 shared cores

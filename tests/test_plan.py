@@ -349,11 +349,27 @@ def test_fsdp_and_expert_sharding_arithmetic():
     assert replicated.device_gib["parameters (fp32)"] * GIB == pytest.approx(4 * (total - experts / 2))
     assert replicated.device_gib["optimizer step peak (separate phase)"] > 0
     # expert parallel all-to-all: tokens x top-k x hidden x 2 B each way, forward + recompute + backward,
-    # x imbalance
-    a2a = next(v for k, v in plan.comm_bytes_per_step.items() if k.startswith("ep all_to_all"))
+    # x imbalance; started ahead (ep_overlap): the forward's dispatch and combine and the recompute's combine
+    # on the side, the rest blocking
     tokens = 1024 // 2
     rows = tokens * model_config.num_experts_per_tok
-    assert a2a == pytest.approx(rows * model_config.hidden_size * 2 / 2 * 2 * 3 * len(sparse) * 4.0)
+    per_exchange = rows * model_config.hidden_size * 2 / 2 * len(sparse) * 4.0  # (ep - 1) / ep = 1 / 2
+
+    def exchanges(plan):
+        return {k: v for k, v in plan.comm_bytes_per_step.items() if k.startswith("ep all_to_all")}
+
+    assert exchanges(plan) == {
+        "ep all_to_all started ahead (forward dispatch + combine, recompute combine)": pytest.approx(
+            3 * per_exchange
+        ),
+        "ep all_to_all (recompute dispatch, backward)": pytest.approx(3 * per_exchange),
+    }
+    blocking, _, _ = _stub_plan(ep_overlap=False)
+    label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
+    assert exchanges(blocking) == {label: pytest.approx(6 * per_exchange)}
+    hidden = blocking.assumptions["comm_s"] - plan.assumptions["comm_s"]
+    assert hidden > 0
+    assert plan.assumptions["overlapped_s"] - blocking.assumptions["overlapped_s"] == pytest.approx(hidden)
     assert plan.assumptions["sharding"].startswith("bytes per rank") and plan.assumptions["imbalance"] == 4.0
 
 
@@ -601,7 +617,11 @@ def test_eval_time_arithmetic(tmp_path):
     moe = sum(t == "sparse" for t in model_config.mlp_layer_types)
     rows = seq // 2 * model_config.num_experts_per_tok
     a2a = rows * model_config.hidden_size * 2 / 2 * 2 * moe * 4.0  # (ep-1)/ep, both ways, imbalance 4
-    assert plan.comm_bytes_per_step["ep all_to_all (dispatch + combine; forward)"] == pytest.approx(a2a)
+    assert plan.comm_bytes_per_step[
+        "ep all_to_all started ahead (dispatch + combine; forward)"
+    ] == pytest.approx(a2a)
+    blocking, _, _ = _stub_plan(stage="eval", bucket=256, flops=flops, ep_overlap=False)
+    assert blocking.comm_bytes_per_step["ep all_to_all (dispatch + combine; forward)"] == pytest.approx(a2a)
     assert "fsdp reduce_scatter (fp32 gradients)" not in plan.comm_bytes_per_step
     uncut, _, _ = _stub_plan(stage="eval", bucket=256, context_cut=False, flops=flops)
     assert uncut.evaluation.cut_tokens == 0 and uncut.evaluation.cut_s == 0

@@ -91,16 +91,25 @@ class Experts(nn.Module):
         # experts over processes find what it kept of this chunk when a recompute runs it again
         self.chunk_index = 0
         # set by a module that splits the experts over processes: given, before the first chunk runs, a way to
-        # route every chunk (-> each chunk's expert ids [T_c, k]), so it can exchange all of a layer's split
-        # sizes at once
-        self.plan_chunks: Callable[[Callable[[], list[Tensor]]], None] | None = None
+        # route every chunk (-> each chunk's expert ids [T_c, k]) and the chunks' tokens, so it can exchange
+        # all of a layer's split sizes at once and send a chunk's rows ahead of its turn
+        self.plan_chunks: Callable[[Callable[[], list[Tensor]], list[Tensor]], None] | None = None
+        # set by the same module where the rows' results travel back: the MoE then hands `forward` its shared
+        # expert (`beside`) to run while they do
+        self.runs_beside = False
 
-    def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, expert_ids: Tensor, weights: Tensor, beside: Callable[[], Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Sum of weighted expert outputs per token: x [T, D], expert_ids/weights [T, k] -> (out [T, D],
-        tokens per expert [E] long)."""
-        if self.backend == "loop":
-            return self.loop(x, expert_ids, weights)
-        return self.grouped(x, expert_ids, weights)
+        tokens per expert [E] long). `beside`: more work on the same tokens, whose [T, D] result is added to
+        out (here after the experts; a module that sends the rows away runs it while they travel)."""
+        routed, counts = (
+            self.loop(x, expert_ids, weights)
+            if self.backend == "loop"
+            else self.grouped(x, expert_ids, weights)
+        )
+        return (routed if beside is None else routed + beside()), counts
 
     def grouped(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         """`forward` with the (token, expert) pairs sorted by expert and one grouped GEMM per projection."""
@@ -211,7 +220,7 @@ class MoE(nn.Module):
             # every chunk routed ahead of the first, where the experts ask for it: the chunks' forwards route
             # again (in their own recompute regions, with autograd) and choose the same experts, as the same
             # ops on the same rows
-            self.experts.plan_chunks(lambda: [self.gate(chunk)[0] for chunk in chunks])
+            self.experts.plan_chunks(lambda: [self.gate(chunk)[0] for chunk in chunks], list(chunks))
         outputs = []
         counts = torch.zeros(self.experts.num_experts, dtype=torch.long, device=x.device)
         for index, chunk in enumerate(chunks):
@@ -226,5 +235,7 @@ class MoE(nn.Module):
         chunk's place in the forward, told to the experts (`Experts.chunk_index`); a recompute replays it."""
         self.experts.chunk_index = index
         expert_ids, weights = self.gate(chunk)
+        if self.experts.runs_beside:  # the shared expert runs while the routed rows' results travel back
+            return self.experts(chunk, expert_ids, weights, beside=lambda: self.shared_experts(chunk))
         routed, counts = self.experts(chunk, expert_ids, weights)
         return routed + self.shared_experts(chunk), counts

@@ -22,6 +22,13 @@ experts' owners:
    grouped by source rank, then expert, and are reordered expert-major for one grouped GEMM over the local
    experts (`Experts.expert_rows`, the local path's own GEMM), then put back in arrival order;
 4. the reverse all-to-all, the routing weights, and an index_add into out, as the local path does.
+
+With `overlap` (the default, `ep_overlap`), the exchanges are started ahead and waited for where their rows
+are needed: the MoE hands the planning step its chunks' tokens, so chunk 0's dispatch starts with the split
+sizes and each chunk, once its own rows have arrived, starts the next chunk's dispatch before its expert
+GEMMs; the combine starts before the MoE's shared expert runs (`beside`) and is waited for after it. The same
+rows travel in the same order as blocking exchanges (exact); on a GPU they run on NCCL's stream beside the
+compute. A recompute starts only its combine ahead; the backward's reverse exchanges block.
 The module's `backend` is not consulted: EP always runs the grouped path ("loop" is a single-process
 reference). All ranks of the group must call the MoE the same number of times with the same number of chunks
 (the same local token count, as under CP or data parallelism with equal windows), since every chunk is one
@@ -72,6 +79,23 @@ Sizes = tuple[int, Tensor, list[list[int]]]  # (pairs, count matrix [src, dst, l
 
 
 @dataclass
+class InFlight:
+    """An all-to-all of rows started and not waited for (`start_exchange`): the buffer the rows arrive in
+    [sum(recv), ...], the collective's handle, and the rows sent (kept alive until it completes)."""
+
+    out: Tensor
+    work: dist.Work | None
+    sent: Tensor
+
+    def result(self) -> Tensor:
+        """The received rows, once the exchange has completed (this waits for it)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
+
+
+@dataclass
 class ExpertShard:
     """One `Experts` module's share of the routed experts: the expert-parallel group, this rank's place in it,
     the global ids of the experts it holds (its `gate_up_proj` / `down_proj` rows, in order), and the rows
@@ -84,20 +108,32 @@ class ExpertShard:
     local_experts: range
     capacity_factor: float = 8.0  # <= 0: no limit (see `apply_expert_parallel`)
     name: str = ""  # the module's name in the model, for messages
+    overlap: bool = True  # exchanges started ahead and waited for late (see `apply_expert_parallel`)
     received_tokens: int = field(default=0, compare=False)  # (token, expert) rows computed here
     # chunk index -> (pairs, count matrix, rows between ranks) of the last forward: what a recompute reuses
     kept_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
     # the same for the chunks of the forward under way, exchanged before its first chunk (`plan_chunks`)
     planned_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
+    # chunk index -> (tokens [T_c, D], expert ids [T_c, k]) of planned chunks whose dispatch is not started
+    planned_rows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, compare=False, repr=False)
+    # chunk index -> its dispatch, started while the chunk before it computed (`overlap`)
+    in_flight: dict[int, InFlight] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def split(
-        cls, group: dist.ProcessGroup, ep: int, rank: int, num_experts: int, capacity_factor: float, name: str
+        cls,
+        group: dist.ProcessGroup,
+        ep: int,
+        rank: int,
+        num_experts: int,
+        capacity_factor: float,
+        name: str,
+        overlap: bool = True,
     ) -> ExpertShard:
         """Rank `rank` of `ep`: experts [rank*E/ep, (rank+1)*E/ep)."""
         per_rank = num_experts // ep
         held = range(rank * per_rank, (rank + 1) * per_rank)
-        return cls(group, ep, rank, num_experts, held, capacity_factor, name)
+        return cls(group, ep, rank, num_experts, held, capacity_factor, name, overlap)
 
     @property
     def per_rank(self) -> int:
@@ -118,32 +154,58 @@ def is_expert_parallel(module: nn.Module) -> bool:
 
 class _AllToAllRows(torch.autograd.Function):
     """Forward: rows [N, D] split by `send` (rows to each rank, in rank order) -> the rows every rank sent
-    here [sum(recv), D], in source-rank order. Backward: the same exchange reversed on the gradients."""
+    here [sum(recv), D], in source-rank order; where the same rows' exchange is already under way
+    (`in_flight`, started from these rows' values), its result. Backward: the same exchange reversed on the
+    gradients."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: FunctionCtx, rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
+        ctx: FunctionCtx,
+        rows: Tensor,
+        send: list[int],
+        recv: list[int],
+        group: dist.ProcessGroup,
+        in_flight: InFlight | None,
     ) -> Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
+        if in_flight is not None:
+            return in_flight.result()
         return _exchange(rows, send, recv, group)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
 
 
 def _exchange(rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
+    return start_exchange(rows, send, recv, group, wait=True).out
+
+
+def start_exchange(
+    rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, wait: bool = False
+) -> InFlight:
+    """The uneven all-to-all of `rows` (no autograd) started on the communication stream (NCCL's own; gloo's
+    worker threads), returned before it completes unless `wait`. The exchanges of a group complete in the
+    order they were started, the same on every rank."""
     out = rows.new_empty(sum(recv), *rows.shape[1:])
-    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
-    return out
+    sent = rows.detach().contiguous()
+    work = dist.all_to_all_single(out, sent, recv, send, group=group, async_op=not wait)
+    return InFlight(out, work, sent)
 
 
-def all_to_all_rows(rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
+def all_to_all_rows(
+    rows: Tensor,
+    send: list[int],
+    recv: list[int],
+    group: dist.ProcessGroup,
+    in_flight: InFlight | None = None,
+) -> Tensor:
     """Uneven all-to-all of rows with autograd: rows [sum(send), ...] -> [sum(recv), ...], same dtype.
     send[r]: rows this rank sends to rank r (consecutive, in rank order); recv[r]: rows it receives from rank
-    r. Every rank of `group` must call it, with matching sizes."""
-    return _AllToAllRows.apply(rows, send, recv, group)
+    r. Every rank of `group` must call it, with matching sizes. `in_flight`: the exchange of these same rows,
+    started earlier (`start_exchange`), whose result this waits for instead of exchanging again."""
+    return _AllToAllRows.apply(rows, send, recv, group, in_flight)
 
 
 def _check_capacity(settings: ExpertShard, received: list[int]) -> None:
@@ -182,11 +244,14 @@ def _exchange_sizes(settings: ExpertShard, counts: Tensor) -> list[tuple[Tensor,
     return list(zip(matrices, rows))
 
 
-def plan_expert_chunks(settings: ExpertShard, route: Callable[[], list[Tensor]]) -> None:
+def plan_expert_chunks(
+    settings: ExpertShard, route: Callable[[], list[Tensor]], chunks: list[Tensor] | None = None
+) -> None:
     """The split sizes of all the chunks a MoE forward is about to run (`Experts.plan_chunks`; `route` gives
     each chunk's expert ids [T_c, k], run here without autograd), exchanged at once: one collective and one
-    host sync per layer instead of one per chunk. A recompute reuses the forward's sizes
-    (`ExpertShard.kept_sizes`): it neither routes ahead nor exchanges."""
+    host sync per layer instead of one per chunk. With `overlap` and the chunks' tokens (`chunks`, [T_c, D]
+    each), the first chunk's dispatch starts here, and each chunk's forward starts the next one's. A recompute
+    reuses the forward's sizes (`ExpertShard.kept_sizes`): it neither routes ahead nor exchanges sizes."""
     if _in_recompute():
         return
     with torch.no_grad():
@@ -197,46 +262,83 @@ def plan_expert_chunks(settings: ExpertShard, route: Callable[[], list[Tensor]])
         index: (ids.numel(), matrix, rows)
         for index, (ids, (matrix, rows)) in enumerate(zip(chunk_ids, _exchange_sizes(settings, counts)))
     }
+    settings.planned_rows = {}
+    if settings.overlap and chunks is not None:
+        settings.planned_rows = {
+            index: (x.detach(), ids) for index, (x, ids) in enumerate(zip(chunks, chunk_ids))
+        }
+        _start_dispatch(settings, 0)
+
+
+def _by_expert(x: Tensor, expert_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x [T, D], expert_ids [T, k] -> (order [T*k]: the (token, expert) pairs sorted by global expert, the
+    token of each sorted pair [T*k], x's rows in that order in the compute dtype [T*k, D])."""
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    token_of_pair = order // expert_ids.shape[1]
+    return order, token_of_pair, x[token_of_pair].to(compute_dtype(x))
+
+
+def _send_recv(settings: ExpertShard, rows_between: list[list[int]]) -> tuple[list[int], list[int]]:
+    """This rank's rows to each rank, and from each rank, out of the rows between ranks [src][dst]."""
+    return rows_between[settings.rank], [row[settings.rank] for row in rows_between]
+
+
+def _start_dispatch(settings: ExpertShard, index: int) -> None:
+    """Start chunk `index`'s dispatch from its planned tokens, if it was planned and not started: the same
+    rows its forward sorts (the same ops on the same tokens), exchanged while other work runs."""
+    planned = settings.planned_rows.pop(index, None)
+    if planned is None:
+        return
+    x, expert_ids = planned
+    send, recv = _send_recv(settings, settings.planned_sizes[index][2])
+    with torch.no_grad():
+        rows = _by_expert(x, expert_ids)[2]
+    settings.in_flight[index] = start_exchange(rows, send, recv, settings.group)
 
 
 def expert_parallel_forward(
-    module: Experts, settings: ExpertShard, x: Tensor, expert_ids: Tensor, weights: Tensor
+    module: Experts,
+    settings: ExpertShard,
+    x: Tensor,
+    expert_ids: Tensor,
+    weights: Tensor,
+    beside: Callable[[], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`Experts.forward` with the experts spread over the group: x [T, D] (this rank's tokens), expert_ids and
     weights [T, k] (global ids; fp32 routing) -> (out [T, D] in x's dtype, counts [E] long of this rank's
-    pairs).
+    pairs). `beside`: work on the same tokens whose [T, D] result is added to out (the MoE's shared expert),
+    run while the results come back.
 
     Two uneven all-to-alls of rows per call on every rank (one each way), and an all-gather of the counts
     unless the MoE planned the chunk (`plan_expert_chunks`) or a recompute replays it; the backward runs the
-    two all-to-alls reversed. Adds the rows computed here to `settings.received_tokens` (not during a
-    recompute in the backward pass).
+    two all-to-alls reversed. With `overlap`, a planned chunk's dispatch was started while the chunk before
+    it computed, this chunk starts the next one's before its own expert GEMMs, and the combine is started
+    before `beside` runs and waited for after. Adds the rows computed here to `settings.received_tokens`
+    (not during a recompute in the backward pass).
     """
-    ep, per_rank = settings.ep, settings.per_rank
-    k = expert_ids.shape[1]
-    flat_ids = expert_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of_pair = order // k
-    counts = torch.bincount(flat_ids, minlength=settings.num_experts)
+    per_rank = settings.per_rank
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=settings.num_experts)
     # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
-    recompute = _in_recompute()
-    if recompute:
-        kept = settings.kept_sizes.get(module.chunk_index)
-    else:
-        kept = settings.planned_sizes.pop(module.chunk_index, None)
-    if kept is None or kept[0] != flat_ids.numel():  # not planned by the MoE (the experts called alone)
-        kept = (flat_ids.numel(), *_exchange_sizes(settings, counts.unsqueeze(0))[0])
+    recompute, index = _in_recompute(), module.chunk_index
+    kept = settings.kept_sizes.get(index) if recompute else settings.planned_sizes.pop(index, None)
+    in_flight = None if recompute else settings.in_flight.pop(index, None)
+    if kept is None or kept[0] != expert_ids.numel():  # not planned by the MoE (the experts called alone)
+        if in_flight is not None:
+            raise RuntimeError(f"{settings.name}: chunk {index} was dispatched ahead with other sizes")
+        kept = (expert_ids.numel(), *_exchange_sizes(settings, counts.unsqueeze(0))[0])
     _, matrix, rows_between = kept
     if not recompute:
-        settings.kept_sizes[module.chunk_index] = kept
-    send = rows_between[settings.rank]
-    recv = [row[settings.rank] for row in rows_between]
+        settings.kept_sizes[index] = kept
+    send, recv = _send_recv(settings, rows_between)
 
-    x_sorted = x[token_of_pair].to(compute_dtype(x))  # by global expert = by owner, then expert
-    received = all_to_all_rows(x_sorted, send, recv, settings.group)  # by source rank, then local expert
+    order, token_of_pair, x_sorted = _by_expert(x, expert_ids)  # by global expert = by owner, then expert
+    received = all_to_all_rows(x_sorted, send, recv, settings.group, in_flight)  # by source, then expert
+    if not recompute:
+        _start_dispatch(settings, index + 1)  # in flight while this chunk's experts compute
     here = matrix[:, settings.rank]  # [src, local expert]
     local_ids = (
         torch.arange(per_rank, device=x.device)
-        .repeat(ep)
+        .repeat(settings.ep)
         .repeat_interleave(here.flatten(), output_size=sum(recv))
     )
     by_expert = torch.argsort(local_ids, stable=True)
@@ -248,27 +350,31 @@ def expert_parallel_forward(
         # must reach the reverse dispatch (the other ranks wait in it) and give the weights a zero gradient.
         weight_sum = module.gate_up_proj.sum() + module.down_proj.sum()
         y_received = received + 0 * weight_sum.to(received.dtype)
-    y_sorted = all_to_all_rows(
-        y_received, recv, send, settings.group
-    )  # this rank's pairs, sorted as x_sorted
+    combine = start_exchange(y_received, recv, send, settings.group) if settings.overlap and beside else None
+    alongside = beside() if combine is not None else None  # runs while the combine is under way
+    y_sorted = all_to_all_rows(y_received, recv, send, settings.group, combine)  # as x_sorted
 
     if not recompute:
         settings.received_tokens += int(received.shape[0])
     y_sorted = y_sorted * weights.reshape(-1)[order].unsqueeze(-1).to(y_sorted.dtype)
     out = torch.zeros_like(x).index_add_(0, token_of_pair, y_sorted.to(x.dtype))
+    if beside is not None:
+        out = out + (alongside if alongside is not None else beside())
     return out, counts
 
 
 def apply_expert_parallel(
-    model: nn.Module, group: dist.ProcessGroup, capacity_factor: float = 8.0
+    model: nn.Module, group: dist.ProcessGroup, capacity_factor: float = 8.0, overlap: bool = True
 ) -> list[str]:
     """Each rank of `group` (size ep) keeps experts [r*E/ep, (r+1)*E/ep) of every `Experts` module in `model`
     and runs them for the whole group (see the module docstring).
 
     Every rank must have built the same full model first (the slices come from the weights in the module).
     `capacity_factor`: the most rows one rank may receive in one exchange, as a multiple of the mean over the
-    ranks (`ExpertCapacityError` beyond it; <= 0: no limit). Applying again with the same group size only
-    updates the settings. Returns the names of the modules changed.
+    ranks (`ExpertCapacityError` beyond it; <= 0: no limit). `overlap`: each exchange of rows started
+    ahead of the work that needs it (the next chunk's dispatch during this chunk's expert GEMMs, the combine
+    during the shared expert), with the same results as blocking exchanges. Applying again with the same
+    group size only updates the settings. Returns the names of the modules changed.
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
@@ -283,7 +389,7 @@ def apply_expert_parallel(
     changed = []
     for name, module in modules:
         settings = ExpertShard.split(
-            group, ep, rank, module.num_experts, capacity_factor, name or type(module).__name__
+            group, ep, rank, module.num_experts, capacity_factor, name or type(module).__name__, overlap
         )
         previous = expert_shard(module)
         if previous is None:
@@ -301,6 +407,7 @@ def apply_expert_parallel(
         setattr(module, SHARD_ATTRIBUTE, settings)
         module.forward = functools.partial(expert_parallel_forward, module, settings)
         module.plan_chunks = functools.partial(plan_expert_chunks, settings)
+        module.runs_beside = overlap
         _note_route(model, name, ep)
         changed.append(name)
     return changed

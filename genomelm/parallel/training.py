@@ -138,16 +138,17 @@ class ParallelRun:
         param_dtype: torch.dtype | None,
         capacity_factor: float,
         optimizer_offload: bool = False,
+        overlap: bool = True,
     ) -> None:
         """Split `model` over the mesh in place: context parallel over the cp group, expert parallel over the
         ep group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs),
         with fp32 gradient reduction; None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU
         offload (sharded fp32 parameters, gradients and AdamW state in pinned host memory; the step runs on
-        the CPU)."""
+        the CPU). `overlap`: the expert exchanges started ahead (`apply_expert_parallel`)."""
         if self.context is not None:
             apply_context_parallel(model, self.context.group, self.context.kind)
         if self.dims.ep > 1:
-            apply_expert_parallel(model, self.mesh.ep_group, capacity_factor)
+            apply_expert_parallel(model, self.mesh.ep_group, capacity_factor, overlap)
         if optimizer_offload and not self.fsdp:
             raise ValueError("optimizer_offload=true needs fsdp=true (FSDP2 keeps the host copy)")
         if self.fsdp:

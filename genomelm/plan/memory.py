@@ -57,7 +57,10 @@ MOE_RULE = (
     "moe_intermediate) x 2 B (the dispatched rows, gate/up, SwiGLU and output in bf16) x 2 (with their "
     "gradients; x 1, the gradients, where the held tensors are counted apart), the expert weights' bf16 "
     "copies and gradients being the FSDP buffers; all-to-all bytes: tokens x top-k x hidden x 2 B each way "
-    "(dispatch, combine) per MoE layer, in the forward, the recompute and the backward"
+    "(dispatch, combine) per MoE layer, in the forward, the recompute and the backward; with ep_overlap the "
+    "forward also holds the next chunk's rows in flight, (1 + imbalance) x chunk x top-k x hidden x 2 B, "
+    "less than the backward's gradients of a chunk (imbalance x chunk x top-k x (2 hidden + 3 "
+    "moe_intermediate) x 2 B), so the MoE's transient stays the backward's"
 )
 OFFLOAD_RULE = (
     "traced with offload=true (with recompute, offload moves only each layer's saved input to the host); "
@@ -79,9 +82,10 @@ EVAL_RULE = (
     "the rank's tokens) and its transient; the transients as in training (the feed-forward's and the head's "
     "up to their chunk), the MoE's with EP plus the busiest rank's (imbalance - 1) x chunk x top-k rows "
     "more, (2 hidden + 3 moe_intermediate) x the compute dtype's bytes each (dispatched rows, gate/up, "
-    "SwiGLU, output); the per-token loss all-gathered over cp (the parts, their concatenation and the "
-    "window-ordered copy: 3 x S x 4 B; at cp 1 the [S] fp32 output) is added to the peak, though it lives "
-    "after the last layer (an upper bound by a few MiB)"
+    "SwiGLU, output), and with ep_overlap the next chunk's rows in flight, sent and received ((1 + "
+    "imbalance) x chunk x top-k x hidden x the compute dtype's bytes); the per-token loss all-gathered over "
+    "cp (the parts, their concatenation and the window-ordered copy: 3 x S x 4 B; at cp 1 the [S] fp32 "
+    "output) is added to the peak, though it lives after the last layer (an upper bound by a few MiB)"
 )
 
 
@@ -515,8 +519,8 @@ def eval_transients(
     config: TrainConfig, model_config: ModelConfig, layout: Layout, steps: ScaledTraces, a: Assumptions
 ) -> dict[str, float]:
     """Each traced module's transient in the evaluator's forward at the rank's tokens (`chunked_transients`),
-    the MoE layers' with EP plus the rows of one chunk the busiest rank receives beyond the traced mean
-    (`EVAL_RULE`)."""
+    the MoE layers' with EP plus the rows of one chunk the busiest rank receives beyond the traced mean and,
+    with ep_overlap, the next chunk's rows in flight (`EVAL_RULE`)."""
     transients = chunked_transients(config, steps)
     if layout.ep == 1:
         return transients
@@ -525,6 +529,8 @@ def eval_transients(
     rows = (a.imbalance - 1) * chunk * c.num_experts_per_tok
     width = 2 if eval_param_dtype(config) == torch.bfloat16 else 4  # the experts' compute dtype
     extra = rows * (2 * c.hidden_size + 3 * c.moe_intermediate_size) * width
+    if config.parallel.ep_overlap and steps.tokens > chunk:  # the next chunk's dispatch: sent and received
+        extra += (1 + a.imbalance) * chunk * c.num_experts_per_tok * c.hidden_size * width
     for k in transients:
         if k.endswith(".mlp") and c.mlp_layer_types[int(k.split(".")[1])] == "sparse":
             transients[k] += extra

@@ -185,13 +185,17 @@ def eval_plan(
     weights = ParameterShare.of(stored, layout)
     memory = eval_rank_memory(config, model_config, layout, weights, steps, a)
     bf16 = eval_param_dtype(config) == torch.bfloat16
-    chunk_tokens = config.model_options.moe_chunk_tokens
-    window = forward_time(model_config, layout, weights, steps, a, bf16, config.plan.gpu, chunk_tokens)
+    chunk_tokens, overlap = config.model_options.moe_chunk_tokens, config.parallel.ep_overlap
+    window = forward_time(
+        model_config, layout, weights, steps, a, bf16, config.plan.gpu, chunk_tokens, overlap
+    )
     cut_tokens, cut = context_cut_tokens(config), None
     if cut_tokens:  # a forward of its own, traced (or read off the window's traces) at its tokens per rank
         cut_run = config.replace(seq=str(cut_tokens))
         cut_steps = scaled_traces(cut_run, model_config, layout.cp, traced, traces, optimizer=False)
-        cut = forward_time(model_config, layout, weights, cut_steps, a, bf16, config.plan.gpu, chunk_tokens)
+        cut = forward_time(
+            model_config, layout, weights, cut_steps, a, bf16, config.plan.gpu, chunk_tokens, overlap
+        )
     evaluation = evaluation_time(config, layout, window, cut, cut_tokens)
     notes = _notes(config, model_config, layout, steps)
     notes.append(

@@ -240,7 +240,9 @@ def _simulate_rank(
             set_chunk_recompute(model, config.memory.recompute_chunks)
             if parallel is not None:
                 param_dtype = fsdp_param_dtype(config.memory.precision, device)
-                parallel.prepare(model, param_dtype, config.parallel.ep_capacity_factor)
+                parallel.prepare(
+                    model, param_dtype, config.parallel.ep_capacity_factor, overlap=config.parallel.ep_overlap
+                )
             model.train()
             runner = LayerRunner.for_memory(config.memory, offload=False)
             # torch's AdamW whatever the run's optimizer: torchao's quantiser reads values (data-dependent
@@ -380,7 +382,9 @@ def _scoring_model(
         model = GlmForCausalLM.from_config(model_config, config.model_options, dtype, run.device)
         if run.parallel is not None:
             param_dtype = fsdp_param_dtype(config.memory.precision, run.device)
-            run.parallel.prepare(model, param_dtype, config.parallel.ep_capacity_factor)
+            run.parallel.prepare(
+                model, param_dtype, config.parallel.ep_capacity_factor, overlap=config.parallel.ep_overlap
+            )
     model.eval()
     context = run.parallel.context if run.parallel is not None else None
     return (ContextParallelScorer(model, context) if context is not None else model), model

@@ -236,7 +236,9 @@ def step_time(
     `state`: its weights, gradients and optimizer state (the update's bytes)."""
     p = device_peaks(a, config.plan.gpu)
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
-    comm, comm_s, overlapped_s = comm_bytes(model_config, layout, params, steps, a, p)
+    comm, comm_s, overlapped_s = comm_bytes(
+        model_config, layout, params, steps, a, p, config.parallel.ep_overlap
+    )
     chunk_tokens = config.model_options.moe_chunk_tokens
     kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu, chunk_tokens)
     compute_s, mean_s = kernels.busiest_s, kernels.mean_s
@@ -308,14 +310,17 @@ def forward_time(
     stored_in_bf16: bool,
     gpu: str,
     chunk_tokens: int,
+    overlap: bool,
 ) -> StepTime:
     """The evaluator's forward of the traced window on one rank of `layout`: its kernels at their roofline
-    plus its collectives (`forward_comm_bytes`; FSDP2's gathers overlapped); `stored`: the parameters' bytes
-    as stored (bf16, with the fp32-declared ones fp32, when `stored_in_bf16`); MoE chunks of `chunk_tokens`.
-    No host copies."""
+    plus its collectives (`forward_comm_bytes`; FSDP2's gathers overlapped, and with `overlap` the expert
+    exchanges); `stored`: the parameters' bytes as stored (bf16, with the fp32-declared ones fp32, when
+    `stored_in_bf16`); MoE chunks of `chunk_tokens`. No host copies."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     p = device_peaks(a, gpu)
-    comm, comm_s, overlapped_s = forward_comm_bytes(model_config, layout, stored, steps, a, p, stored_in_bf16)
+    comm, comm_s, overlapped_s = forward_comm_bytes(
+        model_config, layout, stored, steps, a, p, stored_in_bf16, overlap
+    )
     kernels = kernel_time(model_config, layout, steps, a, gpu, chunk_tokens, passes=1)
     return _step_time(rank_flops, busiest_flops, comm, comm_s, 0.0, overlapped_s, kernels, a)
 
@@ -444,17 +449,26 @@ class _Tally:
                 self.traced(kind, steps.line(lo.comm.get(part, {}).get(kind, 0), size), cp)
 
     def expert_exchange(
-        self, model_config: ModelConfig, layout: Layout, tokens: int, passes: int, width: int, label: str
+        self,
+        model_config: ModelConfig,
+        layout: Layout,
+        tokens: int,
+        exchanges: int,
+        width: int,
+        label: str,
+        overlapped: bool = False,
     ) -> None:
-        """The busiest rank's all-to-all: tokens x top-k rows of hidden x `width` B each way (dispatch,
-        combine) per MoE layer and pass, x `imbalance`."""
-        if layout.ep == 1:
+        """The busiest rank's all-to-alls of `exchanges` one-way exchanges per MoE layer (a dispatch or a
+        combine, in one pass): tokens x top-k rows of hidden x `width` B each, x `imbalance`; `overlapped`:
+        started ahead of the work that needs them (`ep_overlap`), on the side."""
+        if layout.ep == 1 or exchanges == 0:
             return
         ep = layout.ep
         moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
         rows = tokens * model_config.num_experts_per_tok
-        per_layer = rows * model_config.hidden_size * width * (ep - 1) / ep
-        self.add(label, per_layer * 2 * passes * moe_layers * self.imbalance, ep, "all_to_all")
+        per_exchange = rows * model_config.hidden_size * width * (ep - 1) / ep
+        moved = per_exchange * exchanges * moe_layers * self.imbalance
+        self.add(label, moved, ep, "all_to_all", overlapped)
 
 
 def _gathered(layout: Layout, params: ParameterShare) -> float:
@@ -472,10 +486,12 @@ def comm_bytes(
     steps: ScaledTraces,
     a: Assumptions,
     p: Peaks,
+    overlap: bool,
 ) -> tuple[dict[str, float], float, float]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
     computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over:
-    those that block the compute, and FSDP2's (overlapped)."""
+    those that block the compute, and those on the side (FSDP2's; with `overlap`, the expert exchanges
+    started ahead)."""
     hi, cp, world = steps.hi, layout.cp, layout.world
     tally = _Tally(p.links, a.imbalance)
     tally.traced_layers(model_config, steps, cp)
@@ -488,8 +504,16 @@ def comm_bytes(
         tally.add("fsdp reduce_scatter (fp32 gradients)", 4 * gathered, world, overlapped=True)
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
         tally.add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
-    label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
-    tally.expert_exchange(model_config, layout, steps.tokens, 3, 2, label)  # bf16 rows
+    tokens = steps.tokens  # bf16 rows, a dispatch and a combine in each of the forward, recompute, backward
+    if overlap:  # started ahead: the forward's dispatch and combine, the recompute's combine
+        ahead = "ep all_to_all started ahead (forward dispatch + combine, recompute combine)"
+        tally.expert_exchange(model_config, layout, tokens, 3, 2, ahead, overlapped=True)
+        tally.expert_exchange(
+            model_config, layout, tokens, 3, 2, "ep all_to_all (recompute dispatch, backward)"
+        )
+    else:
+        label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
+        tally.expert_exchange(model_config, layout, tokens, 6, 2, label)
     return tally.bytes, tally.seconds, tally.overlapped_seconds
 
 
@@ -501,6 +525,7 @@ def forward_comm_bytes(
     a: Assumptions,
     p: Peaks,
     stored_in_bf16: bool,
+    overlap: bool,
 ) -> tuple[dict[str, float], float, float]:
     """Bytes one rank moves in the evaluator's forward at `steps.tokens` per rank (the traced
     context-parallel collectives, the losses' all-gather among them; every FSDP unit gathered once, as
@@ -514,8 +539,9 @@ def forward_comm_bytes(
         gathered = _gathered(layout, stored)
         tally.add("fsdp all_gather (as stored, forward)", gathered, layout.world, overlapped=True)
     width = 2 if stored_in_bf16 else 4  # the rows in the compute dtype
-    label = "ep all_to_all (dispatch + combine; forward)"
-    tally.expert_exchange(model_config, layout, steps.tokens, 1, width, label)
+    ahead = " started ahead" if overlap else ""
+    label = f"ep all_to_all{ahead} (dispatch + combine; forward)"
+    tally.expert_exchange(model_config, layout, steps.tokens, 2, width, label, overlapped=overlap)
     return tally.bytes, tally.seconds, tally.overlapped_seconds
 
 

@@ -221,7 +221,7 @@ def _traced_model(
         model = GlmForCausalLM.from_config(config, options, dtype)
         set_chunk_recompute(model, recompute_chunks)
         if parallel is not None:
-            parallel.prepare(model, None, run.parallel.ep_capacity_factor)
+            parallel.prepare(model, None, run.parallel.ep_capacity_factor, overlap=run.parallel.ep_overlap)
         window = tokens_per_rank * cp
         for indexer in (m for m in model.modules() if isinstance(m, Indexer)):
             # the indexer kernel's query blocks as at the run's window (the most queries whose scores fit its

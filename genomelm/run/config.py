@@ -160,6 +160,9 @@ class ParallelConfig:
     fsdp: bool = True  # with more than one process: FSDP2 shards parameters, gradients and optimizer state
     optimizer_offload: bool = False  # weights, gradients and optimizer state in host memory (FSDP2, GPUs)
     ep_capacity_factor: float = 8.0  # refuse an MoE exchange giving a rank more than this x the mean tokens
+    # start each expert exchange ahead of the work that needs it (the next chunk's dispatch during this
+    # chunk's expert GEMMs, the combine during the shared expert); false: every exchange blocks (same results)
+    ep_overlap: bool = True
     # "local" (processes on this machine), "ray" (Ray Train workers) or "env" (torchrun or srun started
     # this process as one rank: `genomelm.run.env_launch`)
     launcher: str = "local"

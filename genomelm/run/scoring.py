@@ -196,7 +196,10 @@ def load_scoring_model(path: str, config: TrainConfig, run: ScoringRun) -> nn.Mo
         torch.manual_seed(config.optim.seed)
         model = load_model(path, dtype=dtype, options=config.model_options, device=run.device)
         run.parallel.prepare(
-            model, fsdp_param_dtype(config.memory.precision, run.device), config.parallel.ep_capacity_factor
+            model,
+            fsdp_param_dtype(config.memory.precision, run.device),
+            config.parallel.ep_capacity_factor,
+            overlap=config.parallel.ep_overlap,
         )
     else:
         model = build_scoring_model(model_config_of(path), config, run)
@@ -217,7 +220,10 @@ def build_scoring_model(model_config: ModelConfig, config: TrainConfig, run: Sco
     dtype = scoring_dtype(config.memory.precision, run.device)
     model = GlmForCausalLM.from_config(model_config, config.model_options, dtype, "meta")
     run.parallel.prepare(
-        model, fsdp_param_dtype(config.memory.precision, run.device), config.parallel.ep_capacity_factor
+        model,
+        fsdp_param_dtype(config.memory.precision, run.device),
+        config.parallel.ep_capacity_factor,
+        overlap=config.parallel.ep_overlap,
     )
     model.to_empty(device=run.device)
     return model

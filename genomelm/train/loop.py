@@ -240,7 +240,11 @@ def build_model(
     if parallel is not None:
         param_dtype = fsdp_param_dtype(config.memory.precision, device)
         parallel.prepare(
-            model, param_dtype, config.parallel.ep_capacity_factor, config.parallel.optimizer_offload
+            model,
+            param_dtype,
+            config.parallel.ep_capacity_factor,
+            config.parallel.optimizer_offload,
+            config.parallel.ep_overlap,
         )
         if shard_read:
             model.to_empty(device=device)
