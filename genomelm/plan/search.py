@@ -199,8 +199,9 @@ def eval_plan(
     evaluation = evaluation_time(config, layout, window, cut, cut_tokens)
     notes = _notes(config, model_config, layout, steps)
     notes.append(
-        "not counted: loading each model (its checkpoint read and sharded), the windows' reads, and overlap "
-        "of compute with communication (none assumed)"
+        "not counted: loading each model (its checkpoint read and sharded), the windows' reads; "
+        "communication hides under the compute only on the side streams (FSDP2's gathers; with ep_overlap, "
+        "the expert exchanges started ahead)"
     )
     return _eval_plan(config, layout, a, memory, window, evaluation, notes)
 
