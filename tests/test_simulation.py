@@ -32,9 +32,9 @@ def _tiny(*settings: str) -> TrainConfig:
     return TrainConfig.from_args(["model=tiny", "fsdp=false", "precision=bf16", *CHUNKS, *settings])
 
 
-def _check_sync_bound(config: TrainConfig, model: str) -> None:
+def _check_sync_bound(config: TrainConfig, model: str) -> Simulation:
     """Every rank agrees on its collectives (checked inside), and a micro-batch's host syncs are the expert
-    exchanges' split sizes only: one per MoE layer, for all its chunks."""
+    exchanges' split sizes only: one per MoE layer, for all its chunks. Returns the simulation."""
     model_config = ModelConfig.preset(model)
     simulation = simulate_step(config, model_config)
     assert len(simulation.ranks) == simulation.dims.world
@@ -49,14 +49,21 @@ def _check_sync_bound(config: TrainConfig, model: str) -> None:
     assert kinds["all_reduce"] and kinds["all_gather"] and kinds["reduce_scatter"]
     assert all(c.dtype for rank in simulation.ranks for c in rank.collectives)
     _assert_gpu_routes(simulation.ranks[0].routes)
+    return simulation
 
 
 @pytest.mark.slow
 def test_dp2_cp2_ep2_step_on_fake_cuda_has_device_collectives_and_one_sync_per_moe_layer() -> None:
     """No CPU index tensor reaches a collective, and a micro-batch waits for the host once per MoE layer:
-    the split sizes of its 4 chunks (128 tokens each of a rank's 512), read at once."""
+    the split sizes of its 4 chunks (128 tokens each of a rank's 512), read at once. The expert exchanges
+    are started without waiting where `ep_overlap` starts them ahead: of each chunk's six (a dispatch and a
+    combine in the forward, the recompute and the backward), the forward's two and the recompute's combine."""
     config = _tiny("seq=1024", "dp=2", "cp=2", "ep=2", "moe_chunk_tokens=128")
-    _check_sync_bound(config, "tiny")
+    simulation = _check_sync_bound(config, "tiny")
+    for rank in range(simulation.dims.world):
+        ahead, total = simulation.started_ahead(rank)["all_to_all"]
+        assert total == 3 * 4 * 6 and ahead == 3 * 4 * 3  # tiny's 3 MoE layers x 4 chunks
+        assert all(not c.started_ahead for c in simulation.ranks[rank].collectives if c.kind != "all_to_all")
 
 
 @pytest.mark.slow
@@ -326,6 +333,9 @@ def test_eval_layout_of_a_planned_run_is_the_evaluations_forward_with_its_contex
     assert [r.rank for r in simulation.ranks] == [3]
     assert simulation.stage == "eval" and simulation.tokens_per_window == 1024 and simulation.cut_tokens > 0
     text = describe_simulation(simulation, config, traced, model_config)
+    ahead, total = simulation.started_ahead(0, "window")["all_to_all"]
+    assert total and ahead == total  # the forward's dispatches and combines, every one started ahead
+    assert f"all_to_all {ahead} of {total}" in text
     syncs = simulation.syncs_per_window()
     exchange = sum(n for site, n in syncs.items() if EXCHANGE_SYNC_SITE in site)
     calls = simulation.expert_syncs_per_window(traced)

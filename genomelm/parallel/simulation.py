@@ -93,7 +93,9 @@ class SimulationError(RuntimeError):
 @dataclass(frozen=True)
 class Collective:
     """One collective as issued by this rank: kind, group (global ranks), dtype, bytes this rank sends or
-    receives (its largest tensor), the shapes of its tensors, the source line, and the phase it ran in."""
+    receives (its largest tensor), the shapes of its tensors, the source line, the phase it ran in, and
+    whether it was started without waiting (`async_op`: on a GPU it runs on NCCL's stream beside the compute
+    until the caller waits for its work)."""
 
     kind: str
     ranks: tuple[int, ...]
@@ -102,6 +104,7 @@ class Collective:
     shapes: tuple[tuple[int, ...], ...]
     site: str
     phase: str
+    started_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,15 @@ def source_line() -> str:
         shown = path.relative_to(_PACKAGE.parent) if path.is_relative_to(_PACKAGE.parent) else path
         return f"{shown}:{frame.lineno} in {frame.name}"
     return "unknown"
+
+
+def _async_op(func: Any, args: tuple, kwargs: dict) -> bool:
+    """The `async_op` argument of a c10d collective op (torch.distributed passes false for a blocking call;
+    the schema's default is true)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "async_op":
+            return bool(kwargs.get("async_op", args[index] if index < len(args) else argument.default_value))
+    return False
 
 
 def _group_of(args: Sequence[Any]) -> dist.ProcessGroup | None:
@@ -342,7 +354,10 @@ class SimulationMode(TorchDispatchMode):
         size = max((t.numel() * t.element_size() for t in tensors), default=0)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
         shapes = tuple(tuple(t.shape) for t in tensors)
-        self.collectives.append(Collective(kind, ranks, dtype, size, shapes, source_line(), self.phase()))
+        issued = Collective(
+            kind, ranks, dtype, size, shapes, source_line(), self.phase(), _async_op(func, args, kwargs)
+        )
+        self.collectives.append(issued)
         shadows_in = {t: self.shadows.get(t) for t in tensors}
         out = func(*args, **kwargs)
         self._shadow_collective(kind, tensors, shadows_in, len(ranks) or 1)

@@ -154,6 +154,27 @@ class Simulation:
             out[key] = (count + 1, size + c.bytes)
         return out
 
+    def started_ahead(self, rank: int = 0, phase: str | None = None) -> dict[str, tuple[int, int]]:
+        """(started without waiting, all) collectives per kind of one rank's step (of its `phase` only, if
+        given): those left running on NCCL's stream beside the compute (`async_op`), e.g. the expert
+        exchanges with `ep_overlap`."""
+        out: dict[str, tuple[int, int]] = {}
+        for c in self.ranks[rank].collectives:
+            if phase is not None and c.phase != phase:
+                continue
+            ahead, total = out.get(c.kind, (0, 0))
+            out[c.kind] = (ahead + c.started_ahead, total + 1)
+        return out
+
+
+def _started_ahead_line(simulation: Simulation, phase: str | None = None) -> str:
+    """The description's line of the collectives the last rank started without waiting, by kind."""
+    ahead = simulation.started_ahead(len(simulation.ranks) - 1, phase)
+    return (
+        "  started without waiting (on NCCL's stream beside the compute, waited for where used): "
+        + ", ".join(f"{kind} {n} of {total}" for kind, (n, total) in ahead.items())
+    )
+
 
 def simulate_step(
     config: TrainConfig,
@@ -427,6 +448,7 @@ def describe_simulation(
     ]
     by_kind = simulation.collectives_by_kind(len(simulation.ranks) - 1)
     lines += [f"    {kind:<58} {n:>5} x {size / 1e6:>10,.2f} MB" for kind, (n, size) in by_kind.items()]
+    lines.append(_started_ahead_line(simulation))
     lines.append(
         f"  host syncs per micro-batch: {sum(syncs.values()):g} simulated; {projected:g} at the full model "
         f"({full_calls} MoE layer forwards x {per_call:g} + the rest: the expert exchanges' split sizes, all "
@@ -494,6 +516,7 @@ def _describe_eval(
     ]
     by_kind = simulation.collectives_by_kind(len(simulation.ranks) - 1, "window")
     lines += [f"    {kind:<58} {n:>5} x {size / 1e6:>10,.2f} MB" for kind, (n, size) in by_kind.items()]
+    lines.append(_started_ahead_line(simulation, "window"))
     lines.append(
         f"  host syncs per window: {sum(syncs.values()):g} simulated; {projected:g} at the full model "
         f"({full_calls} MoE layer forwards x {per_call:g} + the rest: per forward the window's rows copied "
