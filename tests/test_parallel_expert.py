@@ -244,13 +244,15 @@ def test_a_layers_split_sizes_exchanged_once_equal_the_per_chunk_exchange() -> N
             assert torch.equal(grad, per_chunk["grads"][name]), name
 
 
-def overlapped_and_blocking_rank(cp_kind: str | None) -> dict[bool, dict[str, Any]]:
-    """This rank's step (window `rank`, or window 0 split context-parallel with `cp_kind`) with the expert
-    exchanges started ahead (`overlap`) and blocking: the loss, the gradients, and how many exchanges were
-    started without being waited for at once."""
+def overlapped_and_blocking_rank(cp_kind: str | None, chunk_recompute: bool) -> dict[bool, dict[str, Any]]:
+    """This rank's step (window `rank`, or window 0 split context-parallel with `cp_kind`; with
+    `chunk_recompute`, each MoE chunk recomputed on its own as well) with the expert exchanges started ahead
+    (`overlap`) and blocking: the loss, the gradients, and how many exchanges were started without being
+    waited for at once."""
     from genomelm.parallel import expert
     from genomelm.parallel.context import apply_context_parallel
     from genomelm.parallel.training import ContextRun
+    from genomelm.train.memory import set_chunk_recompute
 
     ahead = {"n": 0}
     start = expert.start_exchange
@@ -264,6 +266,7 @@ def overlapped_and_blocking_rank(cp_kind: str | None) -> dict[bool, dict[str, An
     for overlap in (True, False):
         ahead["n"] = 0
         model = build(skew=False)
+        set_chunk_recompute(model, chunk_recompute)
         context = None
         if cp_kind is not None:
             apply_context_parallel(model, dist.group.WORLD, cp_kind)
@@ -276,19 +279,24 @@ def overlapped_and_blocking_rank(cp_kind: str | None) -> dict[bool, dict[str, An
     return out
 
 
-@pytest.mark.parametrize("cp_kind", [None, "zigzag"], ids=["ep2", "cp2-ep2"])
-def test_exchanges_started_ahead_equal_blocking_exchanges(cp_kind: str | None) -> None:
+@pytest.mark.parametrize(
+    "cp_kind, chunk_recompute",
+    [(None, False), ("zigzag", False), (None, True)],
+    ids=["ep2", "cp2-ep2", "chunks"],
+)
+def test_exchanges_started_ahead_equal_blocking_exchanges(cp_kind: str | None, chunk_recompute: bool) -> None:
     """tiny's 3 MoE layers in chunks of 200 tokens (2 chunks per layer at 256 tokens per rank): with
-    `overlap`, every chunk's dispatch in the forward is started before its turn (the first with the split
-    sizes, each next one during the chunk before it's expert GEMMs) and every combine, forward and recompute,
-    before the shared expert runs; the loss and every gradient are equal bit for bit to blocking exchanges
-    (the same rows meet the same experts; only the waits move)."""
-    results = launch(overlapped_and_blocking_rank, EP, cp_kind, timeout_s=TIMEOUT_S)
+    `overlap`, every chunk's dispatch in the forward and in the layer's recompute is started before its turn
+    (the first with the split sizes, each next one during the expert GEMMs of the chunk before it) and every
+    combine before the shared expert runs; with `recompute_chunks` each chunk's own recompute (in reverse
+    order, after the layer's) starts its combine ahead. The loss and every gradient are equal bit for bit to
+    blocking exchanges (the same rows meet the same experts; only the waits move)."""
+    results = launch(overlapped_and_blocking_rank, EP, cp_kind, chunk_recompute, timeout_s=TIMEOUT_S)
     chunks = -(-LENGTH // CHUNK_TOKENS)
     for result in results:
         overlapped, blocking = result[True], result[False]
-        # per layer: the forward's dispatches and combines, the recompute's combines
-        assert (overlapped["ahead"], blocking["ahead"]) == (3 * 3 * chunks, 0)
+        # per layer and chunk: the dispatch and the combine of the forward and of the layer's recompute
+        assert (overlapped["ahead"], blocking["ahead"]) == (3 * (4 + chunk_recompute) * chunks, 0)
         assert torch.equal(overlapped["loss"], blocking["loss"])
         assert overlapped["grads"].keys() == blocking["grads"].keys()
         for name, grad in overlapped["grads"].items():

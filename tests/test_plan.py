@@ -349,8 +349,8 @@ def test_fsdp_and_expert_sharding_arithmetic():
     assert replicated.device_gib["parameters (fp32)"] * GIB == pytest.approx(4 * (total - experts / 2))
     assert replicated.device_gib["optimizer step peak (separate phase)"] > 0
     # expert parallel all-to-all: tokens x top-k x hidden x 2 B each way, forward + recompute + backward,
-    # x imbalance; started ahead (ep_overlap): the forward's dispatch and combine and the recompute's combine
-    # on the side, the rest blocking
+    # x imbalance; started ahead (ep_overlap): the forward's and the recompute's on the side, the backward's
+    # blocking
     tokens = 1024 // 2
     rows = tokens * model_config.num_experts_per_tok
     per_exchange = rows * model_config.hidden_size * 2 / 2 * len(sparse) * 4.0  # (ep - 1) / ep = 1 / 2
@@ -359,10 +359,10 @@ def test_fsdp_and_expert_sharding_arithmetic():
         return {k: v for k, v in plan.comm_bytes_per_step.items() if k.startswith("ep all_to_all")}
 
     assert exchanges(plan) == {
-        "ep all_to_all started ahead (forward dispatch + combine, recompute combine)": pytest.approx(
-            3 * per_exchange
+        "ep all_to_all started ahead (dispatch + combine; forward, recompute)": pytest.approx(
+            4 * per_exchange
         ),
-        "ep all_to_all (recompute dispatch, backward)": pytest.approx(3 * per_exchange),
+        "ep all_to_all (dispatch + combine; backward)": pytest.approx(2 * per_exchange),
     }
     blocking, _, _ = _stub_plan(ep_overlap=False)
     label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
@@ -376,7 +376,7 @@ def test_fsdp_and_expert_sharding_arithmetic():
 def test_the_router_run_ahead_of_the_chunks_is_counted_under_expert_parallelism():
     """`planned_routes`: with ep > 1 each MoE layer routes its chunks once more before the first (one fp32
     GEMM per chunk on the rank's own tokens): 2 x T x D x E FLOPs per layer, executed but not model FLOPs,
-    at the fp32 GEMM rate; nothing at ep 1."""
+    at the fp32 GEMM rate, and twice with ep_overlap's recompute; nothing at ep 1."""
     from genomelm.plan.layouts import Layout
     from genomelm.plan.timing import device_peaks, planned_routes
 
@@ -388,6 +388,9 @@ def test_the_router_run_ahead_of_the_chunks_is_counted_under_expert_parallelism(
     assert route.count == 4 * moe and route.model_flops == 0
     assert route.flops == 2 * 32768 * config.hidden_size * config.n_routed_experts * moe
     assert route.rate == "gemm_fp32" and route.seconds >= route.flops / peaks.flops_rate("gemm_fp32", "fp32")
+    (twice,) = planned_routes(config, Layout(2, 32, 2, True, False), 32768, 8192, peaks, routings=2)
+    assert (twice.count, twice.flops) == (2 * route.count, 2 * route.flops)
+    assert twice.seconds == pytest.approx(2 * route.seconds)
 
 
 def test_moe_transient_adds_every_chunk_a_layer_recompute_holds():

@@ -28,7 +28,9 @@ are needed: the MoE hands the planning step its chunks' tokens, so chunk 0's dis
 sizes and each chunk, once its own rows have arrived, starts the next chunk's dispatch before its expert
 GEMMs; the combine starts before the MoE's shared expert runs (`beside`) and is waited for after it. The same
 rows travel in the same order as blocking exchanges (exact); on a GPU they run on NCCL's stream beside the
-compute. A recompute starts only its combine ahead; the backward's reverse exchanges block.
+compute. A recompute of the whole layer runs its chunks in order and does the same (routing them ahead again,
+with the forward's sizes); a recompute of one chunk at a time (`recompute_chunks`, in reverse order) starts
+only its combine ahead; the backward's reverse exchanges block.
 The module's `backend` is not consulted: EP always runs the grouped path ("loop" is a single-process
 reference). All ranks of the group must call the MoE the same number of times with the same number of chunks
 (the same local token count, as under CP or data parallelism with equal windows), since every chunk is one
@@ -114,8 +116,11 @@ class ExpertShard:
     kept_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
     # the same for the chunks of the forward under way, exchanged before its first chunk (`plan_chunks`)
     planned_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
-    # chunk index -> (tokens [T_c, D], expert ids [T_c, k]) of planned chunks whose dispatch is not started
-    planned_rows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, compare=False, repr=False)
+    # chunk index -> (tokens [T_c, D], expert ids [T_c, k], rows between ranks) of planned chunks whose
+    # dispatch is not started
+    planned_rows: dict[int, tuple[Tensor, Tensor, list[list[int]]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
     # chunk index -> its dispatch, started while the chunk before it computed (`overlap`)
     in_flight: dict[int, InFlight] = field(default_factory=dict, compare=False, repr=False)
 
@@ -249,23 +254,31 @@ def plan_expert_chunks(
 ) -> None:
     """The split sizes of all the chunks a MoE forward is about to run (`Experts.plan_chunks`; `route` gives
     each chunk's expert ids [T_c, k], run here without autograd), exchanged at once: one collective and one
-    host sync per layer instead of one per chunk. With `overlap` and the chunks' tokens (`chunks`, [T_c, D]
-    each), the first chunk's dispatch starts here, and each chunk's forward starts the next one's. A recompute
-    reuses the forward's sizes (`ExpertShard.kept_sizes`): it neither routes ahead nor exchanges sizes."""
-    if _in_recompute():
+    host sync per layer instead of one per chunk. A recompute reuses the forward's sizes
+    (`ExpertShard.kept_sizes`): it exchanges none. With `overlap` and the chunks' tokens (`chunks`, [T_c, D]
+    each), the first chunk's dispatch starts here and each chunk's forward starts the next one's, in the
+    forward and in a recompute of the whole layer (which routes ahead again for it)."""
+    recompute = _in_recompute()
+    ahead = settings.overlap and chunks is not None
+    if recompute and not ahead:
         return
     with torch.no_grad():
         chunk_ids = route()
-    experts = settings.num_experts
-    counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=experts) for ids in chunk_ids])
-    settings.planned_sizes = {
-        index: (ids.numel(), matrix, rows)
-        for index, (ids, (matrix, rows)) in enumerate(zip(chunk_ids, _exchange_sizes(settings, counts)))
-    }
+    if recompute:
+        sizes = [settings.kept_sizes.get(index) for index in range(len(chunk_ids))]
+        if any(kept is None or kept[0] != ids.numel() for kept, ids in zip(sizes, chunk_ids)):
+            return  # not the forward's chunks: each exchanges as it runs
+    else:
+        experts = settings.num_experts
+        counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=experts) for ids in chunk_ids])
+        exchanged = _exchange_sizes(settings, counts)
+        sizes = [(ids.numel(), matrix, rows) for ids, (matrix, rows) in zip(chunk_ids, exchanged)]
+        settings.planned_sizes = dict(enumerate(sizes))
     settings.planned_rows = {}
-    if settings.overlap and chunks is not None:
+    if ahead:
         settings.planned_rows = {
-            index: (x.detach(), ids) for index, (x, ids) in enumerate(zip(chunks, chunk_ids))
+            index: (x.detach(), ids, kept[2])
+            for index, (x, ids, kept) in enumerate(zip(chunks, chunk_ids, sizes))
         }
         _start_dispatch(settings, 0)
 
@@ -289,8 +302,8 @@ def _start_dispatch(settings: ExpertShard, index: int) -> None:
     planned = settings.planned_rows.pop(index, None)
     if planned is None:
         return
-    x, expert_ids = planned
-    send, recv = _send_recv(settings, settings.planned_sizes[index][2])
+    x, expert_ids, rows_between = planned
+    send, recv = _send_recv(settings, rows_between)
     with torch.no_grad():
         rows = _by_expert(x, expert_ids)[2]
     settings.in_flight[index] = start_exchange(rows, send, recv, settings.group)
@@ -321,7 +334,7 @@ def expert_parallel_forward(
     # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
     recompute, index = _in_recompute(), module.chunk_index
     kept = settings.kept_sizes.get(index) if recompute else settings.planned_sizes.pop(index, None)
-    in_flight = None if recompute else settings.in_flight.pop(index, None)
+    in_flight = settings.in_flight.pop(index, None)
     if kept is None or kept[0] != expert_ids.numel():  # not planned by the MoE (the experts called alone)
         if in_flight is not None:
             raise RuntimeError(f"{settings.name}: chunk {index} was dispatched ahead with other sizes")
@@ -333,8 +346,7 @@ def expert_parallel_forward(
 
     order, token_of_pair, x_sorted = _by_expert(x, expert_ids)  # by global expert = by owner, then expert
     received = all_to_all_rows(x_sorted, send, recv, settings.group, in_flight)  # by source, then expert
-    if not recompute:
-        _start_dispatch(settings, index + 1)  # in flight while this chunk's experts compute
+    _start_dispatch(settings, index + 1)  # in flight while this chunk's experts compute
     here = matrix[:, settings.rank]  # [src, local expert]
     local_ids = (
         torch.arange(per_rank, device=x.device)

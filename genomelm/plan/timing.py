@@ -142,17 +142,18 @@ def exchange_copies(
 
 
 def planned_routes(
-    model_config: ModelConfig, layout: Layout, tokens: int, chunk_tokens: int, p: Peaks
+    model_config: ModelConfig, layout: Layout, tokens: int, chunk_tokens: int, p: Peaks, routings: int = 1
 ) -> list[roofline.CostedClass]:
-    """Under expert parallelism the router runs once more per MoE layer and window, before the layer's
-    chunks (`plan_expert_chunks`: every chunk routed without autograd so that one collective exchanges all
-    their split sizes; a recompute reuses them): one fp32 GEMM [chunk, D] x [D, E] per chunk of the rank's
-    own tokens (no imbalance: routing precedes the exchange), its bf16 input cast to fp32 and its logits
-    written. Its sigmoid, bias and top-k (a few small kernels per chunk) are left out. None at ep 1. FLOPs
-    executed, not model FLOPs (the model's own routing is traced)."""
+    """Under expert parallelism the router runs `routings` more times per MoE layer and window, before the
+    layer's chunks (`plan_expert_chunks`: every chunk routed without autograd, so that one collective
+    exchanges all their split sizes, and with ep_overlap again in the layer's recompute, to start each
+    chunk's dispatch ahead): one fp32 GEMM [chunk, D] x [D, E] per chunk of the rank's own tokens (no
+    imbalance: routing precedes the exchange), its bf16 input cast to fp32 and its logits written. Its
+    sigmoid, bias and top-k (a few small kernels per chunk) are left out. None at ep 1. FLOPs executed, not
+    model FLOPs (the model's own routing is traced)."""
     if layout.ep == 1:
         return []
-    moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
+    moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types) * routings
     chunks = math.ceil(tokens / chunk_tokens)
     count = chunks * moe_layers
     width, experts = model_config.hidden_size, model_config.n_routed_experts
@@ -188,10 +189,12 @@ def kernel_time(
     gpu: str,
     chunk_tokens: int,
     passes: int = 3,
+    routings: int = 1,
 ) -> KernelTime:
     """The traced kernels of one window at the rank's tokens, every layer by its kind's (the update phase
     apart: it is costed from the parameters), with the expert exchange's copies (`passes` of them: forward,
-    recompute, backward) and the router run ahead of the chunks of `chunk_tokens` (`planned_routes`)."""
+    recompute, backward) and the router run ahead of the chunks of `chunk_tokens` `routings` times
+    (`planned_routes`)."""
     p = device_peaks(a, gpu)
     times: dict[str, float] = {"rest": 1.0}
     for i in range(model_config.num_hidden_layers):
@@ -205,7 +208,7 @@ def kernel_time(
     def projected(rows: float) -> list[roofline.CostedClass]:
         traced = roofline.project(lo, hi, t1, t2, steps.tokens, times, p, rows, weights)
         copies = exchange_copies(model_config, layout, steps.tokens, passes, p, rows)
-        routes = planned_routes(model_config, layout, steps.tokens, chunk_tokens, p)
+        routes = planned_routes(model_config, layout, steps.tokens, chunk_tokens, p, routings)
         return sorted(traced + copies + routes, key=lambda c: -c.seconds)
 
     mean = projected(1.0)
@@ -240,7 +243,8 @@ def step_time(
         model_config, layout, params, steps, a, p, config.parallel.ep_overlap
     )
     chunk_tokens = config.model_options.moe_chunk_tokens
-    kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu, chunk_tokens)
+    routings = 2 if config.parallel.ep_overlap else 1  # the forward's, and the recompute's to start ahead
+    kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu, chunk_tokens, routings=routings)
     compute_s, mean_s = kernels.busiest_s, kernels.mean_s
     host: dict[str, float] = {}
     accum = config.optim.grad_accum
@@ -505,11 +509,11 @@ def comm_bytes(
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
         tally.add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
     tokens = steps.tokens  # bf16 rows, a dispatch and a combine in each of the forward, recompute, backward
-    if overlap:  # started ahead: the forward's dispatch and combine, the recompute's combine
-        ahead = "ep all_to_all started ahead (forward dispatch + combine, recompute combine)"
-        tally.expert_exchange(model_config, layout, tokens, 3, 2, ahead, overlapped=True)
+    if overlap:  # started ahead: the forward's and the recompute's
+        ahead = "ep all_to_all started ahead (dispatch + combine; forward, recompute)"
+        tally.expert_exchange(model_config, layout, tokens, 4, 2, ahead, overlapped=True)
         tally.expert_exchange(
-            model_config, layout, tokens, 3, 2, "ep all_to_all (recompute dispatch, backward)"
+            model_config, layout, tokens, 2, 2, "ep all_to_all (dispatch + combine; backward)"
         )
     else:
         label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
