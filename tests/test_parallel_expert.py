@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from genomelm.model.moe import Experts, TopkRouter
+from genomelm.model.moe import Experts, MoE, TopkRouter
 from genomelm.parallel import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,18 +255,28 @@ def overlapped_and_blocking_rank(cp_kind: str | None, chunk_recompute: bool) -> 
     from genomelm.train.memory import set_chunk_recompute
 
     ahead = {"n": 0}
-    start = expert.start_exchange
+    events: list[str] = []  # exchanges started ahead, their waits, the shared experts' backwards, in order
+    start, result = expert.start_exchange, expert.InFlight.result
 
     def counted(rows: torch.Tensor, send: list[int], recv: list[int], group: Any, wait: bool = False) -> Any:
         ahead["n"] += not wait
+        events.extend([] if wait else ["start"])
         return start(rows, send, recv, group, wait)
 
-    expert.start_exchange = counted
+    def waited(self: Any) -> torch.Tensor:
+        events.extend(["wait"] if self.work is not None else [])
+        return result(self)
+
+    expert.start_exchange, expert.InFlight.result = counted, waited
     out = {}
     for overlap in (True, False):
         ahead["n"] = 0
+        events.clear()
         model = build(skew=False)
         set_chunk_recompute(model, chunk_recompute)
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.shared_experts.register_full_backward_hook(lambda *_: events.append("shared"))
         context = None
         if cp_kind is not None:
             apply_context_parallel(model, dist.group.WORLD, cp_kind)
@@ -275,7 +285,9 @@ def overlapped_and_blocking_rank(cp_kind: str | None, chunk_recompute: bool) -> 
         length = CP_LENGTH if cp_kind else LENGTH
         loss = run_step(model, fly_rows(length, 0 if cp_kind else dist.get_rank()), context, False)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        out[overlap] = {"loss": loss, "grads": grads, "ahead": ahead["n"]}
+        # a shared expert's backward that runs while an exchange started ahead is under way
+        beside = sum(events[i : i + 3] == ["start", "shared", "wait"] for i in range(len(events)))
+        out[overlap] = {"loss": loss, "grads": grads, "ahead": ahead["n"], "beside_backward": beside}
     return out
 
 
@@ -295,8 +307,10 @@ def test_exchanges_started_ahead_equal_blocking_exchanges(cp_kind: str | None, c
     chunks = -(-LENGTH // CHUNK_TOKENS)
     for result in results:
         overlapped, blocking = result[True], result[False]
-        # per layer and chunk: the dispatch and the combine of the forward and of the layer's recompute
-        assert (overlapped["ahead"], blocking["ahead"]) == (3 * (4 + chunk_recompute) * chunks, 0)
+        # per layer and chunk: the dispatch and the combine of the forward and of the layer's recompute, and
+        # the backward's reverse combine, during which the shared expert's backward runs
+        assert (overlapped["ahead"], blocking["ahead"]) == (3 * (5 + chunk_recompute) * chunks, 0)
+        assert (overlapped["beside_backward"], blocking["beside_backward"]) == (3 * chunks, 0)
         assert torch.equal(overlapped["loss"], blocking["loss"])
         assert overlapped["grads"].keys() == blocking["grads"].keys()
         for name, grad in overlapped["grads"].items():

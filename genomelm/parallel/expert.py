@@ -30,7 +30,8 @@ GEMMs; the combine starts before the MoE's shared expert runs (`beside`) and is 
 rows travel in the same order as blocking exchanges (exact); on a GPU they run on NCCL's stream beside the
 compute. A recompute of the whole layer runs its chunks in order and does the same (routing them ahead again,
 with the forward's sizes); a recompute of one chunk at a time (`recompute_chunks`, in reverse order) starts
-only its combine ahead; the backward's reverse exchanges block.
+only its combine ahead. The backward starts the combine's reverse exchange and completes it after the shared
+expert's backward (`_AwaitGradient`); the reverse dispatch blocks.
 The module's `backend` is not consulted: EP always runs the grouped path ("loop" is a single-process
 reference). All ranks of the group must call the MoE the same number of times with the same number of chunks
 (the same local token count, as under CP or data parallelism with equal windows), since every chunk is one
@@ -157,11 +158,19 @@ def is_expert_parallel(module: nn.Module) -> bool:
     return expert_shard(module) is not None
 
 
+@dataclass
+class _GradientExchange:
+    """The reverse exchange of a combine's gradient: started by the combine's backward (`_AllToAllRows`),
+    completed by `_AwaitGradient`'s."""
+
+    in_flight: InFlight | None = None
+
+
 class _AllToAllRows(torch.autograd.Function):
     """Forward: rows [N, D] split by `send` (rows to each rank, in rank order) -> the rows every rank sent
     here [sum(recv), D], in source-rank order; where the same rows' exchange is already under way
     (`in_flight`, started from these rows' values), its result. Backward: the same exchange reversed on the
-    gradients."""
+    gradients, blocking, or with `gradient` started and left to `_AwaitGradient` to complete."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -171,16 +180,37 @@ class _AllToAllRows(torch.autograd.Function):
         recv: list[int],
         group: dist.ProcessGroup,
         in_flight: InFlight | None,
+        gradient: _GradientExchange | None,
     ) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+        ctx.send, ctx.recv, ctx.group, ctx.gradient = send, recv, group, gradient
         if in_flight is not None:
             return in_flight.result()
         return _exchange(rows, send, recv, group)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
-        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if ctx.gradient is None:
+            return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None, None
+        ctx.gradient.in_flight = start_exchange(grad, ctx.recv, ctx.send, ctx.group)
+        return ctx.gradient.in_flight.out, None, None, None, None, None  # written until awaited
+
+
+class _AwaitGradient(torch.autograd.Function):
+    """Identity on rows; its backward completes their gradient's reverse exchange, which the combine's
+    backward started (`_GradientExchange`). Applied to the experts' results before the shared expert runs:
+    autograd runs the nodes made later first, so the shared expert's backward runs between the two."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, rows: Tensor, gradient: _GradientExchange) -> Tensor:  # type: ignore[override]
+        ctx.gradient = gradient
+        return rows.view_as(rows)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        in_flight, ctx.gradient.in_flight = ctx.gradient.in_flight, None
+        return (grad if in_flight is None else in_flight.result()), None
 
 
 def _exchange(rows: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
@@ -205,12 +235,15 @@ def all_to_all_rows(
     recv: list[int],
     group: dist.ProcessGroup,
     in_flight: InFlight | None = None,
+    gradient: _GradientExchange | None = None,
 ) -> Tensor:
     """Uneven all-to-all of rows with autograd: rows [sum(send), ...] -> [sum(recv), ...], same dtype.
     send[r]: rows this rank sends to rank r (consecutive, in rank order); recv[r]: rows it receives from rank
     r. Every rank of `group` must call it, with matching sizes. `in_flight`: the exchange of these same rows,
-    started earlier (`start_exchange`), whose result this waits for instead of exchanging again."""
-    return _AllToAllRows.apply(rows, send, recv, group, in_flight)
+    started earlier (`start_exchange`), whose result this waits for instead of exchanging again. `gradient`:
+    the backward starts the reverse exchange there and `_AwaitGradient` (applied to `rows` earlier)
+    completes it."""
+    return _AllToAllRows.apply(rows, send, recv, group, in_flight, gradient)
 
 
 def _check_capacity(settings: ExpertShard, received: list[int]) -> None:
@@ -362,9 +395,14 @@ def expert_parallel_forward(
         # must reach the reverse dispatch (the other ranks wait in it) and give the weights a zero gradient.
         weight_sum = module.gate_up_proj.sum() + module.down_proj.sum()
         y_received = received + 0 * weight_sum.to(received.dtype)
-    combine = start_exchange(y_received, recv, send, settings.group) if settings.overlap and beside else None
-    alongside = beside() if combine is not None else None  # runs while the combine is under way
-    y_sorted = all_to_all_rows(y_received, recv, send, settings.group, combine)  # as x_sorted
+    combine, gradient, alongside = None, None, None
+    if settings.overlap and beside is not None:
+        # the shared expert runs while the combine is under way, and in the backward while its reverse is
+        gradient = _GradientExchange()
+        y_received = _AwaitGradient.apply(y_received, gradient)
+        combine = start_exchange(y_received, recv, send, settings.group)
+        alongside = beside()
+    y_sorted = all_to_all_rows(y_received, recv, send, settings.group, combine, gradient)  # as x_sorted
 
     if not recompute:
         settings.received_tokens += int(received.shape[0])

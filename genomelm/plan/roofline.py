@@ -37,8 +37,8 @@ OVERLAP_RULE = (
     "overlap only where the code runs work on a side stream or an async collective: FSDP2's all-gathers and "
     "reduce-scatters (its own streams), the layer-input offload copies (`HostCopier`'s stream) and, with "
     "ep_overlap, the expert all-to-alls started ahead (the forward's and the recompute's dispatches and "
-    "combines) hide under the compute; the context-parallel collectives, the backward's expert all-to-alls, "
-    "the host AdamW step and everything else add up"
+    "combines, the backward's combines) hide under the compute; the context-parallel collectives, the "
+    "backward's expert dispatches, the host AdamW step and everything else add up"
 )
 # Matmul-like ops: they run on the matmul unit of their dtype (the other ops are costed by their bytes).
 MATMULS = {

@@ -509,12 +509,10 @@ def comm_bytes(
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
         tally.add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
     tokens = steps.tokens  # bf16 rows, a dispatch and a combine in each of the forward, recompute, backward
-    if overlap:  # started ahead: the forward's and the recompute's
-        ahead = "ep all_to_all started ahead (dispatch + combine; forward, recompute)"
-        tally.expert_exchange(model_config, layout, tokens, 4, 2, ahead, overlapped=True)
-        tally.expert_exchange(
-            model_config, layout, tokens, 2, 2, "ep all_to_all (dispatch + combine; backward)"
-        )
+    if overlap:  # started ahead: all but the backward's reverse dispatch
+        ahead = "ep all_to_all started ahead (dispatch + combine; forward, recompute; backward combine)"
+        tally.expert_exchange(model_config, layout, tokens, 5, 2, ahead, overlapped=True)
+        tally.expert_exchange(model_config, layout, tokens, 1, 2, "ep all_to_all (backward dispatch)")
     else:
         label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
         tally.expert_exchange(model_config, layout, tokens, 6, 2, label)
