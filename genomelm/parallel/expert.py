@@ -359,8 +359,8 @@ def expert_parallel_forward(
     unless the MoE planned the chunk (`plan_expert_chunks`) or a recompute replays it; the backward runs the
     two all-to-alls reversed. With `overlap`, a planned chunk's dispatch was started while the chunk before
     it computed, this chunk starts the next one's before its own expert GEMMs, and the combine is started
-    before `beside` runs and waited for after. Adds the rows computed here to `settings.received_tokens`
-    (not during a recompute in the backward pass).
+    before `beside` runs and waited for after (its reverse likewise around `beside`'s backward). Adds the
+    rows computed here to `settings.received_tokens` (not during a recompute in the backward pass).
     """
     per_rank = settings.per_rank
     counts = torch.bincount(expert_ids.reshape(-1), minlength=settings.num_experts)
