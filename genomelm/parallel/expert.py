@@ -309,10 +309,8 @@ def plan_expert_chunks(
         settings.planned_sizes = dict(enumerate(sizes))
     settings.planned_rows = {}
     if ahead:
-        settings.planned_rows = {
-            index: (x.detach(), ids, kept[2])
-            for index, (x, ids, kept) in enumerate(zip(chunks, chunk_ids, sizes))
-        }
+        for index, (x, ids, kept) in enumerate(zip(chunks, chunk_ids, sizes)):
+            settings.planned_rows[index] = (x.detach(), ids, kept[2])
         _start_dispatch(settings, 0)
 
 

@@ -465,7 +465,7 @@ class _Tally:
         """The busiest rank's all-to-alls of `exchanges` one-way exchanges per MoE layer (a dispatch or a
         combine, in one pass): tokens x top-k rows of hidden x `width` B each, x `imbalance`; `overlapped`:
         started ahead of the work that needs them (`ep_overlap`), on the side."""
-        if layout.ep == 1 or exchanges == 0:
+        if layout.ep == 1:
             return
         ep = layout.ep
         moe_layers = sum(t == "sparse" for t in model_config.mlp_layer_types)
