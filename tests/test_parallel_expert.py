@@ -162,7 +162,7 @@ def test_ep2_equals_one_process() -> None:
     for rank, result in enumerate(results):
         assert result["loss"] == pytest.approx(ref["losses"][rank], rel=1e-5)
         assert result["changed"] == [f"layers.{i}.mlp.experts" for i in (1, 2, 3)]  # tiny's MoE layers
-        assert result["local_experts"] == range(4 * rank, 4 * rank + 4) and result["ep_size"] == EP
+        assert result["local_experts"] == tuple(range(4 * rank, 4 * rank + 4)) and result["ep_size"] == EP
         assert all(shape[0] == 4 for shape in result["shapes"].values())
         assert result["expert_params"] == sorted(result["shapes"])  # 2 per MoE layer
         assert result["route"].endswith("+ expert parallel (ep 2)")
@@ -315,6 +315,52 @@ def test_exchanges_started_ahead_equal_blocking_exchanges(cp_kind: str | None, c
         assert overlapped["grads"].keys() == blocking["grads"].keys()
         for name, grad in overlapped["grads"].items():
             assert torch.equal(grad, blocking["grads"][name]), name
+
+
+# tiny's 8 experts placed out of order over the two ranks, each rank's own slots out of order too
+PERMUTED = ((7, 0, 5, 2), (1, 6, 3, 4))
+
+
+def placed_and_static_rank() -> dict[str, dict[str, Any]]:
+    """This rank's window through the expert-parallel model with the static blocks and with every MoE layer
+    placed as `PERMUTED`: the loss, the gradients (an expert gradient's rows in its module's slot order) and
+    the experts held."""
+    from genomelm.parallel.expert import apply_expert_parallel, expert_shard
+    from genomelm.parallel.placement import Placement
+
+    out = {}
+    for placed in (False, True):
+        model = build(skew=False)
+        names = [n for n, m in model.named_modules() if isinstance(m, Experts)]
+        placements = {name: Placement(PERMUTED) for name in names} if placed else None
+        apply_expert_parallel(model, dist.group.WORLD, placements=placements)
+        loss = run_step(model, fly_rows(LENGTH, dist.get_rank()), None, False)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        held = {name: expert_shard(model.get_submodule(name)).local_experts for name in names}
+        out["placed" if placed else "static"] = {"loss": loss, "grads": grads, "held": held}
+    return out
+
+
+def test_experts_placed_out_of_order_equal_the_static_blocks() -> None:
+    """tiny's 3 MoE layers with their 8 experts permuted over the 2 ranks: the loss and the gradients equal
+    the static blocks' bit for bit, each expert's gradient found on the rank and in the slot that holds it
+    (the same rows meet the same experts in the same order; a token's two results are added in the other
+    order, and two fp32 terms add the same either way)."""
+    results = launch(placed_and_static_rank, EP, timeout_s=TIMEOUT_S)
+    for rank, result in enumerate(results):
+        static, placed = result["static"], result["placed"]
+        assert set(placed["held"].values()) == {PERMUTED[rank]}
+        assert torch.equal(static["loss"], placed["loss"])
+        for name, grad in static["grads"].items():
+            if not name.endswith(EXPERT_PARAMS):
+                assert torch.equal(grad, placed["grads"][name]), name
+    for name in results[0]["static"]["grads"]:
+        if name.endswith(EXPERT_PARAMS):  # the whole [E, ...] gradient, put together in expert order
+            module = name.rpartition(".")[0]
+            static = torch.cat([r["static"]["grads"][name] for r in results])
+            placed = torch.cat([r["placed"]["grads"][name] for r in results])
+            order = [e for r in results for e in r["placed"]["held"][module]]
+            assert torch.equal(placed[torch.argsort(torch.tensor(order))], static), name
 
 
 @pytest.mark.slow  # bf16 on a CPU is the slowest path: 15-48 s measured on 2 shared cores

@@ -106,13 +106,20 @@ def test_context_and_expert_parallel_on_two_ranks_equal_one_process(fly_data, tm
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> None:
+def test_sharded_checkpoint_resumes_at_other_world_sizes_and_placements(fly_data, tmp_path, capfd) -> None:
     """Saved by 2 ranks (dp=2 x ep=2, FSDP2), killed at step 3; resumed by 4 ranks (dp=2 x cp=2, ep=4: the
-    experts resharded) and by one process (grad_accum=2): steps 3 and 4 equal the uninterrupted run's."""
+    experts resharded), by one process (grad_accum=2), and by 2 ranks with each MoE layer's experts placed by
+    the routed load of steps 1-2 (`expert_placement=balanced`): steps 3 and 4 equal the uninterrupted run's,
+    and so do the last checkpoints, the placed run's saved from its placed experts."""
     full = train_losses(fly_data, tmp_path, "full", "dp=2", "ep=2", "steps=4", "save_every=2")
     from genomelm.train.faults import FAULT_ENV
 
-    for name, resumed in (("at4", ["dp=2", "cp=2", "ep=4"]), ("at1", ["grad_accum=2"])):
+    resumes = (
+        ("at4", ["dp=2", "cp=2", "ep=4"]),
+        ("at1", ["grad_accum=2"]),
+        ("placed", ["dp=2", "ep=2", "expert_placement=balanced"]),
+    )
+    for name, resumed in resumes:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv(FAULT_ENV, "3:1")
             with pytest.raises(AssertionError, match="assert 1 == 0"):  # the lost rank: exit status 1
@@ -127,14 +134,22 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(fly_data, tmp_path) -> 
         assert losses[:2] == pytest.approx(full[:2], rel=1e-6)  # rows the killed run logged
         assert losses[2:] == pytest.approx(full[2:], rel=1e-5), name
         assert not half_written.parent.exists()  # removed by the resumed run, never read
+    placement = json.loads((tmp_path / "placed" / "expert_placement.json").read_text())
+    assert placement["ep"] == 2 and placement["load_through_step"] == 2
+    assert sorted(placement["layers"]) == ["1", "2", "3"]  # tiny's MoE layers
+    layers = placement["layers"].values()
+    assert any(layer["slots"] != [[0, 1, 2, 3], [4, 5, 6, 7]] for layer in layers)  # not the static blocks
+    assert all(layer["placed"] <= layer["static"] for layer in layers)
+    assert "experts placed by the routed load of steps 1-2" in capfd.readouterr().out
     from genomelm.model import load_model
 
     final = {
         name: load_model(tmp_path / name / "checkpoints" / "step-0000004" / "model").state_dict()
-        for name in ("full", "at4")
+        for name in ("full", "at4", "placed")
     }  # the Hugging Face copies of the last checkpoints
-    for key, value in final["full"].items():
-        torch.testing.assert_close(final["at4"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+    for name in ("at4", "placed"):
+        for key, value in final["full"].items():
+            torch.testing.assert_close(final[name][key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
 
 
 @pytest.mark.slow

@@ -14,12 +14,13 @@ A step folder holds one of two layouts (`save` and `load` take either):
   torch.distributed.checkpoint (DCP) with keys `model.<name>` (every entry of `GlmForCausalLM.state_dict()`,
   at its global shape) and `optimizer.*` (AdamW state by parameter name, `get_optimizer_state_dict`). FSDP2
   parameters are DTensors already; a rank's own routed experts (expert parallel) are described to DCP as
-  shards of the global [E, ...] tensor on the ("ep", "edp") mesh, so a checkpoint saved at one world size, ep
-  or dp loads at another. Beside it `config.json` (the model's Hugging Face config), `trainer.pt` (rank 0:
-  the trainer state plus the mesh dims as "world") and `rng/rank-00000.pt` (each rank's RNG state and, for an
-  optimizer with quantised moments, those moments as the rank keeps them: `exact_moments`); `genomelm
-  eval` reads the model from `state/` (`load_sharded_model`), and after the last step the run may add
-  `model/`, the Hugging Face layout (`genomelm.parallel.export`, setting `export_final`).
+  rows of the global [E, ...] tensor in expert order (`expert_rows`), so a checkpoint saved at one world
+  size, ep, dp or placement of the experts loads at another. Beside it `config.json` (the model's Hugging
+  Face config), `trainer.pt` (rank 0: the trainer state plus the mesh dims as "world") and
+  `rng/rank-00000.pt` (each rank's RNG state and, for an optimizer with quantised moments, those moments as
+  the rank keeps them: `exact_moments`); `genomelm eval` reads the model from `state/`
+  (`load_sharded_model`), and after the last step the run may add `model/`, the Hugging Face layout
+  (`genomelm.parallel.export`, setting `export_final`).
 A step folder is complete when it holds `trainer.pt` and `model/config.json` or `state/.metadata`.
 
 Every write goes to a temporary `.tmp-step-*` folder (one process: suffixed with its pid; sharded: one name,
@@ -52,12 +53,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from genomelm.data.errors import space_checked
 from genomelm.model.checkpoint import CONFIG_FILE, hf_config_dict, save_model
 
-from .expert import expert_shard
+from .expert import ExpertShard, expert_shard
+from .expert_rows import ExpertRows, expert_rows
 from .mesh import Mesh
 
 CHECKPOINTS_DIR = "checkpoints"  # in the run folder
@@ -208,19 +210,19 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def exact_moments(optimizer: torch.optim.Optimizer, world: dict[str, int]) -> dict[str, Any]:
+def exact_moments(optimizer: torch.optim.Optimizer, world: dict[str, Any]) -> dict[str, Any]:
     """{"exact_moments": ...} for an optimizer whose state dict does not give its quantised moments back
-    exactly (`genomelm.train.lowbit.LowBitAdamW.exact_state`), with the mesh dims it holds them for (`world`;
-    {} in one process); {} for any other."""
+    exactly (`genomelm.train.lowbit.LowBitAdamW.exact_state`), with the layout it holds them for (`world`: the
+    mesh dims and any placement of the experts; {} in one process); {} for any other."""
     exact = getattr(optimizer, "exact_state", None)
     return {"exact_moments": {"world": world, "state": exact()}} if exact is not None else {}
 
 
 def load_exact_moments(
-    optimizer: torch.optim.Optimizer, saved: dict[str, Any], world: dict[str, int]
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any], world: dict[str, Any]
 ) -> None:
-    """After the optimizer's state dict is loaded: put back `exact_moments` that `saved` holds for these
-    mesh dims (another layout keeps the state dict's requantised moments)."""
+    """After the optimizer's state dict is loaded: put back `exact_moments` that `saved` holds for this
+    layout (another layout keeps the state dict's requantised moments)."""
     exact = saved.get("exact_moments")
     if exact is not None and exact["world"] == world and hasattr(optimizer, "load_exact_state"):
         optimizer.load_exact_state(exact["state"])
@@ -452,7 +454,7 @@ class Checkpointer:
             with dcp_failures():
                 dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
             mine = [tmp / RNG_DIR / f"rank-{rank:05d}.pt", *(tmp / STATE_DIR).glob(f"__{rank}_*.distcp")]
-            torch.save(rng_state() | exact_moments(optimizer, mesh.dims.__dict__), mine[0])
+            torch.save(rng_state() | exact_moments(optimizer, _held_layout(model, mesh)), mine[0])
             if rank == 0:
                 config = hf_config_dict(model.config, torch.float32)
                 (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -485,17 +487,12 @@ class Checkpointer:
         }
         with dcp_failures():
             dcp.load(seen, checkpoint_id=step_dir / STATE_DIR, no_dist=mesh is None)
-        shapes = _expert_shapes(model) if mesh is not None else {}
-        for name in shapes:  # the global views alias the local rows; copy in case a view was not in place
-            _local(model_state[name]).copy_(seen["model"][name].to_local())
-            for key, value in optim_state["state"].get(name, {}).items():
-                if isinstance(value, Tensor) and value.ndim:
-                    _local(value).copy_(seen["optimizer"]["state"][name][key].to_local())
-        for name, value in seen["model"].items():
-            if name not in shapes:
+        layouts = _expert_layouts(model) if mesh is not None else {}
+        for name, value in seen["model"].items():  # the expert views read into the local rows in place
+            if name not in layouts:
                 model_state[name] = value
         for name, entry in seen["optimizer"]["state"].items():
-            if name not in shapes:
+            if name not in layouts:
                 optim_state["state"][name] = entry
         set_model_state_dict(model, model_state)
         set_optimizer_state_dict(model, optimizer, optim_state)
@@ -506,54 +503,59 @@ class Checkpointer:
         own = torch.load(rng, weights_only=False)
         set_rng_state(own)
         if mesh is not None:
-            load_exact_moments(optimizer, own, mesh.dims.__dict__)
+            load_exact_moments(optimizer, own, _held_layout(model, mesh))
 
 
 # --------------------------------------------------------------------------- DCP's view of a sharded model
-def _expert_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Global shapes [E, ...] of the expert-parallel parameters, by state-dict name."""
-    shapes = {}
+def _expert_layouts(model: nn.Module) -> dict[str, ExpertShard]:
+    """The expert-parallel parameters' shards (which expert each slot holds), by state-dict name."""
+    layouts = {}
     for name, module in model.named_modules():
         shard = expert_shard(module)
         if shard is not None:
-            for param_name, param in module.named_parameters(recurse=False):
-                shapes[f"{name}.{param_name}"] = (shard.num_experts, *param.shape[1:])
-    return shapes
+            for param_name, _ in module.named_parameters(recurse=False):
+                layouts[f"{name}.{param_name}"] = shard
+    return layouts
 
 
-def _as_global(value: Tensor, shape: tuple[int, ...], mesh: Mesh) -> DTensor:
-    """A rank's expert rows (its own experts; FSDP's share of them when sharded) as a DTensor of the global
-    shape on the ("ep", "edp") mesh. Shares storage with `value`, so DCP reads into it in place."""
-    sharded = isinstance(value, DTensor)
-    local = value.to_local() if sharded else value
-    placements = [Shard(0), Shard(0) if sharded else Replicate()]
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        local, mesh.expert_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
-    )
+def _held_layout(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
+    """What this rank's optimizer state is laid out by: the mesh dims and, where an `Experts` module's
+    experts are placed by load, the experts of this rank's slots."""
+    placed = {
+        name: list(shard.local_experts)
+        for name, shard in _expert_layouts(model).items()
+        if shard.slot_of_expert is not None
+    }
+    return mesh.dims.__dict__ | ({"experts": placed} if placed else {})
+
+
+def _as_global(value: Tensor, shard: ExpertShard) -> ExpertRows:
+    """A rank's expert rows (the experts of its slots; FSDP's share of them when sharded) as rows of the
+    global [E, ...] tensor in expert order. Shares storage with `value`, so DCP reads into it in place."""
+    return expert_rows(value, shard.local_experts, shard.num_experts)
 
 
 def _model_view(
     model: nn.Module, mesh: Mesh | None
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple]]:
-    """(model state, what DCP sees of it, the expert shapes): the expert entries seen as global DTensors."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, ExpertShard]]:
+    """(model state, what DCP sees of it, the expert layouts): the expert entries seen in expert order."""
     model_state = get_model_state_dict(model)
-    shapes = _expert_shapes(model) if mesh is not None else {}
-    seen = {k: _as_global(v, shapes[k], mesh) if k in shapes else v for k, v in model_state.items()}
-    return model_state, seen, shapes
+    layouts = _expert_layouts(model) if mesh is not None else {}
+    seen = {k: _as_global(v, layouts[k]) if k in layouts else v for k, v in model_state.items()}
+    return model_state, seen, layouts
 
 
 def _described(
     model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh | None
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(model state, optimizer state, what DCP sees): the last with the expert entries as global DTensors."""
-    model_state, seen_model, shapes = _model_view(model, mesh)
+    """(model state, optimizer state, what DCP sees): the last with the expert entries in expert order."""
+    model_state, seen_model, layouts = _model_view(model, mesh)
     optim_state = get_optimizer_state_dict(model, optimizer)
     seen_state = {}
     for name, entry in optim_state["state"].items():
-        if name in shapes:
+        if name in layouts:
             entry = {
-                k: _as_global(v, shapes[name], mesh) if isinstance(v, Tensor) and v.ndim else v
+                k: _as_global(v, layouts[name]) if isinstance(v, Tensor) and v.ndim else v
                 for k, v in entry.items()
             }
         seen_state[name] = entry
@@ -566,15 +568,13 @@ def load_sharded_model(step_dir: Path, model: nn.Module, mesh: Mesh | None) -> N
     """Fill `model` (split over this run's mesh, or whole in one process: mesh None) with the weights of the
     sharded checkpoint `step_dir`, saved at any world size; the optimizer state is not read. Each rank reads
     only its shard (DCP reads the blocks a rank's DTensors hold), cast to the model's dtypes as read."""
-    model_state, seen, shapes = _model_view(model, mesh)
+    model_state, seen, layouts = _model_view(model, mesh)
     with warnings.catch_warnings():  # one process reading a checkpoint many wrote is what `mesh=None` asks
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         with dcp_failures():
             dcp.load({"model": seen}, checkpoint_id=Path(step_dir) / STATE_DIR, no_dist=mesh is None)
     for name, value in seen.items():
-        if name in shapes:  # the global views alias the local rows; copy in case a view was not in place
-            _local(model_state[name]).copy_(value.to_local())
-        else:
+        if name not in layouts:  # the expert views read into the local rows in place
             model_state[name] = value
     set_model_state_dict(model, model_state)
 

@@ -53,7 +53,7 @@ deep-copied; its state dict holds only the local slice.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,7 @@ from genomelm.model.moe import Experts
 from genomelm.model.precision import compute_dtype
 
 from .exchange import all_gather_slots
+from .placement import Placement, static_placement
 
 ROUTE_NOTE = " + expert parallel"  # appended to the parent MoE module's `route`
 SHARD_ATTRIBUTE = "expert_shard"  # the `Experts` attribute holding its `ExpertShard`
@@ -108,7 +109,7 @@ class ExpertShard:
     ep: int
     rank: int
     num_experts: int  # E, over the whole group
-    local_experts: range
+    local_experts: tuple[int, ...]  # the global id of the expert in each of this rank's slots
     capacity_factor: float = 8.0  # <= 0: no limit (see `apply_expert_parallel`)
     name: str = ""  # the module's name in the model, for messages
     overlap: bool = True  # exchanges started ahead and waited for late (see `apply_expert_parallel`)
@@ -124,6 +125,9 @@ class ExpertShard:
     )
     # chunk index -> its dispatch, started while the chunk before it computed (`overlap`)
     in_flight: dict[int, InFlight] = field(default_factory=dict, compare=False, repr=False)
+    # expert -> its slot over the group (owner rank x experts per rank + slot); None: the static blocks,
+    # where the slot is the expert itself
+    slot_of_expert: Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def split(
@@ -135,15 +139,30 @@ class ExpertShard:
         capacity_factor: float,
         name: str,
         overlap: bool = True,
+        placement: Placement | None = None,
     ) -> ExpertShard:
-        """Rank `rank` of `ep`: experts [rank*E/ep, (rank+1)*E/ep)."""
-        per_rank = num_experts // ep
-        held = range(rank * per_rank, (rank + 1) * per_rank)
-        return cls(group, ep, rank, num_experts, held, capacity_factor, name, overlap)
+        """Rank `rank` of `ep`: the experts of its slots in `placement` (a permutation of the experts over the
+        ranks, `Placement.check_permutation`), or without one the static block [rank*E/ep, (rank+1)*E/ep)."""
+        placement = placement or static_placement(num_experts, ep)
+        slots = placement.check_permutation(num_experts, ep)
+        static = slots == list(range(num_experts))
+        slot_of_expert = None if static else torch.tensor(slots)
+        shard = cls(group, ep, rank, num_experts, placement.slots[rank], capacity_factor, name, overlap)
+        shard.slot_of_expert = slot_of_expert
+        return shard
 
     @property
     def per_rank(self) -> int:
         return len(self.local_experts)
+
+    def slot_ids(self, expert_ids: Tensor) -> Tensor:
+        """expert_ids [T, k] (global) -> the slot over the group that computes each pair [T, k]: what the
+        exchange sorts and counts by (owner rank first)."""
+        if self.slot_of_expert is None:
+            return expert_ids
+        if self.slot_of_expert.device != expert_ids.device:
+            self.slot_of_expert = self.slot_of_expert.to(expert_ids.device)
+        return self.slot_of_expert[expert_ids]
 
 
 def expert_shard(module: nn.Module) -> ExpertShard | None:
@@ -296,7 +315,7 @@ def plan_expert_chunks(
     if recompute and not ahead:
         return
     with torch.no_grad():
-        chunk_ids = route()
+        chunk_ids = [settings.slot_ids(ids) for ids in route()]
     if recompute:
         sizes = [settings.kept_sizes.get(index) for index in range(len(chunk_ids))]
         if any(kept is None or kept[0] != ids.numel() for kept, ids in zip(sizes, chunk_ids)):
@@ -314,11 +333,12 @@ def plan_expert_chunks(
         _start_dispatch(settings, 0)
 
 
-def _by_expert(x: Tensor, expert_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """x [T, D], expert_ids [T, k] -> (order [T*k]: the (token, expert) pairs sorted by global expert, the
-    token of each sorted pair [T*k], x's rows in that order in the compute dtype [T*k, D])."""
-    order = torch.argsort(expert_ids.reshape(-1), stable=True)
-    token_of_pair = order // expert_ids.shape[1]
+def _by_slot(x: Tensor, slot_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x [T, D], slot_ids [T, k] (`ExpertShard.slot_ids`) -> (order [T*k]: the (token, expert) pairs sorted
+    by slot over the group, so by owner rank, the token of each sorted pair [T*k], x's rows in that order in
+    the compute dtype [T*k, D])."""
+    order = torch.argsort(slot_ids.reshape(-1), stable=True)
+    token_of_pair = order // slot_ids.shape[1]
     return order, token_of_pair, x[token_of_pair].to(compute_dtype(x))
 
 
@@ -333,10 +353,10 @@ def _start_dispatch(settings: ExpertShard, index: int) -> None:
     planned = settings.planned_rows.pop(index, None)
     if planned is None:
         return
-    x, expert_ids, rows_between = planned
+    x, slot_ids, rows_between = planned
     send, recv = _send_recv(settings, rows_between)
     with torch.no_grad():
-        rows = _by_expert(x, expert_ids)[2]
+        rows = _by_slot(x, slot_ids)[2]
     settings.in_flight[index] = start_exchange(rows, send, recv, settings.group)
 
 
@@ -362,6 +382,7 @@ def expert_parallel_forward(
     """
     per_rank = settings.per_rank
     counts = torch.bincount(expert_ids.reshape(-1), minlength=settings.num_experts)
+    slot_ids = settings.slot_ids(expert_ids)
     # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
     recompute, index = _in_recompute(), module.chunk_index
     kept = settings.kept_sizes.get(index) if recompute else settings.planned_sizes.pop(index, None)
@@ -369,13 +390,14 @@ def expert_parallel_forward(
     if kept is None or kept[0] != expert_ids.numel():  # not planned by the MoE (the experts called alone)
         if in_flight is not None:
             raise RuntimeError(f"{settings.name}: chunk {index} was dispatched ahead with other sizes")
-        kept = (expert_ids.numel(), *_exchange_sizes(settings, counts.unsqueeze(0))[0])
+        per_slot = torch.bincount(slot_ids.reshape(-1), minlength=settings.num_experts)
+        kept = (expert_ids.numel(), *_exchange_sizes(settings, per_slot.unsqueeze(0))[0])
     _, matrix, rows_between = kept
     if not recompute:
         settings.kept_sizes[index] = kept
     send, recv = _send_recv(settings, rows_between)
 
-    order, token_of_pair, x_sorted = _by_expert(x, expert_ids)  # by global expert = by owner, then expert
+    order, token_of_pair, x_sorted = _by_slot(x, slot_ids)  # by owner rank, then its slot
     received = all_to_all_rows(x_sorted, send, recv, settings.group, in_flight)  # by source, then expert
     _start_dispatch(settings, index + 1)  # in flight while this chunk's experts compute
     here = matrix[:, settings.rank]  # [src, local expert]
@@ -412,10 +434,16 @@ def expert_parallel_forward(
 
 
 def apply_expert_parallel(
-    model: nn.Module, group: dist.ProcessGroup, capacity_factor: float = 8.0, overlap: bool = True
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    capacity_factor: float = 8.0,
+    overlap: bool = True,
+    placements: Mapping[str, Placement] | None = None,
 ) -> list[str]:
     """Each rank of `group` (size ep) keeps experts [r*E/ep, (r+1)*E/ep) of every `Experts` module in `model`
-    and runs them for the whole group (see the module docstring).
+    and runs them for the whole group (see the module docstring); or, for a module named in `placements`, the
+    experts of its slots there (a permutation of the experts over the ranks, e.g. by load:
+    `genomelm.parallel.placement.balanced_placement`), with the same results to within fp32 summation order.
 
     Every rank must have built the same full model first (the slices come from the weights in the module).
     `capacity_factor`: the most rows one rank may receive in one exchange, as a multiple of the mean over the
@@ -425,7 +453,12 @@ def apply_expert_parallel(
     group size only updates the settings. Returns the names of the modules changed.
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    placements = placements or {}
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+    unknown = sorted(set(placements) - {name for name, _ in modules})
+    if unknown:
+        raise ValueError(f"placements name modules that are not routed experts of the model: {unknown}")
+    shards = {}
     for name, module in modules:  # all checked before any is changed
         num_experts = module.num_experts
         if num_experts % ep:
@@ -434,21 +467,23 @@ def apply_expert_parallel(
                 f"{name or 'the model'} has E={num_experts} routed experts, which do not split over ep={ep} "
                 f"ranks; ep must divide {num_experts}: one of {divisors}"
             )
+        label = name or type(module).__name__
+        shards[name] = ExpertShard.split(
+            group, ep, rank, num_experts, capacity_factor, label, overlap, placements.get(name)
+        )
     changed = []
     for name, module in modules:
-        settings = ExpertShard.split(
-            group, ep, rank, module.num_experts, capacity_factor, name or type(module).__name__, overlap
-        )
+        settings = shards[name]
         previous = expert_shard(module)
         if previous is None:
-            stop, start = settings.local_experts.stop, settings.local_experts.start
+            held = settings.local_experts  # rows taken one by one: no index tensor, so any device or mode
             with torch.no_grad():  # new leaves: the full weights' storage is freed once the old ones go
-                module.gate_up_proj = nn.Parameter(module.gate_up_proj[start:stop].clone())
-                module.down_proj = nn.Parameter(module.down_proj[start:stop].clone())
-        elif (previous.ep, previous.rank) != (ep, rank):
+                module.gate_up_proj = nn.Parameter(torch.stack([module.gate_up_proj[e] for e in held]))
+                module.down_proj = nn.Parameter(torch.stack([module.down_proj[e] for e in held]))
+        elif (previous.ep, previous.rank, previous.local_experts) != (ep, rank, settings.local_experts):
             raise ValueError(
                 f"{name} already runs expert parallel as rank {previous.rank} of {previous.ep}; it holds "
-                f"only those experts, so it cannot be re-split as rank {rank} of {ep}"
+                f"only those experts, so it cannot be re-split as rank {rank} of {ep} or re-placed"
             )
         else:
             settings.received_tokens = previous.received_tokens

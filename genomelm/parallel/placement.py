@@ -41,6 +41,23 @@ class Placement:
             raise ValueError(f"expert {copies.index(0)} has no slot on any rank")
         return [sum(load[e] / copies[e] for e in rank) for rank in self.slots]
 
+    def check_permutation(self, experts: int, ep: int) -> list[int]:
+        """Each expert's slot over the ranks (rank x experts / ep + its place there), after raising
+        ValueError unless this places each of `experts` experts exactly once, experts / ep on each of `ep`
+        ranks (what expert-parallel training runs: no replicas)."""
+        per_rank = experts // ep
+        if self.ep != ep or any(len(rank) != per_rank for rank in self.slots):
+            shape = [len(rank) for rank in self.slots]
+            raise ValueError(
+                f"a placement of {experts} experts on ep={ep} needs {per_rank} per rank, not {shape}"
+            )
+        slot_of = [-1] * experts
+        for slot, expert in enumerate(e for rank in self.slots for e in rank):
+            if not 0 <= expert < experts or slot_of[expert] >= 0:
+                raise ValueError(f"expert {expert} is placed twice or is not one of the {experts} experts")
+            slot_of[expert] = slot
+        return slot_of
+
     def busiest_over_mean(self, load: Sequence[float]) -> float:
         """The busiest rank's tokens over the mean rank's: what sets the MoE layers' step time."""
         per_rank = self.rank_loads(load)

@@ -20,6 +20,7 @@ with a divide factor of 1; without it, one packed all-reduce per group (`reduce_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from .expert import apply_expert_parallel, expert_parallel_parameters, received_
 from .fsdp import shard_model
 from .layout import ZIGZAG, ContextLayout, segments_of
 from .mesh import Mesh, ParallelDims
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -139,16 +141,18 @@ class ParallelRun:
         capacity_factor: float,
         optimizer_offload: bool = False,
         overlap: bool = True,
+        placements: Mapping[str, Placement] | None = None,
     ) -> None:
         """Split `model` over the mesh in place: context parallel over the cp group, expert parallel over the
         ep group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs),
         with fp32 gradient reduction; None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU
         offload (sharded fp32 parameters, gradients and AdamW state in pinned host memory; the step runs on
-        the CPU). `overlap`: the expert exchanges started ahead (`apply_expert_parallel`)."""
+        the CPU). `overlap`: the expert exchanges started ahead; `placements`: where the experts of the
+        `Experts` modules they name live (`apply_expert_parallel`)."""
         if self.context is not None:
             apply_context_parallel(model, self.context.group, self.context.kind)
         if self.dims.ep > 1:
-            apply_expert_parallel(model, self.mesh.ep_group, capacity_factor, overlap)
+            apply_expert_parallel(model, self.mesh.ep_group, capacity_factor, overlap, placements)
         if optimizer_offload and not self.fsdp:
             raise ValueError("optimizer_offload=true needs fsdp=true (FSDP2 keeps the host copy)")
         if self.fsdp:

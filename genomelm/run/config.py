@@ -48,6 +48,7 @@ from genomelm.run.precision import PRECISIONS
 
 CP_LAYOUTS = ("zigzag", "contiguous")
 LAUNCHERS = ("local", "ray", "env")
+EXPERT_PLACEMENTS = ("static", "balanced")
 WANDB_MODES = ("offline", "online", "disabled")
 GPU_KINDS = ("b200", "h200")
 PLAN_DEVICES = ("auto", "cpu", "cuda")
@@ -163,6 +164,10 @@ class ParallelConfig:
     # start each expert exchange ahead of the work that needs it (the next chunk's dispatch during this
     # chunk's expert GEMMs, the combine during the shared expert); false: every exchange blocks (same results)
     ep_overlap: bool = True
+    # "static": rank r holds the block of experts [r E/ep, (r+1) E/ep); "balanced": each MoE layer's experts
+    # placed at start and at each resume to even the ranks' rows by the run's routed load so far
+    # (runs/<run>/expert_placement.json; static until the run has a load)
+    expert_placement: str = "static"
     # "local" (processes on this machine), "ray" (Ray Train workers) or "env" (torchrun or srun started
     # this process as one rank: `genomelm.run.env_launch`)
     launcher: str = "local"
@@ -178,6 +183,7 @@ class ParallelConfig:
         ParallelDims(self.dp, self.cp, self.ep).check()  # the model's expert count is checked at launch
         _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
         _check_choice("launcher", self.launcher, LAUNCHERS)
+        _check_choice("expert_placement", self.expert_placement, EXPERT_PLACEMENTS)
         _require(
             self.ep_capacity_factor > 1,
             f"ep_capacity_factor={self.ep_capacity_factor}: give a multiple of the mean (> 1)",

@@ -25,6 +25,7 @@ from genomelm.run.config import TrainConfig
 
 HELDOUT_LOSS = "heldout/loss"
 EXPERT_LOAD_FILE = "expert_load.json"  # tokens routed per expert and MoE layer (`genomelm.train.balance`)
+EXPERT_PLACEMENT_FILE = "expert_placement.json"  # the experts' placement by load (`genomelm.train.balance`)
 SPACE_ADVICE = (
     "the run's newest checkpoint is intact: free space, and the same command continues (resume=auto)"
 )

@@ -1,23 +1,29 @@
-"""Auxiliary-loss-free expert load balancing (DeepSeek-V3): after each optimizer step, each MoE layer's
+"""The routed load per expert, and what a run does with it.
+
+Auxiliary-loss-free expert load balancing (DeepSeek-V3): after each optimizer step, each MoE layer's
 `e_score_correction_bias` moves by `speed` towards balance: up for experts that got fewer tokens than the mean
 over the step, down for those that got more. The bias steers only which experts are chosen, never their
 weights.
 
 Counts are summed over the step's micro-batches, from each forward's router statistics read once (an
-activation recompute routes the same tokens again and is not counted twice).
+activation recompute routes the same tokens again and is not counted twice). Their totals since the run's
+first step (`RoutedTotals`) place the experts over the expert-parallel ranks at start and at each resume
+(`expert_placements`, `expert_placement=balanced`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from genomelm.data.errors import space_checked
-from genomelm.run.metrics import EXPERT_LOAD_FILE, SPACE_ADVICE
+from genomelm.parallel.placement import Placement, balanced_placement, static_placement
+from genomelm.run.metrics import EXPERT_LOAD_FILE, EXPERT_PLACEMENT_FILE, SPACE_ADVICE
 
 
 class ExpertLoad:
@@ -67,15 +73,58 @@ class RoutedTotals:
 
     def write(self, run_dir: Path, step: int) -> None:
         """`expert_load.json` as of optimizer step `step` (temporary name, renamed into place)."""
-        path = Path(run_dir) / EXPERT_LOAD_FILE
-        tmp = path.with_name(f".{path.name}.tmp")
         text = json.dumps({"through_step": step, **self.state()}) + "\n"
-        with space_checked(path, len(text), "the routed load per expert", SPACE_ADVICE):
-            try:
-                tmp.write_text(text)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+        _write_in_place(Path(run_dir) / EXPERT_LOAD_FILE, text, "the routed load per expert")
+
+
+def _write_in_place(path: Path, text: str, what: str) -> None:
+    """`text` to `path` under a temporary name, renamed into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with space_checked(path, len(text), what, SPACE_ADVICE):
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class PlacedLayer:
+    """One MoE layer's placement by load, and the busiest EP rank's rows over the mean rank's under the
+    static blocks and under it (for that load)."""
+
+    placement: Placement
+    static: float
+    placed: float
+
+
+def expert_placements(routed: dict | None, experts: int, ep: int) -> dict[int, PlacedLayer]:
+    """Each MoE layer's experts placed over `ep` ranks by the routed totals `routed` (`RoutedTotals.state()`
+    of the checkpoint a run resumes from; None or no steps yet: {}, the static blocks) so that the busiest
+    rank gets the fewest rows (`balanced_placement`: a permutation, no replicas); by MoE layer index."""
+    if routed is None or not routed.get("steps") or ep == 1:
+        return {}
+    placed = {}
+    for layer, counts in sorted(routed["counts"].items(), key=lambda item: int(item[0])):
+        placement = balanced_placement(counts, ep)
+        static = static_placement(experts, ep).busiest_over_mean(counts)
+        placed[int(layer)] = PlacedLayer(placement, static, placement.busiest_over_mean(counts))
+    return placed
+
+
+def write_placements(run_dir: Path, placed: dict[int, PlacedLayer], ep: int, through_step: int) -> None:
+    """`expert_placement.json`: the run's placement (rank -> its experts, slot by slot, per MoE layer) and
+    each layer's busiest/mean before and after it (temporary name, renamed into place)."""
+    layers = {
+        str(layer): {
+            "slots": [list(rank) for rank in p.placement.slots],
+            "static": p.static,
+            "placed": p.placed,
+        }
+        for layer, p in placed.items()
+    }
+    text = json.dumps({"ep": ep, "load_through_step": through_step, "layers": layers}) + "\n"
+    _write_in_place(Path(run_dir) / EXPERT_PLACEMENT_FILE, text, "the placement of the experts")
 
 
 @torch.no_grad()

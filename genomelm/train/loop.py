@@ -31,11 +31,17 @@ from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ParallelRun
 from genomelm.run.config import TrainConfig
-from genomelm.run.metrics import HELDOUT_LOSS, MetricsLog, device_peak_gb, host_memory_gb
+from genomelm.run.metrics import (
+    EXPERT_PLACEMENT_FILE,
+    HELDOUT_LOSS,
+    MetricsLog,
+    device_peak_gb,
+    host_memory_gb,
+)
 from genomelm.run.models import device_rows, model_config_of, run_device
 from genomelm.run.precision import fsdp_param_dtype
 from genomelm.run.stop import StopCheck
-from genomelm.train.balance import RoutedTotals
+from genomelm.train.balance import PlacedLayer, RoutedTotals, expert_placements, write_placements
 from genomelm.train.faults import inject_fault
 from genomelm.train.feed import TrainingData, Window
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
@@ -169,7 +175,8 @@ def build_run(config: TrainConfig) -> Run:
     dims.check(model_config.n_routed_experts if MOE in model_config.mlp_layer_types else None)
     identity = run_identity(config, data.manifest)
     resume_from, state = resume_state(config, checkpointer, identity, parallel)
-    model = build_model(config, model_config, device, parallel, resume_from, checkpointer)
+    placed = placed_by_load(config, model_config, state, parallel)
+    model = build_model(config, model_config, device, parallel, resume_from, checkpointer, placed)
     runner = LayerRunner.for_memory(config.memory)
     optimizer = make_optimizer(model, config.optim, device, sharded=parallel is not None and parallel.fsdp)
     step = TrainStep.for_run(config, model, optimizer, runner, parallel, device)
@@ -209,9 +216,11 @@ def build_model(
     parallel: ParallelRun | None,
     resume_from: Path | None,
     checkpointer: Checkpointer,
+    placed: dict[int, PlacedLayer] | None = None,
 ) -> GlmForCausalLM:
     """The model to train, split over the mesh when there is one. Under FSDP each rank builds it empty and
-    reads only its own shard of the weights (from the model folder, or later from a sharded checkpoint)."""
+    reads only its own shard of the weights (from the model folder, or later from a sharded checkpoint).
+    `placed`: MoE layer index -> where its experts live over the ep ranks (others: the static blocks)."""
     sharded_resume = resume_from is not None and checkpointer.is_sharded(resume_from)
     source = str(resume_from / "model") if resume_from is not None and not sharded_resume else config.model
     shard_read = parallel is not None and parallel.fsdp and not is_preset(source)
@@ -245,6 +254,7 @@ def build_model(
             config.parallel.ep_capacity_factor,
             config.parallel.optimizer_offload,
             config.parallel.ep_overlap,
+            {_experts_name(model, layer): p.placement for layer, p in (placed or {}).items()},
         )
         if shard_read:
             model.to_empty(device=device)
@@ -252,6 +262,36 @@ def build_model(
                 load_rank_shard(model, source)
     model.train()
     return model
+
+
+def placed_by_load(
+    config: TrainConfig, model_config: ModelConfig, state: dict[str, Any] | None, parallel: ParallelRun | None
+) -> dict[int, PlacedLayer]:
+    """With `expert_placement=balanced` and a routed load to go by (a resume): each MoE layer's experts placed
+    by it, the same on every rank (the same checkpoint); the output rank writes the placement to the run
+    folder and says what it gains. Else {}: the static blocks."""
+    ep = config.parallel.ep
+    if config.parallel.expert_placement != "balanced" or state is None:
+        return {}
+    placed = expert_placements(state.get("routed"), model_config.n_routed_experts, ep)
+    if placed and (parallel is None or parallel.is_output_rank):
+        write_placements(config.run_dir, placed, ep, state["step"])
+        static, balanced = (
+            sum(getattr(p, k) for p in placed.values()) / len(placed) for k in ("static", "placed")
+        )
+        print(
+            f"experts placed by the routed load of steps 1-{state['step']}: the busiest rank's rows over the "
+            f"mean {static:.2f} -> {balanced:.2f} (mean over {len(placed)} MoE layers; runs/{config.run}/"
+            f"{EXPERT_PLACEMENT_FILE})",
+            flush=True,
+        )
+    return placed
+
+
+def _experts_name(model: GlmForCausalLM, layer: int) -> str:
+    """The module name of MoE layer `layer`'s routed experts."""
+    experts = model.layers[layer].mlp.experts
+    return next(name for name, module in model.named_modules() if module is experts)
 
 
 # ------------------------------------------------------------------------------------------------- resume
