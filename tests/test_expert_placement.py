@@ -121,3 +121,46 @@ def test_the_balance_benchmark_reads_a_runs_logged_load(tmp_path: Path) -> None:
     assert rows[1]["placed"] == pytest.approx((8 + 2) / (4 + 2))  # the 8 alone sets it
     # ep=8: one expert a rank, nothing to move
     assert rows[2]["static"] == rows[2]["placed"] == pytest.approx((8 + 1) / (2 + 1))
+
+
+def test_a_placement_training_runs_is_a_permutation_in_slots() -> None:
+    """`check_permutation`: each expert's slot over the ranks (rank x experts per rank + its place there)."""
+    assert Placement(((3, 0), (1, 2))).check_permutation(4, 2) == [1, 2, 3, 0]
+    assert static_placement(8, 4).check_permutation(8, 4) == list(range(8))
+    with pytest.raises(ValueError, match="needs 2 per rank"):
+        Placement(((0, 1, 2), (3,))).check_permutation(4, 2)
+    with pytest.raises(ValueError, match="expert 1 is placed twice"):
+        Placement(((0, 1), (1, 2))).check_permutation(4, 2)
+    with pytest.raises(ValueError, match="expert 4 is placed twice or is not one of the 4"):
+        Placement(((0, 1), (2, 4))).check_permutation(4, 2)
+
+
+def test_a_ranks_expert_rows_are_described_as_runs_of_consecutive_experts() -> None:
+    """What DCP is told of a rank's rows (`genomelm.parallel.expert_rows`): a chunk of the [E, ...] tensor per
+    run of consecutive experts, each a view of the local rows."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from genomelm.parallel.expert_rows import ExpertRows, expert_runs
+
+    assert expert_runs([3, 4, 5, 0, 1, 7]) == [(0, 3, 3), (3, 0, 2), (5, 7, 1)]
+    assert expert_runs(range(4, 8)) == [(0, 4, 4)]  # the static block: one chunk, as a DTensor's
+    local = torch.arange(4 * 3.0).view(4, 3)
+    rows = ExpertRows(local, [6, 7, 0, 2], 8)
+    assert rows.shape == (8, 3)
+    chunks = rows.__create_chunk_list__()
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [
+        ((6, 0), (2, 3)),
+        ((0, 0), (1, 3)),
+        ((2, 0), (1, 3)),
+    ]
+    items = rows.__create_write_items__("w", rows)
+    assert [tuple(i.index.offset) for i in items] == [(6, 0), (0, 0), (2, 0)]
+    assert all(i.tensor_data.size == (8, 3) for i in items)
+    shard = rows.__get_tensor_shard__(MetadataIndex("w", torch.Size((2, 0))))
+    shard.fill_(-1.0)  # a view: DCP's reads land in the local rows
+    assert local[3].tolist() == [-1.0] * 3
+    with pytest.raises(ValueError, match="no expert rows at"):
+        rows.__get_tensor_shard__(MetadataIndex("w", torch.Size((1, 0))))
+    with pytest.raises(RuntimeError, match="describes a checkpoint's expert rows"):
+        rows + 1

@@ -121,6 +121,15 @@ def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
     )
     assert logged.at_ep(4, 288) == logged and logged.at_ep(16, 8) == logged  # another model; an ep not logged
     assert logged.imbalance == 1.5  # what layouts the load does not describe take
+    # a run that places its experts by load: the imbalance after placement, the static blocks' beside (one
+    # layer: static blocks [4+3 | 2+1 | 0 | 0] at ep=4, 2.8x the mean of 2.5; placed [4 | 3 | 2 | 1], 1.6x)
+    (tmp_path / "r" / "expert_load.json").write_text(
+        json.dumps({"through_step": 2, "steps": 2, "counts": {"1": [4, 3, 2, 1, 0, 0, 0, 0]}})
+    )
+    placed = load_assumptions(config.replace(imbalance=0.0, expert_placement="balanced"))
+    assert placed.placed and placed.at_ep(4, 8).imbalance == pytest.approx(1.6)
+    assert "placed by load at ep=4: 1.60, the static blocks 2.80" in placed.at_ep(4, 8).imbalance_source
+    assert load_assumptions(config.replace(imbalance=0.0)).at_ep(4, 8).imbalance == pytest.approx(2.8)
 
 
 def test_an_unmeasured_run_assumes_a_zipf_load_fitted_to_the_published_4x_at_ep32():
@@ -131,6 +140,11 @@ def test_an_unmeasured_run_assumes_a_zipf_load_fitted_to_the_published_4x_at_ep3
     assert 2.0 < assumed.at_ep(16, 288).imbalance < 4.0
     assert assumed.at_ep(2, 8) == assumed  # 32 does not divide 8 experts: the flat 4x
     assert dataclasses.replace(assumed, load_model=False).at_ep(8, 288).imbalance == 4.0  # set or measured
+    placed = dataclasses.replace(assumed, placed=True).at_ep(8, 288)  # expert_placement=balanced
+    assert (
+        placed.imbalance == pytest.approx(1.0, abs=0.01)
+        and "the static blocks 2.00" in placed.imbalance_source
+    )
 
 
 @pytest.mark.slow

@@ -56,8 +56,11 @@ class Assumptions:
     imbalance: float = ASSUMED_IMBALANCE
     imbalance_source: str = "assumed (4x the mean)"
     trace_tokens: int = PlanConfig.trace_tokens
+    # the run places its experts by load (`expert_placement=balanced`): a logged or modelled load's imbalance
+    # is taken after placement, else under the static blocks (and the placement shown beside)
+    placed: bool = False
     # from a run's expert_load.json (`logged_imbalance`): busiest/mean of the static blocks at each ep, and
-    # what a placement by load would give (shown, not used: training does not place experts yet)
+    # under a placement by load
     logged_experts: int = 0
     logged_static: dict[int, float] = field(default_factory=dict)
     logged_placed: dict[int, float] = field(default_factory=dict)
@@ -72,22 +75,26 @@ class Assumptions:
 
     def at_ep(self, ep: int, experts: int) -> Assumptions:
         """A copy for a layout with `ep` expert-parallel ranks of a model with `experts` routed experts: the
-        imbalance its run's logged load gives there (when that load is of as many experts), else this one."""
-        unused = "not used: training does not place experts yet"
+        imbalance its run's logged load gives there (when that load is of as many experts), else the load
+        model's; under the static blocks, or after placement by load where the run places its experts."""
         if self.logged_experts == experts and ep in self.logged_static:
-            source = (
-                f"measured (expert_load.json, the static blocks at ep={ep}; "
-                f"placed by load {self.logged_placed[ep]:.2f}, {unused})"
-            )
-            return dataclasses.replace(self, imbalance=self.logged_static[ep], imbalance_source=source)
-        if self.load_model and ep > 1 and (model := assumed_load(experts, ep)) is not None:
+            static, placed = self.logged_static[ep], self.logged_placed[ep]
+            source = f"measured (expert_load.json, {self._placement_text(ep, static, placed)})"
+        elif self.load_model and ep > 1 and (model := assumed_load(experts, ep)) is not None:
             exponent, static, placed = model
             source = (
                 f"assumed: a Zipf load (s={exponent:.3f}) whose static blocks give {ASSUMED_IMBALANCE:g}x at "
-                f"ep={PUBLISHED_EP}, as published; at ep={ep} static, placed by load {placed:.2f}, {unused}"
+                f"ep={PUBLISHED_EP}, as published; {self._placement_text(ep, static, placed)}"
             )
-            return dataclasses.replace(self, imbalance=static, imbalance_source=source)
-        return self
+        else:
+            return self
+        imbalance = placed if self.placed else static
+        return dataclasses.replace(self, imbalance=imbalance, imbalance_source=source)
+
+    def _placement_text(self, ep: int, static: float, placed: float) -> str:
+        if self.placed:
+            return f"placed by load at ep={ep}: {placed:.2f}, the static blocks {static:.2f}"
+        return f"the static blocks at ep={ep}; placed by load {placed:.2f} with expert_placement=balanced"
 
 
 @functools.cache
@@ -108,6 +115,7 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
     """Assumptions from the run's `plan` settings and, unless `imbalance` is set, the run's metrics."""
     settings = config.plan
     values: dict[str, Any] = {name: getattr(settings, name) for name in SETTINGS}
+    values["placed"] = config.parallel.expert_placement == "balanced"
     if settings.imbalance > 0:
         values |= {"imbalance": settings.imbalance, "imbalance_source": "set", "load_model": False}
     elif (measured := measured_imbalance(config)) is not None:
