@@ -319,26 +319,47 @@ def test_exchanges_started_ahead_equal_blocking_exchanges(cp_kind: str | None, c
 
 # tiny's 8 experts placed out of order over the two ranks, each rank's own slots out of order too
 PERMUTED = ((7, 0, 5, 2), (1, 6, 3, 4))
+# the same owners, and a copy slot on each rank: rank 0 computes some of expert 1's rows, rank 1 of expert 0's
+WITH_COPIES = ((7, 0, 5, 2, 1), (1, 6, 3, 4, 0))
 
 
-def placed_and_static_rank() -> dict[str, dict[str, Any]]:
+def placed_and_static_rank(slots: tuple, chunk_recompute: bool = False) -> dict[str, dict[str, Any]]:
     """This rank's window through the expert-parallel model with the static blocks and with every MoE layer
-    placed as `PERMUTED`: the loss, the gradients (an expert gradient's rows in its module's slot order) and
-    the experts held."""
-    from genomelm.parallel.expert import apply_expert_parallel, expert_shard
+    placed as `slots` (with `chunk_recompute`, each MoE chunk recomputed on its own as well): the loss, the
+    gradients (an expert gradient's rows in its module's order of owned experts), the experts held and the
+    rows computed here."""
+    from genomelm.parallel.expert import apply_expert_parallel, expert_shard, received_tokens
     from genomelm.parallel.placement import Placement
+    from genomelm.train.memory import set_chunk_recompute
 
     out = {}
     for placed in (False, True):
         model = build(skew=False)
+        set_chunk_recompute(model, chunk_recompute)
         names = [n for n, m in model.named_modules() if isinstance(m, Experts)]
-        placements = {name: Placement(PERMUTED) for name in names} if placed else None
+        placements = {name: Placement(slots) for name in names} if placed else None
         apply_expert_parallel(model, dist.group.WORLD, placements=placements)
         loss = run_step(model, fly_rows(LENGTH, dist.get_rank()), None, False)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         held = {name: expert_shard(model.get_submodule(name)).local_experts for name in names}
-        out["placed" if placed else "static"] = {"loss": loss, "grads": grads, "held": held}
+        owned = {name: expert_shard(model.get_submodule(name)).owned_experts for name in names}
+        rows = received_tokens(model)
+        out["placed" if placed else "static"] = {
+            "loss": loss,
+            "grads": grads,
+            "held": held,
+            "owned": owned,
+            "rows": rows,
+        }
     return out
+
+
+def expert_gradients_in_expert_order(results: list[dict], kind: str, name: str) -> torch.Tensor:
+    """The whole [E, ...] gradient of expert parameter `name`, put together from every rank's owned rows."""
+    module = name.rpartition(".")[0]
+    grads = torch.cat([r[kind]["grads"][name] for r in results])
+    order = [e for r in results for e in r[kind]["owned"][module]]
+    return grads[torch.argsort(torch.tensor(order))]
 
 
 def test_experts_placed_out_of_order_equal_the_static_blocks() -> None:
@@ -346,21 +367,48 @@ def test_experts_placed_out_of_order_equal_the_static_blocks() -> None:
     the static blocks' bit for bit, each expert's gradient found on the rank and in the slot that holds it
     (the same rows meet the same experts in the same order; a token's two results are added in the other
     order, and two fp32 terms add the same either way)."""
-    results = launch(placed_and_static_rank, EP, timeout_s=TIMEOUT_S)
+    results = launch(placed_and_static_rank, EP, PERMUTED, timeout_s=TIMEOUT_S)
     for rank, result in enumerate(results):
         static, placed = result["static"], result["placed"]
-        assert set(placed["held"].values()) == {PERMUTED[rank]}
+        assert set(placed["held"].values()) == set(placed["owned"].values()) == {PERMUTED[rank]}
         assert torch.equal(static["loss"], placed["loss"])
         for name, grad in static["grads"].items():
             if not name.endswith(EXPERT_PARAMS):
                 assert torch.equal(grad, placed["grads"][name]), name
     for name in results[0]["static"]["grads"]:
-        if name.endswith(EXPERT_PARAMS):  # the whole [E, ...] gradient, put together in expert order
-            module = name.rpartition(".")[0]
-            static = torch.cat([r["static"]["grads"][name] for r in results])
-            placed = torch.cat([r["placed"]["grads"][name] for r in results])
-            order = [e for r in results for e in r["placed"]["held"][module]]
-            assert torch.equal(placed[torch.argsort(torch.tensor(order))], static), name
+        if name.endswith(EXPERT_PARAMS):
+            placed = expert_gradients_in_expert_order(results, "placed", name)
+            assert torch.equal(placed, expert_gradients_in_expert_order(results, "static", name)), name
+
+
+@pytest.mark.parametrize("chunk_recompute", [False, True], ids=["layers", "chunks"])
+def test_copies_of_experts_on_other_ranks_equal_the_static_blocks(chunk_recompute: bool) -> None:
+    """Each rank also holds a copy of one of the other rank's experts (`WITH_COPIES`): the copy's weights
+    arrive from its owner once per layer pass, it computes a share of that expert's rows, and its gradient
+    goes back to the owner's. The loss and every gradient equal the static blocks' to within fp32 rounding
+    (an expert's gradient is summed over two ranks' rows); the copies take rows off their owners."""
+    results = launch(placed_and_static_rank, EP, WITH_COPIES, chunk_recompute, timeout_s=TIMEOUT_S)
+    for rank, result in enumerate(results):
+        static, placed = result["static"], result["placed"]
+        assert set(placed["held"].values()) == {WITH_COPIES[rank]}
+        assert set(placed["owned"].values()) == {WITH_COPIES[rank][:4]}
+        assert float(placed["loss"]) == pytest.approx(float(static["loss"]), rel=1e-6)
+        for name, grad in static["grads"].items():
+            if not name.endswith(EXPERT_PARAMS):
+                scale = float(grad.abs().max())
+                torch.testing.assert_close(
+                    placed["grads"][name], grad, rtol=FP32_RTOL, atol=FP32_RTOL * scale
+                )
+    for name in results[0]["static"]["grads"]:
+        if name.endswith(EXPERT_PARAMS):
+            want = expert_gradients_in_expert_order(results, "static", name)
+            got = expert_gradients_in_expert_order(results, "placed", name)
+            scale = float(want.abs().max())
+            torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=FP32_RTOL * scale, msg=name)
+    for layer in results[0]["static"]["rows"]:  # the same rows computed over the group, spread otherwise
+        static = [r["static"]["rows"][layer] for r in results]
+        placed = [r["placed"]["rows"][layer] for r in results]
+        assert sum(static) == sum(placed) and static != placed
 
 
 @pytest.mark.slow  # bf16 on a CPU is the slowest path: 15-48 s measured on 2 shared cores

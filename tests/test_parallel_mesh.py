@@ -107,15 +107,16 @@ def test_context_and_expert_parallel_on_two_ranks_equal_one_process(fly_data, tm
 
 @pytest.mark.slow
 def test_sharded_checkpoint_resumes_at_other_world_sizes_and_placements(fly_data, tmp_path, capfd) -> None:
-    """Saved by 2 ranks (dp=2 x ep=2, FSDP2), killed at step 3; resumed by 4 ranks (dp=2 x cp=2, ep=4: the
-    experts resharded), by one process (grad_accum=2), and by 2 ranks with each MoE layer's experts placed by
-    the routed load of steps 1-2 (`expert_placement=balanced`): steps 3 and 4 equal the uninterrupted run's,
-    and so do the last checkpoints, the placed run's saved from its placed experts."""
+    """Saved by 2 ranks (dp=2 x ep=2, FSDP2), killed at step 3; resumed by one process (grad_accum=2), by 2
+    ranks with each MoE layer's experts placed by the routed load of steps 1-2 (`expert_placement=balanced`),
+    and by 4 ranks (dp=2 x cp=2, ep=4: the experts resharded) placed so with a copy slot per rank
+    (`expert_copies=1`): steps 3 and 4 equal the uninterrupted run's, and so do the last checkpoints, the
+    placed runs' saved from their placed experts."""
     full = train_losses(fly_data, tmp_path, "full", "dp=2", "ep=2", "steps=4", "save_every=2")
     from genomelm.train.faults import FAULT_ENV
 
     resumes = (
-        ("at4", ["dp=2", "cp=2", "ep=4"]),
+        ("at4", ["dp=2", "cp=2", "ep=4", "expert_placement=balanced", "expert_copies=1"]),
         ("at1", ["grad_accum=2"]),
         ("placed", ["dp=2", "ep=2", "expert_placement=balanced"]),
     )
@@ -141,13 +142,15 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_and_placements(fly_data
     assert any(layer["slots"] != [[0, 1, 2, 3], [4, 5, 6, 7]] for layer in layers)  # not the static blocks
     assert all(layer["placed"] <= layer["static"] for layer in layers)
     assert "experts placed by the routed load of steps 1-2" in capfd.readouterr().out
+    with_copies = json.loads((tmp_path / "at4" / "expert_placement.json").read_text())["layers"].values()
+    assert any(len(rank) == 3 for layer in with_copies for rank in layer["slots"])  # 2 owned + a copy
     from genomelm.model import load_model
 
     final = {
         name: load_model(tmp_path / name / "checkpoints" / "step-0000004" / "model").state_dict()
         for name in ("full", "at4", "placed")
     }  # the Hugging Face copies of the last checkpoints
-    for name in ("at4", "placed"):
+    for name in ("at4", "placed"):  # the copies are not in a checkpoint: their owners' weights are
         for key, value in final["full"].items():
             torch.testing.assert_close(final[name][key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
 

@@ -713,6 +713,17 @@ def test_a_runs_logged_expert_load_sets_the_imbalance_of_its_layouts_ep(tmp_path
     assert logged.assumptions["imbalance"] == 2.0
     assert "the static blocks at ep=2; placed by load 1.00" in logged.assumptions["imbalance_source"]
     assert logged.tokens_per_s_projected < assumed.tokens_per_s_projected  # the busiest rank's extra rows
+    # the run places its experts by load: the imbalance after placement, as the even load's
+    placed = make_plan(TrainConfig.from_args([*settings, "expert_placement=balanced"]))
+    assert placed.assumptions["imbalance"] == 1.0
+    assert placed.tokens_per_s_projected == pytest.approx(assumed.tokens_per_s_projected)
+    # with a copy slot per rank: the copies' weights and gradients exchanged, and held, in every MoE layer
+    copies = make_plan(TrainConfig.from_args([*settings, "expert_placement=balanced", "expert_copies=1"]))
+    copy_label = "ep copies' weights (forward, recompute) and gradients (backward)"
+    one_expert = 3 * 32 * 16 * 2  # tiny: hidden 32, expert width 16, bf16
+    assert copies.comm_bytes_per_step[copy_label] == pytest.approx(3 * one_expert * 3)  # 3 passes, 3 layers
+    assert copy_label not in placed.comm_bytes_per_step
+    assert copies.peak_gib_per_rank >= placed.peak_gib_per_rank
 
 
 def test_a_module_whose_peak_moment_changes_with_size_is_not_understated():

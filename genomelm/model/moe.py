@@ -92,8 +92,9 @@ class Experts(nn.Module):
         self.chunk_index = 0
         # set by a module that splits the experts over processes: given, before the first chunk runs, a way to
         # route every chunk (-> each chunk's expert ids [T_c, k]) and the chunks' tokens, so it can exchange
-        # all of a layer's split sizes at once and send a chunk's rows ahead of its turn
-        self.plan_chunks: Callable[[Callable[[], list[Tensor]], list[Tensor]], None] | None = None
+        # all of a layer's split sizes at once and send a chunk's rows ahead of its turn; what it returns,
+        # if not None, the MoE hands every chunk's forward as `copies` (weights fetched once per layer pass)
+        self.plan_chunks: Callable[[Callable[[], list[Tensor]], list[Tensor]], object] | None = None
         # set by the same module where the rows' results travel back: the MoE then hands `forward` its shared
         # expert (`beside`) to run while they do
         self.runs_beside = False
@@ -124,30 +125,39 @@ class Experts(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token_of_pair, y_sorted.to(x.dtype))
         return out, counts
 
-    def expert_rows(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
+    def expert_rows(
+        self, x_sorted: Tensor, counts: Tensor, weights: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
         """The expert MLP of rows sorted by expert: x_sorted [N, D] in the compute dtype, expert e of this
         module's weights owning the next counts[e] rows (counts [E] long, summing to N, N >= 1) -> [N, D] in
         the same dtype. One grouped GEMM per projection where supported, else `_sliced`. (Also the per-rank
-        step of expert parallelism, where the module holds a slice of the experts.)"""
+        step of expert parallelism, where the module holds a slice of the experts.) `weights`: (gate_up
+        [E', 2I, D], down [E', D, I]) to use instead of the module's own, counts then [E'] (expert
+        parallelism passes its own experts and copies of other ranks')."""
         dtype = x_sorted.dtype
         if grouped_mm_supported(x_sorted.device, dtype):
             offsets = counts.cumsum(0).to(torch.int32)
-            gate_up, down = self.weights_in(dtype)
+            gate_up, down = self.weights_in(dtype, weights)
             gate, up = _grouped_linear(x_sorted, gate_up, offsets).chunk(2, dim=-1)
             hidden = clamped_swiglu(gate, up, self.swiglu_limit)
             return _grouped_linear(hidden, down, offsets)
-        return self._sliced(x_sorted, counts)
+        return self._sliced(x_sorted, counts, weights)
 
-    def weights_in(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(gate_up_proj, down_proj) in `dtype`: work per expert, not per row (the planner tells them apart
-        by this method's name)."""
-        return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+    def weights_in(
+        self, dtype: torch.dtype, weights: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(gate_up_proj, down_proj), or `weights`, in `dtype`: work per expert, not per row (the planner
+        tells them apart by this method's name)."""
+        gate_up, down = weights or (self.gate_up_proj, self.down_proj)
+        return gate_up.to(dtype), down.to(dtype)
 
-    def _sliced(self, x_sorted: Tensor, counts: Tensor) -> Tensor:
+    def _sliced(
+        self, x_sorted: Tensor, counts: Tensor, weights: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
         """Fallback of the grouped GEMM: each expert on its contiguous slice. The weights are split with one
         `unbind`, whose backward stacks the experts' gradients once (indexing `gate_up_proj[e]` per expert
         would allocate a zero gradient the size of the whole parameter for each expert)."""
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up, down = (w.unbind(0) for w in weights or (self.gate_up_proj, self.down_proj))
         pieces, start = [], 0
         for expert, count in enumerate(counts.tolist()):
             if count:
@@ -216,26 +226,34 @@ class MoE(nn.Module):
         `chunk_runner`."""
         flat = x.reshape(-1, x.shape[-1])
         chunks = flat.split(self.chunk_tokens)
+        planned = None
         if self.experts.plan_chunks is not None:
             # every chunk routed ahead of the first, where the experts ask for it: the chunks' forwards route
             # again (in their own recompute regions, with autograd) and choose the same experts, as the same
             # ops on the same rows
-            self.experts.plan_chunks(lambda: [self.gate(chunk)[0] for chunk in chunks], list(chunks))
+            planned = self.experts.plan_chunks(
+                lambda: [self.gate(chunk)[0] for chunk in chunks], list(chunks)
+            )
         outputs = []
         counts = torch.zeros(self.experts.num_experts, dtype=torch.long, device=x.device)
         for index, chunk in enumerate(chunks):
-            out, chunk_counts = self.chunk_runner(self._chunk_forward, chunk, index)
+            out, chunk_counts = self.chunk_runner(self._chunk_forward, chunk, index, planned)
             outputs.append(out)
             counts += chunk_counts
         self.tokens_per_expert = counts.detach()
         return torch.cat(outputs).view(*x.shape[:-1], -1)
 
-    def _chunk_forward(self, chunk: Tensor, index: int = 0) -> tuple[Tensor, Tensor]:
+    def _chunk_forward(self, chunk: Tensor, index: int = 0, planned: object = None) -> tuple[Tensor, Tensor]:
         """Routed experts + shared expert for [T, D] tokens -> ([T, D], tokens per expert [E]). `index`: the
-        chunk's place in the forward, told to the experts (`Experts.chunk_index`); a recompute replays it."""
+        chunk's place in the forward, told to the experts (`Experts.chunk_index`); a recompute replays it.
+        `planned`: what the experts' `plan_chunks` returned, handed to them as `copies` (an argument, so a
+        chunk's recompute gets the same tensors)."""
         self.experts.chunk_index = index
         expert_ids, weights = self.gate(chunk)
+        extra: dict[str, object] = {} if planned is None else {"copies": planned}
         if self.experts.runs_beside:  # the shared expert runs while the routed rows' results travel back
-            return self.experts(chunk, expert_ids, weights, beside=lambda: self.shared_experts(chunk))
-        routed, counts = self.experts(chunk, expert_ids, weights)
+            return self.experts(
+                chunk, expert_ids, weights, beside=lambda: self.shared_experts(chunk), **extra
+            )
+        routed, counts = self.experts(chunk, expert_ids, weights, **extra)
         return routed + self.shared_experts(chunk), counts

@@ -524,7 +524,7 @@ def _held_layout(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
     placed = {
         name: list(shard.local_experts)
         for name, shard in _expert_layouts(model).items()
-        if shard.slot_of_expert is not None
+        if shard.slots is not None
     }
     return mesh.dims.__dict__ | ({"experts": placed} if placed else {})
 
@@ -532,7 +532,7 @@ def _held_layout(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
 def _as_global(value: Tensor, shard: ExpertShard) -> ExpertRows:
     """A rank's expert rows (the experts of its slots; FSDP's share of them when sharded) as rows of the
     global [E, ...] tensor in expert order. Shares storage with `value`, so DCP reads into it in place."""
-    return expert_rows(value, shard.local_experts, shard.num_experts)
+    return expert_rows(value, shard.owned_experts, shard.num_experts)
 
 
 def _model_view(

@@ -66,6 +66,7 @@ from genomelm.model.moe import Experts
 from genomelm.model.precision import compute_dtype
 
 from .exchange import all_gather_slots
+from .expert_slots import ExpertSlots
 from .placement import Placement, static_placement
 
 ROUTE_NOTE = " + expert parallel"  # appended to the parent MoE module's `route`
@@ -79,7 +80,8 @@ class ExpertCapacityError(RuntimeError):
     exit_code = 1  # the machine's failure (`genomelm.run.failures`)
 
 
-Sizes = tuple[int, Tensor, list[list[int]]]  # (pairs, count matrix [src, dst, local expert], rows [src][dst])
+# (pairs, count matrix [src, dst, local slot], rows [src][dst], rows this rank computes with its own experts)
+Sizes = tuple[int, Tensor, list[list[int]], int]
 
 
 @dataclass
@@ -125,9 +127,8 @@ class ExpertShard:
     )
     # chunk index -> its dispatch, started while the chunk before it computed (`overlap`)
     in_flight: dict[int, InFlight] = field(default_factory=dict, compare=False, repr=False)
-    # expert -> its slot over the group (owner rank x experts per rank + slot); None: the static blocks,
-    # where the slot is the expert itself
-    slot_of_expert: Tensor | None = field(default=None, compare=False, repr=False)
+    # where the exchange sends each expert's pairs under a placement by load; None: the static blocks
+    slots: ExpertSlots | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def split(
@@ -141,28 +142,28 @@ class ExpertShard:
         overlap: bool = True,
         placement: Placement | None = None,
     ) -> ExpertShard:
-        """Rank `rank` of `ep`: the experts of its slots in `placement` (a permutation of the experts over the
-        ranks, `Placement.check_permutation`), or without one the static block [rank*E/ep, (rank+1)*E/ep)."""
+        """Rank `rank` of `ep`: the experts of its slots in `placement` (its own experts, then any copies of
+        other ranks': `Placement.slots_of`), or without one the static block [rank*E/ep, (rank+1)*E/ep)."""
         placement = placement or static_placement(num_experts, ep)
-        slots = placement.check_permutation(num_experts, ep)
-        static = slots == list(range(num_experts))
-        slot_of_expert = None if static else torch.tensor(slots)
+        slots = ExpertSlots.of(placement, num_experts, ep, rank)
         shard = cls(group, ep, rank, num_experts, placement.slots[rank], capacity_factor, name, overlap)
-        shard.slot_of_expert = slot_of_expert
+        shard.slots = slots
         return shard
 
     @property
     def per_rank(self) -> int:
+        """Slots on each rank: its own experts and its copies of others'."""
         return len(self.local_experts)
+
+    @property
+    def owned_experts(self) -> tuple[int, ...]:
+        """The experts whose weights this rank holds (the rows of `gate_up_proj` / `down_proj`)."""
+        return self.local_experts[: self.slots.owned] if self.slots is not None else self.local_experts
 
     def slot_ids(self, expert_ids: Tensor) -> Tensor:
         """expert_ids [T, k] (global) -> the slot over the group that computes each pair [T, k]: what the
         exchange sorts and counts by (owner rank first)."""
-        if self.slot_of_expert is None:
-            return expert_ids
-        if self.slot_of_expert.device != expert_ids.device:
-            self.slot_of_expert = self.slot_of_expert.to(expert_ids.device)
-        return self.slot_of_expert[expert_ids]
+        return expert_ids if self.slots is None else self.slots.slot_ids(expert_ids, self.rank)
 
 
 def expert_shard(module: nn.Module) -> ExpertShard | None:
@@ -288,28 +289,45 @@ def _in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _exchange_sizes(settings: ExpertShard, counts: Tensor) -> list[tuple[Tensor, list[list[int]]]]:
-    """counts [n, E] long: this rank's pairs per expert in each of n chunks -> per chunk (count matrix
-    [ep src, ep dst, local expert], rows between ranks [src][dst]). One all-gather of the counts and one
-    host copy of the rows between ranks (every send and receive size) for all n chunks: the exchanges'
-    only host sync. Each chunk's capacity decision comes from it, so it is the same on every rank."""
-    ep, n = settings.ep, counts.shape[0]
+def _exchange_sizes(settings: ExpertShard, pairs: list[int], counts: Tensor) -> list[Sizes]:
+    """counts [n, ep x slots per rank] long: this rank's pairs per slot over the group in each of n chunks
+    (of `pairs` pairs each) -> per chunk its `Sizes`. One all-gather of the counts and one host copy of the
+    rows between ranks (every send and receive size, and the rows of this rank's own experts) for all n
+    chunks: the exchanges' only host sync. Each chunk's capacity decision comes from it, so it is the same on
+    every rank."""
+    ep, n, owned = settings.ep, counts.shape[0], len(settings.owned_experts)
     matrices = all_gather_slots(counts, settings.group).view(ep, n, ep, settings.per_rank).transpose(0, 1)
-    rows = matrices.sum(-1).tolist()  # [chunk][src][dst]
+    own = matrices[:, :, settings.rank, :owned].sum((1, 2))  # [chunk]
+    on_host = torch.cat([matrices.sum(-1).flatten(), own]).tolist()
+    rows = [[on_host[(c * ep + src) * ep : (c * ep + src + 1) * ep] for src in range(ep)] for c in range(n)]
     for rows_between in rows:
         _check_capacity(settings, [sum(column) for column in zip(*rows_between)])
-    return list(zip(matrices, rows))
+    return list(zip(pairs, matrices, rows, on_host[n * ep * ep :]))
 
 
 def plan_expert_chunks(
-    settings: ExpertShard, route: Callable[[], list[Tensor]], chunks: list[Tensor] | None = None
-) -> None:
+    module: Experts,
+    settings: ExpertShard,
+    route: Callable[[], list[Tensor]],
+    chunks: list[Tensor] | None = None,
+) -> tuple[Tensor, Tensor] | None:
     """The split sizes of all the chunks a MoE forward is about to run (`Experts.plan_chunks`; `route` gives
     each chunk's expert ids [T_c, k], run here without autograd), exchanged at once: one collective and one
     host sync per layer instead of one per chunk. A recompute reuses the forward's sizes
     (`ExpertShard.kept_sizes`): it exchanges none. With `overlap` and the chunks' tokens (`chunks`, [T_c, D]
     each), the first chunk's dispatch starts here and each chunk's forward starts the next one's, in the
-    forward and in a recompute of the whole layer (which routes ahead again for it)."""
+    forward and in a recompute of the whole layer (which routes ahead again for it). Where ranks hold copies
+    of each other's experts, their weights are fetched here, once for all the chunks, and returned: the MoE
+    hands them to each chunk's forward (`fetch_copies`; None without copies)."""
+    copies = fetch_copies(module, settings)
+    _plan_sizes(settings, route, chunks)
+    return copies
+
+
+def _plan_sizes(
+    settings: ExpertShard, route: Callable[[], list[Tensor]], chunks: list[Tensor] | None
+) -> None:
+    """`plan_expert_chunks`'s split sizes and dispatches started ahead."""
     recompute = _in_recompute()
     ahead = settings.overlap and chunks is not None
     if recompute and not ahead:
@@ -321,16 +339,37 @@ def plan_expert_chunks(
         if any(kept is None or kept[0] != ids.numel() for kept, ids in zip(sizes, chunk_ids)):
             return  # not the forward's chunks: each exchanges as it runs
     else:
-        experts = settings.num_experts
-        counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=experts) for ids in chunk_ids])
-        exchanged = _exchange_sizes(settings, counts)
-        sizes = [(ids.numel(), matrix, rows) for ids, (matrix, rows) in zip(chunk_ids, exchanged)]
+        slots = settings.ep * settings.per_rank
+        counts = torch.stack([torch.bincount(ids.reshape(-1), minlength=slots) for ids in chunk_ids])
+        sizes = _exchange_sizes(settings, [ids.numel() for ids in chunk_ids], counts)
         settings.planned_sizes = dict(enumerate(sizes))
     settings.planned_rows = {}
     if ahead:
         for index, (x, ids, kept) in enumerate(zip(chunks, chunk_ids, sizes)):
             settings.planned_rows[index] = (x.detach(), ids, kept[2])
         _start_dispatch(settings, 0)
+
+
+def fetch_copies(module: Experts, settings: ExpertShard) -> tuple[Tensor, Tensor] | None:
+    """Where ranks hold copies of each other's experts (a placement by load with spare slots): the weights of
+    this rank's copies (gate_up [copies, 2I, D], down [copies, D, I]), which their owners send in one uneven
+    all-to-all (every rank of the group calls this); None without copies. The copies are the owners'
+    weights, so they stay identical; the exchange's backward sends each copy's gradient back to its owner,
+    where autograd adds it to the owner's own. Copies are not parameters (no optimizer state, nothing in a
+    checkpoint): they cost one exchange of weights per layer pass instead."""
+    slots = settings.slots
+    if slots is None or not slots.has_copies:
+        return None
+    gate_up, down = module.gate_up_proj, module.down_proj
+
+    def rows(weight: Tensor) -> Tensor:  # the sent experts' weights, flat; from the parameter even if none
+        picked = [weight[row] for row in slots.send_rows]
+        return (torch.stack(picked) if picked else weight[:0]).flatten(1)
+
+    sent = torch.cat([rows(gate_up), rows(down)], dim=1)
+    arrived = all_to_all_rows(sent, slots.send, slots.recv, settings.group)
+    split = gate_up[0].numel()
+    return arrived[:, :split].reshape(-1, *gate_up.shape[1:]), arrived[:, split:].reshape(-1, *down.shape[1:])
 
 
 def _by_slot(x: Tensor, slot_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -367,11 +406,13 @@ def expert_parallel_forward(
     expert_ids: Tensor,
     weights: Tensor,
     beside: Callable[[], Tensor] | None = None,
+    copies: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`Experts.forward` with the experts spread over the group: x [T, D] (this rank's tokens), expert_ids and
     weights [T, k] (global ids; fp32 routing) -> (out [T, D] in x's dtype, counts [E] long of this rank's
     pairs). `beside`: work on the same tokens whose [T, D] result is added to out (the MoE's shared expert),
-    run while the results come back.
+    run while the results come back. `copies`: the weights of this rank's copies of other ranks' experts,
+    as `plan_expert_chunks` fetched them for the layer (fetched here if the chunk was not planned).
 
     Two uneven all-to-alls of rows per call on every rank (one each way), and an all-gather of the counts
     unless the MoE planned the chunk (`plan_expert_chunks`) or a recompute replays it; the backward runs the
@@ -390,9 +431,9 @@ def expert_parallel_forward(
     if kept is None or kept[0] != expert_ids.numel():  # not planned by the MoE (the experts called alone)
         if in_flight is not None:
             raise RuntimeError(f"{settings.name}: chunk {index} was dispatched ahead with other sizes")
-        per_slot = torch.bincount(slot_ids.reshape(-1), minlength=settings.num_experts)
-        kept = (expert_ids.numel(), *_exchange_sizes(settings, per_slot.unsqueeze(0))[0])
-    _, matrix, rows_between = kept
+        per_slot = torch.bincount(slot_ids.reshape(-1), minlength=settings.ep * per_rank)
+        kept = _exchange_sizes(settings, [expert_ids.numel()], per_slot.unsqueeze(0))[0]
+    _, matrix, rows_between, own_rows = kept
     if not recompute:
         settings.kept_sizes[index] = kept
     send, recv = _send_recv(settings, rows_between)
@@ -407,14 +448,10 @@ def expert_parallel_forward(
         .repeat_interleave(here.flatten(), output_size=sum(recv))
     )
     by_expert = torch.argsort(local_ids, stable=True)
-    if received.shape[0]:
-        y = module.expert_rows(received[by_expert], here.sum(0))
-        y_received = y[torch.argsort(by_expert)]  # back to arrival order
-    else:
-        # Nothing to compute, but the received rows and the expert weights stay in the graph: the backward
-        # must reach the reverse dispatch (the other ranks wait in it) and give the weights a zero gradient.
-        weight_sum = module.gate_up_proj.sum() + module.down_proj.sum()
-        y_received = received + 0 * weight_sum.to(received.dtype)
+    if copies is None and module.plan_chunks is None:
+        copies = fetch_copies(module, settings)
+    y = _slot_rows(module, received[by_expert], here.sum(0), own_rows, copies)
+    y_received = y[torch.argsort(by_expert)]  # back to arrival order
     combine, gradient, alongside = None, None, None
     if settings.overlap and beside is not None:
         # the shared expert runs while the combine is under way, and in the backward while its reverse is
@@ -431,6 +468,28 @@ def expert_parallel_forward(
     if beside is not None:
         out = out + (alongside if alongside is not None else beside())
     return out, counts
+
+
+def _slot_rows(
+    module: Experts, rows: Tensor, counts: Tensor, own_rows: int, copies: tuple[Tensor, Tensor] | None
+) -> Tensor:
+    """The expert MLP of the rows received here, sorted by local slot: rows [N, D], counts [slots] long (the
+    first `own_rows` rows for this rank's own experts, the rest for its `copies`) -> [N, D]. Weights that get
+    no rows stay in the graph with a zero gradient: every parameter gets one, and the backward reaches the
+    exchanges the other ranks wait in (the rows' reverse dispatch, the copies' return)."""
+    owned = module.gate_up_proj.shape[0]
+    parts = [(rows, counts, None)]
+    if copies is not None:
+        parts = [(rows[:own_rows], counts[:owned], None), (rows[own_rows:], counts[owned:], copies)]
+    outputs, unused = [], None
+    for part, part_counts, weights in parts:
+        if part.shape[0]:
+            outputs.append(module.expert_rows(part, part_counts, weights))
+        else:
+            gate_up, down = weights or (module.gate_up_proj, module.down_proj)
+            unused = 0 * (gate_up.sum() + down.sum()).to(rows.dtype) + (0 if unused is None else unused)
+    y = torch.cat(outputs) if len(outputs) > 1 else outputs[0] if outputs else rows
+    return y if unused is None else y + unused
 
 
 def apply_expert_parallel(
@@ -476,7 +535,7 @@ def apply_expert_parallel(
         settings = shards[name]
         previous = expert_shard(module)
         if previous is None:
-            held = settings.local_experts  # rows taken one by one: no index tensor, so any device or mode
+            held = settings.owned_experts  # rows taken one by one: no index tensor, so any device or mode
             with torch.no_grad():  # new leaves: the full weights' storage is freed once the old ones go
                 module.gate_up_proj = nn.Parameter(torch.stack([module.gate_up_proj[e] for e in held]))
                 module.down_proj = nn.Parameter(torch.stack([module.down_proj[e] for e in held]))
@@ -489,7 +548,7 @@ def apply_expert_parallel(
             settings.received_tokens = previous.received_tokens
         setattr(module, SHARD_ATTRIBUTE, settings)
         module.forward = functools.partial(expert_parallel_forward, module, settings)
-        module.plan_chunks = functools.partial(plan_expert_chunks, settings)
+        module.plan_chunks = functools.partial(plan_expert_chunks, module, settings)
         module.runs_beside = overlap
         _note_route(model, name, ep)
         changed.append(name)

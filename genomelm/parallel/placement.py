@@ -41,22 +41,35 @@ class Placement:
             raise ValueError(f"expert {copies.index(0)} has no slot on any rank")
         return [sum(load[e] / copies[e] for e in rank) for rank in self.slots]
 
-    def check_permutation(self, experts: int, ep: int) -> list[int]:
-        """Each expert's slot over the ranks (rank x experts / ep + its place there), after raising
-        ValueError unless this places each of `experts` experts exactly once, experts / ep on each of `ep`
-        ranks (what expert-parallel training runs: no replicas)."""
-        per_rank = experts // ep
-        if self.ep != ep or any(len(rank) != per_rank for rank in self.slots):
+    def slots_of(self, experts: int, ep: int) -> list[list[int]]:
+        """Each expert's slots over the ranks (rank x slots per rank + its place there), its owner's first,
+        after raising ValueError unless training can run this placement: every rank has as many slots, of
+        which the first experts / ep own their experts (each expert owned by one rank, where its weights
+        live) and the rest hold copies of experts owned elsewhere, ordered by their owner's rank (the order
+        the copies' weights arrive in); no rank holds an expert twice."""
+        per_rank, owned = len(self.slots[0]), experts // ep
+        if self.ep != ep or per_rank < owned or any(len(rank) != per_rank for rank in self.slots):
             shape = [len(rank) for rank in self.slots]
             raise ValueError(
-                f"a placement of {experts} experts on ep={ep} needs {per_rank} per rank, not {shape}"
+                f"a placement of {experts} experts on ep={ep} needs {owned}+ per rank, not {shape}"
             )
-        slot_of = [-1] * experts
-        for slot, expert in enumerate(e for rank in self.slots for e in rank):
-            if not 0 <= expert < experts or slot_of[expert] >= 0:
-                raise ValueError(f"expert {expert} is placed twice or is not one of the {experts} experts")
-            slot_of[expert] = slot
-        return slot_of
+        slots: list[list[int]] = [[] for _ in range(experts)]
+        owner = {}
+        for rank, held in enumerate(self.slots):
+            for place, expert in enumerate(held[:owned]):
+                if not 0 <= expert < experts or expert in owner:
+                    raise ValueError(f"expert {expert} is owned twice or is not one of the {experts} experts")
+                owner[expert] = rank
+                slots[expert].append(rank * per_rank + place)
+        for rank, held in enumerate(self.slots):
+            if len(set(held)) != len(held):
+                raise ValueError(f"rank {rank} holds an expert twice: {held}")
+            copies = held[owned:]
+            if [owner[e] for e in copies] != sorted(owner[e] for e in copies):
+                raise ValueError(f"rank {rank}'s copies {copies} are not ordered by their owner's rank")
+            for place, expert in enumerate(copies, start=owned):
+                slots[expert].append(rank * per_rank + place)
+        return slots
 
     def busiest_over_mean(self, load: Sequence[float]) -> float:
         """The busiest rank's tokens over the mean rank's: what sets the MoE layers' step time."""
@@ -116,6 +129,81 @@ def balanced_placement(load: Sequence[float], ep: int, spare: int = 0) -> Placem
         totals[rank] += share
     _swap_off_the_busiest(slots, [load[e] / copies[e] for e in range(experts)])
     return Placement(tuple(tuple(sorted(rank)) for rank in slots))
+
+
+def placement_with_replicas(load: Sequence[float], ep: int, spare: int) -> Placement:
+    """What training runs with `spare` copy slots per rank (`Placement.slots_of`): each expert owned by one
+    rank, the owners packed by `balanced_placement` on the load per copy (`replica_counts`), then the
+    extra copies, heaviest first, each onto the least-loaded rank with a free copy slot that does not hold
+    that expert; or, where the copies do not lower the busiest rank's load, the owners alone packed on the
+    load (`balanced_placement`). (`balanced_placement` with spare slots packs all copies at once and bounds
+    what this gives; a packing whose copies are not parameters of their own is what the ranks can run.)"""
+    experts = len(load)
+    if spare == 0:
+        return balanced_placement(load, ep)
+    if spare < 0 or ep == 1 or experts % ep or spare > experts - experts // ep:
+        raise ValueError(
+            f"spare={spare} copy slots on ep={ep} ranks of {experts} experts: give spare >= 0, ep > 1"
+        )
+    copies = replica_counts(load, experts + ep * spare, ep)
+    share = [load[e] / copies[e] for e in range(experts)]
+    owners = balanced_placement(share, ep)
+    owner = {e: r for r, held in enumerate(owners.slots) for e in held}
+    totals = [sum(share[e] for e in held) for held in owners.slots]
+    extra: list[list[int]] = [[] for _ in range(ep)]
+    for _, expert in sorted(
+        ((share[e], e) for e in range(experts) for _ in range(copies[e] - 1)), reverse=True
+    ):
+        free = [
+            r for r in range(ep) if len(extra[r]) < spare and r != owner[expert] and expert not in extra[r]
+        ]
+        if not free:  # the free slots are all on ranks holding it: move a copy there to make room elsewhere
+            room = _make_room(extra, owner, expert, spare, totals, share)
+            if room is None:
+                continue  # this copy fits nowhere: its slot goes to another expert below
+            free = [room]
+        rank = min(free, key=lambda r: (totals[r], r))
+        extra[rank].append(expert)
+        totals[rank] += share[expert]
+    for rank, held in enumerate(extra):  # slots no copy could take: the hottest experts the rank lacks
+        while len(held) < spare:
+            held.append(
+                max((e for e in range(experts) if owner[e] != rank and e not in held), key=load.__getitem__)
+            )
+    placed = Placement(
+        tuple(
+            held + tuple(sorted(copies_r, key=lambda e: (owner[e], e)))
+            for held, copies_r in zip(owners.slots, extra)
+        )
+    )
+    plain = balanced_placement(load, ep)  # copies cost their weights' exchange: only where they gain
+    return placed if placed.busiest_over_mean(load) < plain.busiest_over_mean(load) else plain
+
+
+def _make_room(
+    extra: list[list[int]],
+    owner: dict[int, int],
+    expert: int,
+    spare: int,
+    totals: list[float],
+    share: list[float],
+) -> int | None:
+    """A rank that can take a copy of `expert`, made by moving another copy from it to a rank with a free
+    slot that `expert` cannot take (that rank holds it); `totals` follow the move. None if no move makes
+    room."""
+    open_ranks = [r for r in range(len(extra)) if len(extra[r]) < spare]
+    for target in open_ranks:
+        for rank, held in enumerate(extra):
+            if rank == owner[expert] or expert in held:
+                continue
+            for moved in held:
+                if moved not in extra[target] and owner[moved] != target:
+                    held.remove(moved)
+                    extra[target].append(moved)
+                    totals[rank] -= share[moved]
+                    totals[target] += share[moved]
+                    return rank
+    return None
 
 
 def _swap_off_the_busiest(slots: list[list[int]], share: list[float]) -> None:

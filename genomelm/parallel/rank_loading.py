@@ -3,9 +3,9 @@
 `load_rank_shard(model, folder)` walks the model's parameters and persistent buffers one at a time:
 - an FSDP2 / DTensor parameter (global shape, `Shard` placements on its mesh) gets the block of rows (and
   columns, for 2-D shardings) this rank holds;
-- the routed-expert weights of an `Experts` module that holds a slice of the experts (expert parallelism: its
-  `ExpertShard.local_experts`, the global expert ids held here) get those experts, and of them, when the slice
-  is also a DTensor, only this rank's;
+- the routed-expert weights of an `Experts` module that holds a slice of the experts (expert parallelism:
+  its `ExpertShard.owned_experts`, the global ids of the experts whose weights live here) get those experts,
+  and of them, when the slice is also a DTensor, only this rank's;
 - anything else is copied whole.
 Expert tensors are read expert by expert (`CheckpointReader.read(..., experts=...)`): only this rank's experts
 are ever read. Other tensors are read whole, one at a time: peak memory is one full non-expert tensor.
@@ -77,7 +77,7 @@ def load_rank_shard(model: nn.Module, folder: str | Path) -> None:
             experts = None
             if isinstance(module, Experts) and leaf in EXPERT_WEIGHTS:
                 shard = expert_shard(module)
-                held = list(shard.local_experts if shard is not None else range(module.num_experts))
+                held = list(shard.owned_experts if shard is not None else range(module.num_experts))
                 if tensor.shape[0] != len(held):
                     raise CheckpointError(
                         f"{name} holds {tensor.shape[0]} experts but its module's expert shard lists "

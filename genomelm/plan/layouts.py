@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from genomelm.parallel.placement import (
-    balanced_placement,
     fit_zipf,
     layers_busiest_over_mean,
+    placement_with_replicas,
     static_placement,
     zipf_load,
 )
@@ -59,6 +59,7 @@ class Assumptions:
     # the run places its experts by load (`expert_placement=balanced`): a logged or modelled load's imbalance
     # is taken after placement, else under the static blocks (and the placement shown beside)
     placed: bool = False
+    copies: int = 0  # the placement's copy slots per rank (`expert_copies`)
     # from a run's expert_load.json (`logged_imbalance`): busiest/mean of the static blocks at each ep, and
     # under a placement by load
     logged_experts: int = 0
@@ -80,7 +81,7 @@ class Assumptions:
         if self.logged_experts == experts and ep in self.logged_static:
             static, placed = self.logged_static[ep], self.logged_placed[ep]
             source = f"measured (expert_load.json, {self._placement_text(ep, static, placed)})"
-        elif self.load_model and ep > 1 and (model := assumed_load(experts, ep)) is not None:
+        elif self.load_model and ep > 1 and (model := assumed_load(experts, ep, self.copies)) is not None:
             exponent, static, placed = model
             source = (
                 f"assumed: a Zipf load (s={exponent:.3f}) whose static blocks give {ASSUMED_IMBALANCE:g}x at "
@@ -92,30 +93,33 @@ class Assumptions:
         return dataclasses.replace(self, imbalance=imbalance, imbalance_source=source)
 
     def _placement_text(self, ep: int, static: float, placed: float) -> str:
+        copies = f" and {self.copies} copy slot(s) per rank" if self.copies else ""
         if self.placed:
-            return f"placed by load at ep={ep}: {placed:.2f}, the static blocks {static:.2f}"
+            return f"placed by load{copies} at ep={ep}: {placed:.2f}, the static blocks {static:.2f}"
         return f"the static blocks at ep={ep}; placed by load {placed:.2f} with expert_placement=balanced"
 
 
 @functools.cache
-def assumed_load(experts: int, ep: int) -> tuple[float, float, float] | None:
-    """(Zipf exponent, busiest/mean of the static blocks, and placed by load) at `ep` for the load model of
-    an unmeasured run: experts loaded as 1 / k**s in a fixed random order, s fitted so the static blocks give
-    the published ~4x at the published ep=32. None where it does not apply (32 or ep not dividing
-    `experts`)."""
+def assumed_load(experts: int, ep: int, copies: int = 0) -> tuple[float, float, float] | None:
+    """(Zipf exponent, busiest/mean of the static blocks, and placed by load with `copies` copy slots per
+    rank) at `ep` for the load model of an unmeasured run: experts loaded as 1 / k**s in a fixed random
+    order, s fitted so the static blocks give the published ~4x at the published ep=32. None where it does
+    not apply (32 or ep not dividing `experts`)."""
     if experts % PUBLISHED_EP or experts % ep:
         return None
     exponent = fit_zipf(experts, PUBLISHED_EP, ASSUMED_IMBALANCE)
     load = zipf_load(experts, exponent)
     static = static_placement(experts, ep).busiest_over_mean(load)
-    return exponent, static, balanced_placement(load, ep).busiest_over_mean(load)
+    return exponent, static, placement_with_replicas(load, ep, copies).busiest_over_mean(load)
 
 
 def load_assumptions(config: TrainConfig) -> Assumptions:
     """Assumptions from the run's `plan` settings and, unless `imbalance` is set, the run's metrics."""
     settings = config.plan
     values: dict[str, Any] = {name: getattr(settings, name) for name in SETTINGS}
-    values["placed"] = config.parallel.expert_placement == "balanced"
+    # training places its experts by load where set; the evaluation runs the static blocks
+    values["placed"] = config.parallel.expert_placement == "balanced" and config.plan.stage == "train"
+    values["copies"] = config.parallel.expert_copies
     if settings.imbalance > 0:
         values |= {"imbalance": settings.imbalance, "imbalance_source": "set", "load_model": False}
     elif (measured := measured_imbalance(config)) is not None:
@@ -125,14 +129,14 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
             "load_model": False,
         }
     if settings.imbalance == 0 and (config.run_dir / EXPERT_LOAD_FILE).exists():
-        values |= logged_imbalance(config.run_dir / EXPERT_LOAD_FILE)
+        values |= logged_imbalance(config.run_dir / EXPERT_LOAD_FILE, config.parallel.expert_copies)
     return Assumptions(**values)
 
 
-def logged_imbalance(path: Path) -> dict[str, Any]:
+def logged_imbalance(path: Path, copies: int = 0) -> dict[str, Any]:
     """From a run's expert_load.json: the MoE layers' busiest/mean (summed over layers as the step adds them)
-    under the static blocks and under a placement by load, at every power-of-two ep dividing the experts (the
-    `logged_*` fields of `Assumptions`)."""
+    under the static blocks and under a placement by load (with `copies` copy slots per rank), at every
+    power-of-two ep dividing the experts (the `logged_*` fields of `Assumptions`)."""
     layers = read_expert_load(path)
     experts = len(next(iter(layers.values()))) if layers else 0
     eps = [2**k for k in range(1, experts.bit_length()) if experts % 2**k == 0]
@@ -143,7 +147,9 @@ def logged_imbalance(path: Path) -> dict[str, Any]:
             for ep in eps
         },
         "logged_placed": {
-            ep: layers_busiest_over_mean(layers, lambda load, ep=ep: balanced_placement(load, ep))
+            ep: layers_busiest_over_mean(
+                layers, lambda load, ep=ep: placement_with_replicas(load, ep, copies)
+            )
             for ep in eps
         },
     }

@@ -360,9 +360,17 @@ def module_transients(
         per_row = (
             (2 * model_config.hidden_size + 3 * model_config.moe_intermediate_size) * 2 * (1 if held else 2)
         )
+        # with copies of other ranks' experts: their bf16 weights as they arrive, the owner's sent ones, and
+        # their gradients
+        c = model_config
+        copies = (
+            3 * a.copies * 3 * c.hidden_size * c.moe_intermediate_size * 2
+            if a.placed and layout.ep > 1
+            else 0
+        )
         for k in transients:
             if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == "sparse":
-                transients[k] = rows * per_row
+                transients[k] = rows * per_row + copies
     return {k: v + held.get(k, 0.0) for k, v in transients.items()}
 
 

@@ -474,6 +474,19 @@ class _Tally:
         moved = per_exchange * exchanges * moe_layers * self.imbalance
         self.add(label, moved, ep, "all_to_all", overlapped)
 
+    def expert_copies(self, model_config: ModelConfig, layout: Layout, copies: int) -> None:
+        """The weights of each rank's `copies` copies of other ranks' experts (`expert_copies`), fetched from
+        their owners in the forward and again in the recompute, and their gradients sent back in the
+        backward: bf16, one exchange per MoE layer and pass, blocking (an upper bound where a layer's
+        placement uses fewer copies)."""
+        if layout.ep == 1 or copies == 0:
+            return
+        c = model_config
+        moe_layers = sum(t == "sparse" for t in c.mlp_layer_types)
+        per_pass = copies * 3 * c.hidden_size * c.moe_intermediate_size * 2
+        label = "ep copies' weights (forward, recompute) and gradients (backward)"
+        self.add(label, 3 * per_pass * moe_layers, layout.ep, "all_to_all")
+
 
 def _gathered(layout: Layout, params: ParameterShare) -> float:
     """What FSDP's all-gathers of every unit bring one rank per pass, in `params`' unit: the rest of every
@@ -516,6 +529,7 @@ def comm_bytes(
     else:
         label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
         tally.expert_exchange(model_config, layout, tokens, 6, 2, label)
+    tally.expert_copies(model_config, layout, a.copies if a.placed else 0)
     return tally.bytes, tally.seconds, tally.overlapped_seconds
 
 

@@ -168,6 +168,10 @@ class ParallelConfig:
     # placed at start and at each resume to even the ranks' rows by the run's routed load so far
     # (runs/<run>/expert_placement.json; static until the run has a load)
     expert_placement: str = "static"
+    # with expert_placement=balanced: slots per rank for copies of the hottest experts (their weights fetched
+    # from the owner each layer pass, their gradients summed into the owner's), used where they lower the
+    # busiest rank's rows
+    expert_copies: int = 0
     # "local" (processes on this machine), "ray" (Ray Train workers) or "env" (torchrun or srun started
     # this process as one rank: `genomelm.run.env_launch`)
     launcher: str = "local"
@@ -184,6 +188,11 @@ class ParallelConfig:
         _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
         _check_choice("launcher", self.launcher, LAUNCHERS)
         _check_choice("expert_placement", self.expert_placement, EXPERT_PLACEMENTS)
+        _require(
+            self.expert_copies == 0 or (self.expert_copies > 0 and self.expert_placement == "balanced"),
+            f"expert_copies={self.expert_copies}: give 0, or copy slots per rank (> 0) with "
+            "expert_placement=balanced",
+        )
         _require(
             self.ep_capacity_factor > 1,
             f"ep_capacity_factor={self.ep_capacity_factor}: give a multiple of the mean (> 1)",

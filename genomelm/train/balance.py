@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from genomelm.data.errors import space_checked
-from genomelm.parallel.placement import Placement, balanced_placement, static_placement
+from genomelm.parallel.placement import Placement, placement_with_replicas, static_placement
 from genomelm.run.metrics import EXPERT_LOAD_FILE, EXPERT_PLACEMENT_FILE, SPACE_ADVICE
 
 
@@ -98,23 +98,25 @@ class PlacedLayer:
     placed: float
 
 
-def expert_placements(routed: dict | None, experts: int, ep: int) -> dict[int, PlacedLayer]:
+def expert_placements(routed: dict | None, experts: int, ep: int, copies: int = 0) -> dict[int, PlacedLayer]:
     """Each MoE layer's experts placed over `ep` ranks by the routed totals `routed` (`RoutedTotals.state()`
     of the checkpoint a run resumes from; None or no steps yet: {}, the static blocks) so that the busiest
-    rank gets the fewest rows (`balanced_placement`: a permutation, no replicas); by MoE layer index."""
+    rank gets the fewest rows (`placement_with_replicas`: each expert owned by one rank, and with `copies`
+    slots per rank, copies of the hottest where they help); by MoE layer index."""
     if routed is None or not routed.get("steps") or ep == 1:
         return {}
     placed = {}
     for layer, counts in sorted(routed["counts"].items(), key=lambda item: int(item[0])):
-        placement = balanced_placement(counts, ep)
+        placement = placement_with_replicas(counts, ep, copies)
         static = static_placement(experts, ep).busiest_over_mean(counts)
         placed[int(layer)] = PlacedLayer(placement, static, placement.busiest_over_mean(counts))
     return placed
 
 
 def write_placements(run_dir: Path, placed: dict[int, PlacedLayer], ep: int, through_step: int) -> None:
-    """`expert_placement.json`: the run's placement (rank -> its experts, slot by slot, per MoE layer) and
-    each layer's busiest/mean before and after it (temporary name, renamed into place)."""
+    """`expert_placement.json`: the run's placement (per MoE layer, each rank's experts slot by slot: the
+    experts / ep it owns, then its copies of others') and each layer's busiest/mean before and after it
+    (temporary name, renamed into place)."""
     layers = {
         str(layer): {
             "slots": [list(rank) for rank in p.placement.slots],

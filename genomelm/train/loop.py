@@ -273,7 +273,8 @@ def placed_by_load(
     ep = config.parallel.ep
     if config.parallel.expert_placement != "balanced" or state is None:
         return {}
-    placed = expert_placements(state.get("routed"), model_config.n_routed_experts, ep)
+    copies = config.parallel.expert_copies
+    placed = expert_placements(state.get("routed"), model_config.n_routed_experts, ep, copies)
     if placed and (parallel is None or parallel.is_output_rank):
         write_placements(config.run_dir, placed, ep, state["step"])
         static, balanced = (
