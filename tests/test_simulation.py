@@ -66,6 +66,23 @@ def test_dp2_cp2_ep2_step_on_fake_cuda_has_device_collectives_and_one_sync_per_m
         assert all(not c.started_ahead for c in simulation.ranks[rank].collectives if c.kind != "all_to_all")
 
 
+def test_experts_placed_with_copies_on_fake_cuda_exchange_the_copies_weights_once_per_layer_pass() -> None:
+    """dp2 x ep2 with the experts placed by (a skewed) load and a copy slot per rank (`simulated_placements`):
+    the same syncs as the static blocks (one per MoE layer), and one more all-to-all per MoE layer and pass
+    (forward, recompute, backward) for the copies' weights and gradients, in fp32 like the weights here."""
+    config = _tiny("seq=512", "dp=2", "ep=2", "moe_chunk_tokens=128", "expert_placement=balanced")
+    model_config = ModelConfig.preset("tiny")
+    simulation = simulate_step(config.replace(expert_copies=1), model_config)
+    syncs = simulation.syncs_per_window()
+    assert sum(syncs.values()) == simulation.expert_syncs_per_window(model_config) == 3, syncs
+    assert all(EXCHANGE_SYNC_SITE in site for site in syncs), syncs
+    static = simulate_step(config.replace(expert_placement="static"), model_config)
+    for placed, plain in zip(simulation.ranks, static.ranks):
+        exchanges = [c for c in placed.collectives if c.kind == "all_to_all"]
+        assert len(exchanges) == len([c for c in plain.collectives if c.kind == "all_to_all"]) + 3 * 3
+        assert {c.dtype for c in exchanges} == {"bfloat16", "float32"}
+
+
 @pytest.mark.slow
 def test_cp4_step_of_small_on_fake_cuda() -> None:
     config = TrainConfig.from_args(

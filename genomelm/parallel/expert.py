@@ -555,6 +555,13 @@ def apply_expert_parallel(
     return changed
 
 
+def placements_by_module(model: nn.Module, placements: dict[int, Placement]) -> dict[str, Placement]:
+    """MoE layer index -> placement, as `apply_expert_parallel` takes them: by its routed experts' module
+    name."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return {names[id(model.layers[layer].mlp.experts)]: p for layer, p in placements.items()}
+
+
 def _note_route(model: nn.Module, name: str, ep: int) -> None:
     """Append the EP note to the parent MoE module's `route` (the model's description of each block)."""
     if not name:

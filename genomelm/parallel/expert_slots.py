@@ -65,8 +65,8 @@ class ExpertSlots:
         source rank, staggers where each rank's remainder goes), so each copy gets its share to within one
         pair per rank: the load model of `Placement.rank_loads`. The same ids give the same slots (a
         recompute routes identically)."""
-        if self.table.device != expert_ids.device:
-            self.table, self.copies = self.table.to(expert_ids.device), self.copies.to(expert_ids.device)
+        if self.table.device != expert_ids.device:  # once per run: a GPU queues it from pinned memory
+            self.table, self.copies = (_on(t, expert_ids.device) for t in (self.table, self.copies))
         flat = expert_ids.reshape(-1)
         if not self.has_copies:
             return self.table[flat, 0].view_as(expert_ids)
@@ -77,3 +77,10 @@ class ExpertSlots:
         occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
         copy = (occurrence + spread) % self.copies[flat]
         return self.table[flat, copy].view_as(expert_ids)
+
+
+def _on(table: Tensor, device: torch.device) -> Tensor:
+    """A host table on `device`; to a GPU through pinned memory, so the host does not wait for the copy."""
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)

@@ -54,9 +54,11 @@ from genomelm.data.windows import Window
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.model.backends import as_on_gpu
 from genomelm.model.config import MOE
+from genomelm.parallel.expert import placements_by_module
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
 from genomelm.parallel.layout import ContextLayout, segments_per_rank
 from genomelm.parallel.mesh import ParallelDims
+from genomelm.parallel.placement import Placement, placement_with_replicas, zipf_load
 from genomelm.parallel.simulation import (
     Collective,
     HostSync,
@@ -262,7 +264,11 @@ def _simulate_rank(
             if parallel is not None:
                 param_dtype = fsdp_param_dtype(config.memory.precision, device)
                 parallel.prepare(
-                    model, param_dtype, config.parallel.ep_capacity_factor, overlap=config.parallel.ep_overlap
+                    model,
+                    param_dtype,
+                    config.parallel.ep_capacity_factor,
+                    overlap=config.parallel.ep_overlap,
+                    placements=simulated_placements(config, model, model_config),
                 )
             model.train()
             runner = LayerRunner.for_memory(config.memory, offload=False)
@@ -284,6 +290,22 @@ def _simulate_rank(
         )
     finally:
         dist.destroy_process_group()
+
+
+def simulated_placements(
+    config: TrainConfig, model: GlmForCausalLM, model_config: ModelConfig
+) -> dict[str, Placement]:
+    """With `expert_placement=balanced`, where the ranks place the experts: a run places them by its own load
+    at resume, the simulation by a skewed one (each MoE layer its own Zipf load, s=2: one expert takes most
+    rows, so `expert_copies` slots hold copies), so the placed exchange and the copies' run as on a GPU.
+    {}: the static blocks."""
+    ep = config.parallel.ep
+    if config.parallel.expert_placement != "balanced" or ep == 1:
+        return {}
+    experts, copies = model_config.n_routed_experts, config.parallel.expert_copies
+    layers = [i for i, kind in enumerate(model_config.mlp_layer_types) if kind == MOE]
+    placed = {i: placement_with_replicas(zipf_load(experts, 2.0, seed=i), ep, copies) for i in layers}
+    return placements_by_module(model, placed)
 
 
 def _windows(config: TrainConfig, device: torch.device, phase: list[str]) -> Iterator[list[torch.Tensor]]:

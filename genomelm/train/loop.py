@@ -26,6 +26,7 @@ from genomelm.data.errors import space_checked
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model, save_model
 from genomelm.model.config import MOE, is_preset
 from genomelm.parallel.checkpoint import Checkpointer, write_checksums
+from genomelm.parallel.expert import placements_by_module
 from genomelm.parallel.export import export_checkpoint_collective
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
@@ -41,7 +42,12 @@ from genomelm.run.metrics import (
 from genomelm.run.models import device_rows, model_config_of, run_device
 from genomelm.run.precision import fsdp_param_dtype
 from genomelm.run.stop import StopCheck
-from genomelm.train.balance import PlacedLayer, RoutedTotals, expert_placements, write_placements
+from genomelm.train.balance import (
+    PlacedLayer,
+    RoutedTotals,
+    expert_placements,
+    write_placements,
+)
 from genomelm.train.faults import inject_fault
 from genomelm.train.feed import TrainingData, Window
 from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
@@ -254,7 +260,7 @@ def build_model(
             config.parallel.ep_capacity_factor,
             config.parallel.optimizer_offload,
             config.parallel.ep_overlap,
-            {_experts_name(model, layer): p.placement for layer, p in (placed or {}).items()},
+            placements_by_module(model, {layer: p.placement for layer, p in (placed or {}).items()}),
         )
         if shard_read:
             model.to_empty(device=device)
@@ -287,12 +293,6 @@ def placed_by_load(
             flush=True,
         )
     return placed
-
-
-def _experts_name(model: GlmForCausalLM, layer: int) -> str:
-    """The module name of MoE layer `layer`'s routed experts."""
-    experts = model.layers[layer].mlp.experts
-    return next(name for name, module in model.named_modules() if module is experts)
 
 
 # ------------------------------------------------------------------------------------------------- resume
