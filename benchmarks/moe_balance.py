@@ -1,8 +1,10 @@
 """Experts placed by load: the busiest expert-parallel rank's tokens over the mean rank's, under the static
-blocks of today and under `genomelm.parallel.placement.balanced_placement` (a permutation; and with one
-spare slot per rank for replicas), at ep 8, 16 and 32, for skewed synthetic loads over GLM-5.3-Flash's 288
-routed experts; then the planner's projected tokens/s of the 1M run (configs/train/hg38-1m.yaml's layout at
-that ep, 64 B200) with the static and the permuted figure as its `imbalance`.
+blocks, under the placements training runs (`expert_placement=balanced`: each expert owned by one rank,
+`balanced_placement`; with `expert_copies=1`, a copy slot per rank, `placement_with_replicas`) and under the
+joint packing of all copies that bounds them (`balanced_placement(..., spare=1)`), at ep 8, 16 and 32, for
+skewed synthetic loads over GLM-5.3-Flash's 288 routed experts; then the planner's projected tokens/s of the
+1M run (configs/train/hg38-1m.yaml's layout at that ep, 64 B200) at each of the three training figures
+(with copies: their weights' exchange and memory counted).
 
     python benchmarks/moe_balance.py                 # Zipf loads fitted to 4x (published) and 2x at ep=32
     python benchmarks/moe_balance.py --no-plan       # the placement table alone (a second)
@@ -10,8 +12,7 @@ that ep, 64 B200) with the static and the permuted figure as its `imbalance`.
 
 The load model: the k-th hottest expert gets tokens in proportion to 1 / k**s, the experts in a seeded random
 order, s fitted so the static blocks give the target ratio at ep=32 (the published recipe measured the
-busiest GPU at about 4x the mean). A replica's weights and optimizer state are not in the plan yet, so the
-spare-slot column has no tokens/s.
+busiest GPU at about 4x the mean).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from genomelm.parallel.placement import (
     balanced_placement,
     fit_zipf,
+    placement_with_replicas,
     static_placement,
     zipf_load,
 )
@@ -34,7 +36,8 @@ EPS = (8, 16, 32)
 
 
 def placement_rows(target: float, seed: int) -> list[dict[str, float]]:
-    """busiest/mean at each ep: static, permuted, permuted with one spare slot per rank."""
+    """busiest/mean at each ep: static, owned by load, with a copy slot per rank, all copies packed at
+    once."""
     exponent = fit_zipf(EXPERTS, 32, target, seed)
     load = zipf_load(EXPERTS, exponent, seed)
     rows = []
@@ -46,7 +49,8 @@ def placement_rows(target: float, seed: int) -> list[dict[str, float]]:
                 "ep": ep,
                 "static": static_placement(EXPERTS, ep).busiest_over_mean(load),
                 "placed": balanced_placement(load, ep).busiest_over_mean(load),
-                "spare1": balanced_placement(load, ep, spare=1).busiest_over_mean(load),
+                "copies": placement_with_replicas(load, ep, 1).busiest_over_mean(load),
+                "joint": balanced_placement(load, ep, spare=1).busiest_over_mean(load),
             }
         )
     return rows
@@ -72,8 +76,15 @@ def logged_rows(path: Path) -> list[dict[str, float]]:
     ]
 
 
+PLANNED = {  # row key -> the run's settings
+    "static": {},
+    "placed": {"expert_placement": "balanced"},
+    "copies": {"expert_placement": "balanced", "expert_copies": 1},
+}
+
+
 def projected_tokens_per_s(rows: list[dict[str, float]]) -> None:
-    """Adds the plan's tokens/s at the static and the placed imbalance (one trace pair, shared)."""
+    """Adds the plan's tokens/s at each training figure as the imbalance (one trace pair, shared)."""
     from genomelm.plan.check import make_plan
     from genomelm.plan.memory import TraceCache
     from genomelm.run.config import TrainConfig
@@ -81,27 +92,27 @@ def projected_tokens_per_s(rows: list[dict[str, float]]) -> None:
     config = TrainConfig.load(ROOT / "configs" / "train" / "hg38-1m.yaml", ["device=cpu"])
     traces = TraceCache()
     for row in rows:
-        for key in ("static", "placed"):
-            run = config.replace(ep=int(row["ep"]), imbalance=row[key])
+        for key, settings in PLANNED.items():
+            run = config.replace(ep=int(row["ep"]), imbalance=row[key], **settings)
             plan = make_plan(run, traces=traces)
             row[f"{key}_tokens_per_s"] = plan.tokens_per_s_projected
             row[f"{key}_fits"] = plan.fits
 
 
 def format_table(rows: list[dict[str, float]], with_plan: bool) -> str:
-    head = "| load (static at ep=32) | Zipf s | ep | static | placed | placed + 1 spare slot |"
-    rule = "|---|---|---|---|---|---|"
+    head = "| load (static at ep=32) | Zipf s | ep | static | placed | placed, 1 copy slot | joint bound |"
+    rule = "|---|---|---|---|---|---|---|"
     if with_plan:
-        head += " tokens/s static | tokens/s placed |"
-        rule += "---|---|"
+        head += " tokens/s static | tokens/s placed | tokens/s with copies |"
+        rule += "---|---|---|"
     lines = [head, rule]
     for row in rows:
         line = (
             f"| {row['target']:.1f}x | {row['exponent']:.3f} | {row['ep']} | {row['static']:.2f} "
-            f"| {row['placed']:.2f} | {row['spare1']:.2f} |"
+            f"| {row['placed']:.2f} | {row['copies']:.2f} | {row['joint']:.2f} |"
         )
         if with_plan:
-            for key in ("static", "placed"):
+            for key in PLANNED:
                 fits = "" if row[f"{key}_fits"] else " (does not fit)"
                 line += f" {row[f'{key}_tokens_per_s'] / 1000:.1f}k{fits} |"
         lines.append(line)

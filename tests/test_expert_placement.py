@@ -100,9 +100,9 @@ def test_the_balance_benchmarks_placement_table() -> None:
     rows = bench.placement_rows(4.0, seed=0)
     assert [row["ep"] for row in rows] == [8, 16, 32]
     assert rows[-1]["static"] == pytest.approx(4.0)
-    assert all(1 <= row["spare1"] <= row["placed"] <= row["static"] for row in rows)
+    assert all(1 <= row["joint"] <= row["copies"] <= row["placed"] <= row["static"] for row in rows)
     table = bench.format_table(rows, with_plan=False).splitlines()
-    assert len(table) == 5 and table[-1].startswith("| 4.0x |") and table[-1].count("|") == 7
+    assert len(table) == 5 and table[-1].startswith("| 4.0x |") and table[-1].count("|") == 8
 
 
 def test_the_balance_benchmark_reads_a_runs_logged_load(tmp_path: Path) -> None:
