@@ -132,6 +132,15 @@ def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
     assert load_assumptions(config.replace(imbalance=0.0)).at_ep(4, 8).imbalance == pytest.approx(2.8)
 
 
+def test_a_memory_budget_is_capped_at_the_gpus_memory():
+    from genomelm.plan.memory import usable_gib
+
+    budget = TrainConfig.from_args(["model=tiny", "gpu_gib=144.5"])  # the published recipe's, on a B200
+    assert usable_gib(budget) == 144.5
+    assert usable_gib(budget.replace(gpu="h200")) == 139.0  # an H200 has less
+    assert usable_gib(TrainConfig.from_args(["model=tiny", "gpu=h200"])) == 139.0
+
+
 def test_an_unmeasured_run_assumes_a_zipf_load_fitted_to_the_published_4x_at_ep32():
     assumed = Assumptions()
     assert assumed.at_ep(32, 288).imbalance == pytest.approx(4.0)

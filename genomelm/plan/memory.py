@@ -300,8 +300,10 @@ class ParameterShare:
 
 
 def usable_gib(config: TrainConfig) -> float:
-    """Device memory a rank may use: `plan.gpu_gib`, else the GPU's usable memory."""
-    return config.plan.gpu_gib or GPUS[config.plan.gpu][0]
+    """Device memory a rank may use: `plan.gpu_gib`, capped at the GPU's usable memory (a budget set for
+    one GPU stays within a smaller one), else the GPU's usable memory."""
+    device = GPUS[config.plan.gpu][0]
+    return min(config.plan.gpu_gib, device) if config.plan.gpu_gib else device
 
 
 @dataclass
