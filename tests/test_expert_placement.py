@@ -188,3 +188,35 @@ def test_a_ranks_expert_rows_are_described_as_runs_of_consecutive_experts() -> N
         rows.__get_tensor_shard__(MetadataIndex("w", torch.Size((1, 0))))
     with pytest.raises(RuntimeError, match="describes a checkpoint's expert rows"):
         rows + 1
+
+
+def test_a_resumed_run_places_its_experts_by_the_load_it_routed(tmp_path: Path, capsys) -> None:
+    """`expert_placement=balanced`: at a resume, each MoE layer placed by the checkpoint's routed totals,
+    written to the run folder and said in one line; a fresh run, or `static`, keeps the static blocks."""
+    from genomelm.model import ModelConfig
+    from genomelm.run.config import TrainConfig
+    from genomelm.train.loop import placed_by_load
+
+    config = TrainConfig.from_args(["model=tiny", "dp=2", "ep=2", f"runs_dir={tmp_path}", "run=r"])
+    config = config.replace(expert_placement="balanced")
+    tiny = ModelConfig.preset("tiny")
+    routed = {"steps": 3, "counts": {"1": [4, 3, 2, 1, 0, 0, 0, 0], "2": [1] * 8}}
+    (tmp_path / "r").mkdir()
+    placed = placed_by_load(config, tiny, {"step": 3, "routed": routed}, None)
+    assert placed[1].placement.slots == ((0, 3, 6, 7), (1, 2, 4, 5)) and placed[1].static == 2.0
+    assert placed[1].placed == 1.0 and placed[2].placed == placed[2].static == 1.0
+    written = json.loads((tmp_path / "r" / "expert_placement.json").read_text())
+    assert written["load_through_step"] == 3 and written["layers"]["1"]["slots"] == [
+        [0, 3, 6, 7],
+        [1, 2, 4, 5],
+    ]
+    said = capsys.readouterr().out
+    assert (
+        "experts placed by the routed load of steps 1-3: the busiest rank's rows over the mean 1.50 -> 1.00"
+        in said
+    )
+    assert placed_by_load(config, tiny, None, None) == {}  # a fresh run: no load yet
+    assert (
+        placed_by_load(config.replace(expert_placement="static"), tiny, {"step": 3, "routed": routed}, None)
+        == {}
+    )

@@ -106,7 +106,7 @@ def test_context_and_expert_parallel_on_two_ranks_equal_one_process(fly_data, tm
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_at_other_world_sizes_and_placements(fly_data, tmp_path, capfd) -> None:
+def test_sharded_checkpoint_resumes_at_other_world_sizes_and_placements(fly_data, tmp_path) -> None:
     """Saved by 2 ranks (dp=2 x ep=2, FSDP2), killed at step 3; resumed by one process (grad_accum=2), by 2
     ranks with each MoE layer's experts placed by the routed load of steps 1-2 (`expert_placement=balanced`),
     and by 4 ranks (dp=2 x cp=2, ep=4: the experts resharded) placed so with a copy slot per rank
@@ -141,7 +141,6 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_and_placements(fly_data
     layers = placement["layers"].values()
     assert any(layer["slots"] != [[0, 1, 2, 3], [4, 5, 6, 7]] for layer in layers)  # not the static blocks
     assert all(layer["placed"] <= layer["static"] for layer in layers)
-    assert "experts placed by the routed load of steps 1-2" in capfd.readouterr().out
     with_copies = json.loads((tmp_path / "at4" / "expert_placement.json").read_text())["layers"].values()
     assert any(len(rank) == 3 for layer in with_copies for rank in layer["slots"])  # 2 owned + a copy
     from genomelm.model import load_model

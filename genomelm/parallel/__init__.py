@@ -15,7 +15,8 @@ Context parallelism for the KDA and DSA layers:
 The mesh and the rest of the split:
 - `mesh`: `ParallelDims(dp, cp, ep)` and the process groups / device meshes of a run (`Mesh`);
 - `expert`: `apply_expert_parallel(model, group)`, each rank's share of the routed experts (`ExpertShard`,
-  `is_expert_parallel`) and the all-to-all token dispatch;
+  `is_expert_parallel`) and the all-to-all token dispatch; `placement`: where the experts live, by load
+  (`expert_slots`: the tables the exchange reads, `expert_rows`: the experts in expert order for DCP);
 - `training`: what a step moves (`ContextRun`, `ParallelRun`: FSDP2 sharding, gradient sums, clipping);
 - `checkpoint`: `Checkpointer`, the checkpoint folders of a run (listing, atomic writes, pruning; the
   one-process layout and the sharded DCP layout, RNG state); `export`: `genomelm export` to the Hugging Face

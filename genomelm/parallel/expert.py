@@ -1,8 +1,11 @@
 """Expert parallelism (EP) for the routed experts, applied to a built model from outside.
 
 `apply_expert_parallel(model, group)` keeps on each rank r of `group` (size ep) only experts
-[r*E/ep, (r+1)*E/ep) of every `Experts` module: `gate_up_proj` [E/ep, 2I, D] and `down_proj` [E/ep, D, I],
-under the same parameter names, sliced from the full weights every rank built. It attaches to the module one
+[r*E/ep, (r+1)*E/ep) of every `Experts` module (or, under a placement by load, the E/ep experts it owns
+there, plus copies of other ranks' experts whose weights arrive per layer pass: `fetch_copies`):
+`gate_up_proj` [E/ep, 2I, D] and `down_proj` [E/ep, D, I], under the same parameter names, taken from the
+full weights every rank built. The exchange sorts and counts pairs by slot over the group (`ExpertShard.
+slot_ids`), which under the static blocks is the expert itself. It attaches to the module one
 `ExpertShard` (`module.expert_shard`: the group, this rank's place in it, the global ids of the experts held
 here, the capacity factor, the row counter); `is_expert_parallel(module)` is the one test for it. It also sets
 an instance attribute `forward` (as `genomelm.parallel.context` does for attention) that keeps
@@ -328,6 +331,9 @@ def _plan_sizes(
     settings: ExpertShard, route: Callable[[], list[Tensor]], chunks: list[Tensor] | None
 ) -> None:
     """`plan_expert_chunks`'s split sizes and dispatches started ahead."""
+    for leftover in settings.in_flight.values():  # of a forward that raised between chunks: let it land
+        leftover.result()
+    settings.in_flight.clear()
     recompute = _in_recompute()
     ahead = settings.overlap and chunks is not None
     if recompute and not ahead:
@@ -553,13 +559,6 @@ def apply_expert_parallel(
         _note_route(model, name, ep)
         changed.append(name)
     return changed
-
-
-def placements_by_module(model: nn.Module, placements: dict[int, Placement]) -> dict[str, Placement]:
-    """MoE layer index -> placement, as `apply_expert_parallel` takes them: by its routed experts' module
-    name."""
-    names = {id(module): name for name, module in model.named_modules()}
-    return {names[id(model.layers[layer].mlp.experts)]: p for layer, p in placements.items()}
 
 
 def _note_route(model: nn.Module, name: str, ep: int) -> None:

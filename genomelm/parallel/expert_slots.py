@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .placement import Placement
 
@@ -77,6 +77,13 @@ class ExpertSlots:
         occurrence[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
         copy = (occurrence + spread) % self.copies[flat]
         return self.table[flat, copy].view_as(expert_ids)
+
+
+def placements_by_module(model: nn.Module, placements: dict[int, Placement]) -> dict[str, Placement]:
+    """MoE layer index -> placement, as `apply_expert_parallel` takes them: by its routed experts' module
+    name."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return {names[id(model.layers[layer].mlp.experts)]: p for layer, p in placements.items()}
 
 
 def _on(table: Tensor, device: torch.device) -> Tensor:

@@ -54,7 +54,7 @@ from genomelm.data.windows import Window
 from genomelm.model import GlmForCausalLM, ModelConfig
 from genomelm.model.backends import as_on_gpu
 from genomelm.model.config import MOE
-from genomelm.parallel.expert import placements_by_module
+from genomelm.parallel.expert_slots import placements_by_module
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
 from genomelm.parallel.layout import ContextLayout, segments_per_rank
 from genomelm.parallel.mesh import ParallelDims

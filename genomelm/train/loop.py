@@ -26,7 +26,7 @@ from genomelm.data.errors import space_checked
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model, save_model
 from genomelm.model.config import MOE, is_preset
 from genomelm.parallel.checkpoint import Checkpointer, write_checksums
-from genomelm.parallel.expert import placements_by_module
+from genomelm.parallel.expert_slots import placements_by_module
 from genomelm.parallel.export import export_checkpoint_collective
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
