@@ -18,6 +18,7 @@ busiest GPU at about 4x the mean).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def placement_rows(target: float, seed: int) -> list[dict[str, float]]:
     load = zipf_load(EXPERTS, exponent, seed)
     rows = []
     for ep in EPS:
+        with_copies = placement_with_replicas(load, ep, 1)
         rows.append(
             {
                 "target": target,
@@ -49,7 +51,8 @@ def placement_rows(target: float, seed: int) -> list[dict[str, float]]:
                 "ep": ep,
                 "static": static_placement(EXPERTS, ep).busiest_over_mean(load),
                 "placed": balanced_placement(load, ep).busiest_over_mean(load),
-                "copies": placement_with_replicas(load, ep, 1).busiest_over_mean(load),
+                "copies": with_copies.busiest_over_mean(load),
+                "copy_weights": with_copies.copy_weights(EXPERTS, ep),
                 "joint": balanced_placement(load, ep, spare=1).busiest_over_mean(load),
             }
         )
@@ -76,25 +79,28 @@ def logged_rows(path: Path) -> list[dict[str, float]]:
     ]
 
 
-PLANNED = {  # row key -> the run's settings
-    "static": {},
-    "placed": {"expert_placement": "balanced"},
-    "copies": {"expert_placement": "balanced", "expert_copies": 1},
-}
+PLANNED = ("static", "placed", "copies")
 
 
 def projected_tokens_per_s(rows: list[dict[str, float]]) -> None:
-    """Adds the plan's tokens/s at each training figure as the imbalance (one trace pair, shared)."""
+    """Adds the plan's tokens/s at each training figure as the imbalance (one trace pair, shared): a placed
+    run's memory sized for the static blocks (it starts on them), with copies their weights' exchange."""
     from genomelm.plan.check import make_plan
+    from genomelm.plan.layouts import load_assumptions
     from genomelm.plan.memory import TraceCache
     from genomelm.run.config import TrainConfig
 
     config = TrainConfig.load(ROOT / "configs" / "train" / "hg38-1m.yaml", ["device=cpu"])
     traces = TraceCache()
     for row in rows:
-        for key, settings in PLANNED.items():
-            run = config.replace(ep=int(row["ep"]), imbalance=row[key], **settings)
-            plan = make_plan(run, traces=traces)
+        for key in PLANNED:
+            run = config.replace(ep=int(row["ep"]), imbalance=row[key])
+            assumptions = load_assumptions(run)
+            if key != "static":
+                copy_weights = row["copy_weights"] if key == "copies" else 0.0
+                placed = {"static_imbalance": row["static"], "copy_weights": copy_weights}
+                assumptions = dataclasses.replace(assumptions, **placed)
+            plan = make_plan(run, assumptions=assumptions, traces=traces)
             row[f"{key}_tokens_per_s"] = plan.tokens_per_s_projected
             row[f"{key}_fits"] = plan.fits
 

@@ -220,3 +220,31 @@ def test_a_resumed_run_places_its_experts_by_the_load_it_routed(tmp_path: Path, 
         placed_by_load(config.replace(expert_placement="static"), tiny, {"step": 3, "routed": routed}, None)
         == {}
     )
+
+
+def test_exact_moments_come_back_for_every_parameter_whose_experts_stayed() -> None:
+    """A resume under a new placement keeps the quantised moments as saved for every parameter but the
+    expert parameters whose experts moved (those take the state dict's requantised ones); another mesh
+    keeps none."""
+    from genomelm.parallel.checkpoint import exact_moments, load_exact_moments
+
+    class Quantised:
+        def __init__(self) -> None:
+            self.loaded: dict = {}
+
+        def exact_state(self) -> dict:
+            return {0: "embedding's", 1: "layer 1 experts'", 2: "layer 2 experts'"}
+
+        def load_exact_state(self, exact: dict) -> None:
+            self.loaded = exact
+
+    world = {"dp": 2, "cp": 1, "ep": 2}
+    saved = exact_moments(Quantised(), world, {1: [3, 0], 2: [1, 2]})
+    optimizer = Quantised()
+    load_exact_moments(optimizer, saved, world, {1: [3, 0], 2: [2, 1]})  # layer 2's experts moved
+    assert optimizer.loaded == {0: "embedding's", 1: "layer 1 experts'"}
+    load_exact_moments(optimizer, saved, world | {"dp": 4}, {1: [3, 0], 2: [1, 2]})
+    assert optimizer.loaded == {0: "embedding's", 1: "layer 1 experts'"}  # another mesh: nothing loaded
+    static = exact_moments(Quantised(), world)
+    load_exact_moments(optimizer, static, world)
+    assert optimizer.loaded == Quantised().exact_state()

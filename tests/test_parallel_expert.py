@@ -323,11 +323,13 @@ PERMUTED = ((7, 0, 5, 2), (1, 6, 3, 4))
 WITH_COPIES = ((7, 0, 5, 2, 1), (1, 6, 3, 4, 0))
 
 
-def placed_and_static_rank(slots: tuple, chunk_recompute: bool = False) -> dict[str, dict[str, Any]]:
+def placed_and_static_rank(
+    slots: tuple, chunk_recompute: bool = False, planned: bool = True
+) -> dict[str, dict[str, Any]]:
     """This rank's window through the expert-parallel model with the static blocks and with every MoE layer
-    placed as `slots` (with `chunk_recompute`, each MoE chunk recomputed on its own as well): the loss, the
-    gradients (an expert gradient's rows in its module's order of owned experts), the experts held and the
-    rows computed here."""
+    placed as `slots` (with `chunk_recompute`, each MoE chunk recomputed on its own as well; without
+    `planned`, the experts called chunk by chunk, unplanned): the loss, the gradients (an expert gradient's
+    rows in its module's order of owned experts), the experts held and the rows computed here."""
     from genomelm.parallel.expert import apply_expert_parallel, expert_shard, received_tokens
     from genomelm.parallel.placement import Placement
     from genomelm.train.memory import set_chunk_recompute
@@ -338,7 +340,9 @@ def placed_and_static_rank(slots: tuple, chunk_recompute: bool = False) -> dict[
         set_chunk_recompute(model, chunk_recompute)
         names = [n for n, m in model.named_modules() if isinstance(m, Experts)]
         placements = {name: Placement(slots) for name in names} if placed else None
-        apply_expert_parallel(model, dist.group.WORLD, placements=placements)
+        for name in apply_expert_parallel(model, dist.group.WORLD, placements=placements):
+            if not planned:
+                model.get_submodule(name).plan_chunks = None
         loss = run_step(model, fly_rows(LENGTH, dist.get_rank()), None, False)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         held = {name: expert_shard(model.get_submodule(name)).local_experts for name in names}
@@ -381,13 +385,20 @@ def test_experts_placed_out_of_order_equal_the_static_blocks() -> None:
             assert torch.equal(placed, expert_gradients_in_expert_order(results, "static", name)), name
 
 
-@pytest.mark.parametrize("chunk_recompute", [False, True], ids=["layers", "chunks"])
-def test_copies_of_experts_on_other_ranks_equal_the_static_blocks(chunk_recompute: bool) -> None:
+@pytest.mark.parametrize(
+    "chunk_recompute, planned",
+    [(False, True), (True, True), (False, False)],
+    ids=["layers", "chunks", "unplanned"],
+)
+def test_copies_of_experts_on_other_ranks_equal_the_static_blocks(
+    chunk_recompute: bool, planned: bool
+) -> None:
     """Each rank also holds a copy of one of the other rank's experts (`WITH_COPIES`): the copy's weights
     arrive from its owner once per layer pass, it computes a share of that expert's rows, and its gradient
-    goes back to the owner's. The loss and every gradient equal the static blocks' to within fp32 rounding
-    (an expert's gradient is summed over two ranks' rows); the copies take rows off their owners."""
-    results = launch(placed_and_static_rank, EP, WITH_COPIES, chunk_recompute, timeout_s=TIMEOUT_S)
+    goes back to the owner's (or, with the experts called chunk by chunk, once per chunk). The loss and every
+    gradient equal the static blocks' to within fp32 rounding (an expert's gradient is summed over two ranks'
+    rows); the copies take rows off their owners."""
+    results = launch(placed_and_static_rank, EP, WITH_COPIES, chunk_recompute, planned, timeout_s=TIMEOUT_S)
     for rank, result in enumerate(results):
         static, placed = result["static"], result["placed"]
         assert set(placed["held"].values()) == {WITH_COPIES[rank]}

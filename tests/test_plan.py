@@ -726,13 +726,24 @@ def test_a_runs_logged_expert_load_sets_the_imbalance_of_its_layouts_ep(tmp_path
     placed = make_plan(TrainConfig.from_args([*settings, "expert_placement=balanced"]))
     assert placed.assumptions["imbalance"] == 1.0
     assert placed.tokens_per_s_projected == pytest.approx(assumed.tokens_per_s_projected)
-    # with a copy slot per rank: the copies' weights and gradients exchanged, and held, in every MoE layer
-    copies = make_plan(TrainConfig.from_args([*settings, "expert_placement=balanced", "expert_copies=1"]))
-    copy_label = "ep copies' weights (forward, recompute) and gradients (backward)"
+    # a copy slot per rank: at ep=2 the owners alone are even, so no layer uses it and nothing more moves
+    copies = ["expert_placement=balanced", "expert_copies=1"]
+    assert (
+        make_plan(TrainConfig.from_args([*settings, *copies])).comm_bytes_per_step
+        == placed.comm_bytes_per_step
+    )
+    # at ep=4 the owners alone leave 1.6x ([4 | 3 | 2+1 | 0]) and copies 1.13x; the owner of expert 0 sends
+    # its weights to two copies and holds one copy: 3 experts' weights per MoE layer and pass (bf16), in the
+    # forward, the recompute and the backward of 3 layers; memory still sized for the static blocks' 2.8x
+    at4 = [*settings[:2], "dp=4", "ep=4", *settings[4:]]
+    static4 = make_plan(TrainConfig.from_args(at4))
+    with_copies = make_plan(TrainConfig.from_args([*at4, *copies]))
+    assert with_copies.assumptions["imbalance"] == pytest.approx(17 / 15)
     one_expert = 3 * 32 * 16 * 2  # tiny: hidden 32, expert width 16, bf16
-    assert copies.comm_bytes_per_step[copy_label] == pytest.approx(3 * one_expert * 3)  # 3 passes, 3 layers
-    assert copy_label not in placed.comm_bytes_per_step
-    assert copies.peak_gib_per_rank >= placed.peak_gib_per_rank
+    copy_label = "ep copies' weights (forward, recompute) and gradients (backward)"
+    assert with_copies.comm_bytes_per_step[copy_label] == pytest.approx(3 * one_expert * 3 * 3)
+    assert with_copies.peak_gib_per_rank >= static4.peak_gib_per_rank
+    assert with_copies.tokens_per_s_projected > static4.tokens_per_s_projected
 
 
 def test_a_module_whose_peak_moment_changes_with_size_is_not_understated():

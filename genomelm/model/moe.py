@@ -94,7 +94,9 @@ class Experts(nn.Module):
         # route every chunk (-> each chunk's expert ids [T_c, k]) and the chunks' tokens, so it can exchange
         # all of a layer's split sizes at once and send a chunk's rows ahead of its turn; what it returns,
         # if not None, the MoE hands every chunk's forward as `copies` (weights fetched once per layer pass)
-        self.plan_chunks: Callable[[Callable[[], list[Tensor]], list[Tensor]], object] | None = None
+        self.plan_chunks: (
+            Callable[[Callable[[], list[Tensor]], list[Tensor]], tuple[Tensor, Tensor] | None] | None
+        ) = None
         # set by the same module where the rows' results travel back: the MoE then hands `forward` its shared
         # expert (`beside`) to run while they do
         self.runs_beside = False
@@ -243,14 +245,16 @@ class MoE(nn.Module):
         self.tokens_per_expert = counts.detach()
         return torch.cat(outputs).view(*x.shape[:-1], -1)
 
-    def _chunk_forward(self, chunk: Tensor, index: int = 0, planned: object = None) -> tuple[Tensor, Tensor]:
+    def _chunk_forward(
+        self, chunk: Tensor, index: int = 0, planned: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Routed experts + shared expert for [T, D] tokens -> ([T, D], tokens per expert [E]). `index`: the
         chunk's place in the forward, told to the experts (`Experts.chunk_index`); a recompute replays it.
         `planned`: what the experts' `plan_chunks` returned, handed to them as `copies` (an argument, so a
         chunk's recompute gets the same tensors)."""
         self.experts.chunk_index = index
         expert_ids, weights = self.gate(chunk)
-        extra: dict[str, object] = {} if planned is None else {"copies": planned}
+        extra = {} if planned is None else {"copies": planned}  # only a module that fetched copies takes it
         if self.experts.runs_beside:  # the shared expert runs while the routed rows' results travel back
             return self.experts(
                 chunk, expert_ids, weights, beside=lambda: self.shared_experts(chunk), **extra

@@ -59,7 +59,7 @@ from genomelm.data.errors import space_checked
 from genomelm.model.checkpoint import CONFIG_FILE, hf_config_dict, save_model
 
 from .expert import ExpertShard, expert_shard
-from .expert_rows import ExpertRows, expert_rows
+from .expert_rows import ExpertRows, expert_rows, placed_experts
 from .mesh import Mesh
 
 CHECKPOINTS_DIR = "checkpoints"  # in the run folder
@@ -210,22 +210,33 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def exact_moments(optimizer: torch.optim.Optimizer, world: dict[str, Any]) -> dict[str, Any]:
+def exact_moments(
+    optimizer: torch.optim.Optimizer, world: dict[str, int], held: dict[int, list[int]] | None = None
+) -> dict[str, Any]:
     """{"exact_moments": ...} for an optimizer whose state dict does not give its quantised moments back
-    exactly (`genomelm.train.lowbit.LowBitAdamW.exact_state`), with the layout it holds them for (`world`: the
-    mesh dims and any placement of the experts; {} in one process); {} for any other."""
+    exactly (`genomelm.train.lowbit.LowBitAdamW.exact_state`), with the layout it holds them for (`world`:
+    the mesh dims, {} in one process; `held`: the experts of each placed expert parameter, by position);
+    {} for any other."""
     exact = getattr(optimizer, "exact_state", None)
-    return {"exact_moments": {"world": world, "state": exact()}} if exact is not None else {}
+    return (
+        {"exact_moments": {"world": world, "held": held or {}, "state": exact()}} if exact is not None else {}
+    )
 
 
 def load_exact_moments(
-    optimizer: torch.optim.Optimizer, saved: dict[str, Any], world: dict[str, Any]
+    optimizer: torch.optim.Optimizer,
+    saved: dict[str, Any],
+    world: dict[str, int],
+    held: dict[int, list[int]] | None = None,
 ) -> None:
-    """After the optimizer's state dict is loaded: put back `exact_moments` that `saved` holds for this
-    layout (another layout keeps the state dict's requantised moments)."""
+    """After the optimizer's state dict is loaded: put back the `exact_moments` that `saved` holds for these
+    mesh dims, of every parameter whose rows hold the same experts as then (another layout, or a parameter
+    whose experts moved, keeps the state dict's requantised moments)."""
     exact = saved.get("exact_moments")
-    if exact is not None and exact["world"] == world and hasattr(optimizer, "load_exact_state"):
-        optimizer.load_exact_state(exact["state"])
+    if exact is None or exact["world"] != world or not hasattr(optimizer, "load_exact_state"):
+        return
+    then, now = exact.get("held", {}), held or {}
+    optimizer.load_exact_state({i: e for i, e in exact["state"].items() if then.get(i) == now.get(i)})
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -454,7 +465,8 @@ class Checkpointer:
             with dcp_failures():
                 dcp.save(seen, checkpoint_id=tmp / STATE_DIR)
             mine = [tmp / RNG_DIR / f"rank-{rank:05d}.pt", *(tmp / STATE_DIR).glob(f"__{rank}_*.distcp")]
-            torch.save(rng_state() | exact_moments(optimizer, _held_layout(model, mesh)), mine[0])
+            held = placed_experts(model, optimizer)
+            torch.save(rng_state() | exact_moments(optimizer, mesh.dims.__dict__, held), mine[0])
             if rank == 0:
                 config = hf_config_dict(model.config, torch.float32)
                 (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -503,7 +515,7 @@ class Checkpointer:
         own = torch.load(rng, weights_only=False)
         set_rng_state(own)
         if mesh is not None:
-            load_exact_moments(optimizer, own, _held_layout(model, mesh))
+            load_exact_moments(optimizer, own, mesh.dims.__dict__, placed_experts(model, optimizer))
 
 
 # --------------------------------------------------------------------------- DCP's view of a sharded model
@@ -518,20 +530,9 @@ def _expert_layouts(model: nn.Module) -> dict[str, ExpertShard]:
     return layouts
 
 
-def _held_layout(model: nn.Module, mesh: Mesh) -> dict[str, Any]:
-    """What this rank's optimizer state is laid out by: the mesh dims and, where an `Experts` module's
-    experts are placed by load, the experts of this rank's slots."""
-    placed = {
-        name: list(shard.local_experts)
-        for name, shard in _expert_layouts(model).items()
-        if shard.slots is not None
-    }
-    return mesh.dims.__dict__ | ({"experts": placed} if placed else {})
-
-
 def _as_global(value: Tensor, shard: ExpertShard) -> ExpertRows:
-    """A rank's expert rows (the experts of its slots; FSDP's share of them when sharded) as rows of the
-    global [E, ...] tensor in expert order. Shares storage with `value`, so DCP reads into it in place."""
+    """A rank's expert rows (the experts it owns; FSDP's share of them when sharded) as rows of the global
+    [E, ...] tensor in expert order. Shares storage with `value`, so DCP reads into it in place."""
     return expert_rows(value, shard.owned_experts, shard.num_experts)
 
 

@@ -13,17 +13,19 @@ an instance attribute `forward` (as `genomelm.parallel.context` does for attenti
 the router -> (out [T, D], counts [E] long of this rank's (token, expert) pairs) -- and moves the rows to the
 experts' owners:
 
-1. this rank's pairs are sorted by global expert (so also by owning rank), counts [E] per expert;
-2. one all-gather of the counts: every rank knows the whole [ep, E] count matrix, hence every send and receive
-   size and the capacity decision, which is therefore the same on every rank (all raise together, none hangs);
-   its row sums are copied to the host (the all-to-all takes its split sizes there): a host sync, inherent to
-   an uneven all-to-all. The MoE routes all its chunks before the first (`Experts.plan_chunks`), so one
-   all-gather and one host copy serve all of a layer's chunks (`plan_expert_chunks`). A recompute in the
-   backward pass routes each chunk exactly as the forward did, so it reuses the forward's matrix and sizes
+1. this rank's pairs are sorted by slot over the group (so also by the rank computing them), counts per slot
+   (ep x slots per rank; the static blocks' slots are the experts themselves);
+2. one all-gather of the counts: every rank knows the whole [ep, slots] count matrix, hence every send and
+   receive size and the capacity decision, which is therefore the same on every rank (all raise together, none
+   hangs); its row sums are copied to the host (the all-to-all takes its split sizes there): a host sync,
+   inherent to an uneven all-to-all. The MoE routes all its chunks before the first (`Experts.plan_chunks`),
+   so one all-gather and one host copy serve all of a layer's chunks (`plan_expert_chunks`). A recompute in
+   the backward pass routes each chunk exactly as the forward did, so it reuses the forward's matrix and sizes
    (kept per chunk, found by `Experts.chunk_index`): no all-gather and no host sync;
 3. an uneven all-to-all of the rows (in the compute dtype: bf16 under autocast) to the owners; the rows arrive
-   grouped by source rank, then expert, and are reordered expert-major for one grouped GEMM over the local
-   experts (`Experts.expert_rows`, the local path's own GEMM), then put back in arrival order;
+   grouped by source rank, then slot, and are reordered slot-major for one grouped GEMM over the local
+   experts (`Experts.expert_rows`, the local path's own GEMM; a second over the copies, if any), then put
+   back in arrival order;
 4. the reverse all-to-all, the routing weights, and an index_add into out, as the local path does.
 
 With `overlap` (the default, `ep_overlap`), the exchanges are started ahead and waited for where their rows
@@ -107,8 +109,8 @@ class InFlight:
 @dataclass
 class ExpertShard:
     """One `Experts` module's share of the routed experts: the expert-parallel group, this rank's place in it,
-    the global ids of the experts it holds (its `gate_up_proj` / `down_proj` rows, in order), and the rows
-    they computed since the counter was last reset."""
+    the global ids of the experts of its slots (its own, the rows of `gate_up_proj` / `down_proj` in order,
+    then any copies of others'), and the rows they computed since the counter was last reset."""
 
     group: dist.ProcessGroup | None  # None: a layout made without a process group (loading, tests)
     ep: int
@@ -119,11 +121,11 @@ class ExpertShard:
     name: str = ""  # the module's name in the model, for messages
     overlap: bool = True  # exchanges started ahead and waited for late (see `apply_expert_parallel`)
     received_tokens: int = field(default=0, compare=False)  # (token, expert) rows computed here
-    # chunk index -> (pairs, count matrix, rows between ranks) of the last forward: what a recompute reuses
+    # chunk index -> the `Sizes` of the last forward: what a recompute reuses
     kept_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
     # the same for the chunks of the forward under way, exchanged before its first chunk (`plan_chunks`)
     planned_sizes: dict[int, Sizes] = field(default_factory=dict, compare=False, repr=False)
-    # chunk index -> (tokens [T_c, D], expert ids [T_c, k], rows between ranks) of planned chunks whose
+    # chunk index -> (tokens [T_c, D], slot ids [T_c, k], rows between ranks) of planned chunks whose
     # dispatch is not started
     planned_rows: dict[int, tuple[Tensor, Tensor, list[list[int]]]] = field(
         default_factory=dict, compare=False, repr=False
@@ -165,7 +167,7 @@ class ExpertShard:
 
     def slot_ids(self, expert_ids: Tensor) -> Tensor:
         """expert_ids [T, k] (global) -> the slot over the group that computes each pair [T, k]: what the
-        exchange sorts and counts by (owner rank first)."""
+        exchange sorts and counts by (the computing rank first)."""
         return expert_ids if self.slots is None else self.slots.slot_ids(expert_ids, self.rank)
 
 
@@ -368,11 +370,10 @@ def fetch_copies(module: Experts, settings: ExpertShard) -> tuple[Tensor, Tensor
         return None
     gate_up, down = module.gate_up_proj, module.down_proj
 
-    def rows(weight: Tensor) -> Tensor:  # the sent experts' weights, flat; from the parameter even if none
-        picked = [weight[row] for row in slots.send_rows]
-        return (torch.stack(picked) if picked else weight[:0]).flatten(1)
-
-    sent = torch.cat([rows(gate_up), rows(down)], dim=1)
+    # the sent experts' weights, flat, in one gather per weight (its backward writes one gradient buffer);
+    # taken from the parameter even where none are sent, so every rank's backward reaches the exchange
+    rows = slots.rows_to_send(gate_up.device)
+    sent = torch.cat([gate_up.index_select(0, rows).flatten(1), down.index_select(0, rows).flatten(1)], dim=1)
     arrived = all_to_all_rows(sent, slots.send, slots.recv, settings.group)
     split = gate_up[0].numel()
     return arrived[:, :split].reshape(-1, *gate_up.shape[1:]), arrived[:, split:].reshape(-1, *down.shape[1:])
@@ -380,8 +381,8 @@ def fetch_copies(module: Experts, settings: ExpertShard) -> tuple[Tensor, Tensor
 
 def _by_slot(x: Tensor, slot_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """x [T, D], slot_ids [T, k] (`ExpertShard.slot_ids`) -> (order [T*k]: the (token, expert) pairs sorted
-    by slot over the group, so by owner rank, the token of each sorted pair [T*k], x's rows in that order in
-    the compute dtype [T*k, D])."""
+    by slot over the group, so by the rank computing them, the token of each sorted pair [T*k], x's rows in
+    that order in the compute dtype [T*k, D])."""
     order = torch.argsort(slot_ids.reshape(-1), stable=True)
     token_of_pair = order // slot_ids.shape[1]
     return order, token_of_pair, x[token_of_pair].to(compute_dtype(x))
@@ -430,7 +431,7 @@ def expert_parallel_forward(
     per_rank = settings.per_rank
     counts = torch.bincount(expert_ids.reshape(-1), minlength=settings.num_experts)
     slot_ids = settings.slot_ids(expert_ids)
-    # [src, dst, local expert]: pairs rank src sends to expert `local expert` of rank dst
+    # [src, dst, local slot]: pairs rank src sends to slot `local slot` of rank dst
     recompute, index = _in_recompute(), module.chunk_index
     kept = settings.kept_sizes.get(index) if recompute else settings.planned_sizes.pop(index, None)
     in_flight = settings.in_flight.pop(index, None)
@@ -444,17 +445,17 @@ def expert_parallel_forward(
         settings.kept_sizes[index] = kept
     send, recv = _send_recv(settings, rows_between)
 
-    order, token_of_pair, x_sorted = _by_slot(x, slot_ids)  # by owner rank, then its slot
-    received = all_to_all_rows(x_sorted, send, recv, settings.group, in_flight)  # by source, then expert
+    order, token_of_pair, x_sorted = _by_slot(x, slot_ids)  # by the computing rank, then its slot
+    received = all_to_all_rows(x_sorted, send, recv, settings.group, in_flight)  # by source, then slot
     _start_dispatch(settings, index + 1)  # in flight while this chunk's experts compute
-    here = matrix[:, settings.rank]  # [src, local expert]
+    here = matrix[:, settings.rank]  # [src, local slot]
     local_ids = (
         torch.arange(per_rank, device=x.device)
         .repeat(settings.ep)
         .repeat_interleave(here.flatten(), output_size=sum(recv))
     )
     by_expert = torch.argsort(local_ids, stable=True)
-    if copies is None and module.plan_chunks is None:
+    if copies is None:  # not planned by the MoE: its copies' weights, if any, fetched for this call
         copies = fetch_copies(module, settings)
     y = _slot_rows(module, received[by_expert], here.sum(0), own_rows, copies)
     y_received = y[torch.argsort(by_expert)]  # back to arrival order

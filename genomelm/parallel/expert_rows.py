@@ -2,14 +2,14 @@
 [E, ...] tensor in the canonical expert order, of which this rank holds one chunk per run of consecutive
 experts among its rows.
 
-Expert parallelism keeps on each rank the experts of its slots (`ExpertShard.local_experts`): a block under
-the static layout, any set under a placement by load; FSDP may hold a block of those slots. A checkpoint
-stores every expert tensor (weights and optimizer moments) at its global shape in expert order whatever the
-placement, so a run resumes under another placement, ep or world size. Written here because torch's own
-types cannot describe such rows: a DTensor's shard is one block of the global tensor, and a ShardedTensor
-needs every rank's shards and devices up front. DCP's protocol for a tensor that describes its own chunks
-(`__create_write_items__`, `__create_chunk_list__`, `__get_tensor_shard__`, as DTensor implements it) is
-what this class implements; each chunk is a view of the local rows, so DCP reads into them in place.
+Expert parallelism keeps on each rank the weights of the experts it owns (`ExpertShard.owned_experts`): a
+block under the static layout, any set under a placement by load; FSDP may hold a block of those rows. A
+checkpoint stores every expert tensor (weights and optimizer moments) at its global shape in expert order
+whatever the placement, so a run resumes under another placement, ep or world size. Written here because
+torch's own types cannot describe such rows: a DTensor's shard is one block of the global tensor, and a
+ShardedTensor needs every rank's shards and devices up front. DCP's protocol for a tensor that describes its
+own chunks (`__create_write_items__`, `__create_chunk_list__`, `__get_tensor_shard__`, as DTensor implements
+it) is what this class implements; each chunk is a view of the local rows, so DCP reads into them in place.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .expert import expert_shard
 
 
 def expert_runs(experts: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -84,9 +86,22 @@ class ExpertRows(Tensor):
         raise ValueError(f"{index.fqn}: this rank holds no expert rows at {index.offset}")
 
 
+def placed_experts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, list[int]]:
+    """The experts held by each expert parameter of a module placed by load (`ExpertShard.slots`), by the
+    parameter's position in `optimizer`: what a rank's optimizer state is laid out by beyond the mesh."""
+    held = {}
+    for module in model.modules():
+        shard = expert_shard(module)
+        if shard is not None and shard.slots is not None:
+            for param in module.parameters(recurse=False):
+                held[id(param)] = list(shard.owned_experts)
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    return {i: held[id(param)] for i, param in enumerate(params) if id(param) in held}
+
+
 def expert_rows(value: Tensor, experts: Sequence[int], num_experts: int) -> ExpertRows:
-    """`value`: a module's expert tensor [slots, ...] (a DTensor where FSDP shards the slots, then this rank
-    holds a block of them), slot i holding expert `experts[i]` -> its rows on this rank as `ExpertRows`."""
+    """`value`: a module's expert tensor [rows, ...] (a DTensor where FSDP shards the rows, then this rank
+    holds a block of them), row i holding expert `experts[i]` -> its rows on this rank as `ExpertRows`."""
     if isinstance(value, DTensor):
         shape, offset = compute_local_shape_and_global_offset(
             value.shape, value.device_mesh, value.placements

@@ -21,16 +21,18 @@ from .placement import Placement
 class ExpertSlots:
     """One `Experts` module's placement as the exchange reads it, on one rank of the group."""
 
-    owned: int  # slots per rank whose experts' weights live there (their parameters): E / ep
-    table: (
-        Tensor  # [E, most copies] long: each expert's slots over the group, owner's first (the last repeated)
-    )
-    copies: Tensor  # [E] long: how many slots hold each expert
-    send_rows: list[
-        int
-    ]  # this rank's own experts (rows of its weights) whose weights it sends, by destination
-    send: list[int]  # per rank: how many of those go there
-    recv: list[int]  # per rank: how many of this rank's copies that rank owns (their weights arrive in order)
+    # slots per rank whose experts' weights live there (their parameters): E / ep
+    owned: int
+    # [E, most copies] long: each expert's slots over the group, owner's first (the last repeated)
+    table: Tensor
+    # [E] long: how many slots hold each expert
+    copies: Tensor
+    # [n] long: this rank's own experts (rows of its weights) whose weights it sends, by destination rank
+    send_rows: Tensor
+    # per rank: how many of those go there
+    send: list[int]
+    # per rank: how many of this rank's copies that rank owns (their weights arrive in that order)
+    recv: list[int]
 
     @classmethod
     def of(cls, placement: Placement, experts: int, ep: int, rank: int) -> ExpertSlots | None:
@@ -52,12 +54,19 @@ class ExpertSlots:
         recv = [0] * ep
         for expert in placement.slots[rank][owned:]:
             recv[owner[expert]] += 1
-        return cls(owned, table, torch.tensor([len(s) for s in slots]), send_rows, send, recv)
+        copies = torch.tensor([len(s) for s in slots])
+        return cls(owned, table, copies, torch.tensor(send_rows, dtype=torch.long), send, recv)
 
     @property
     def has_copies(self) -> bool:
         """Whether ranks hold copies of other ranks' experts (then every rank fetches and sends weights)."""
         return self.table.shape[1] > 1
+
+    def rows_to_send(self, device: torch.device) -> Tensor:
+        """`send_rows` on `device` (moved there once)."""
+        if self.send_rows.device != device:
+            self.send_rows = _on(self.send_rows, device)
+        return self.send_rows
 
     def slot_ids(self, expert_ids: Tensor, spread: int) -> Tensor:
         """expert_ids [T, k] -> the slot computing each pair [T, k]. An expert's pairs are dealt to its copies

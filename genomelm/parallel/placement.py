@@ -3,9 +3,11 @@ from the measured load per expert, as DeepSeek's EPLB does: the hottest experts 
 then every copy is packed onto the rank with the least load so far (longest-processing-time first).
 
 Pure arithmetic over one load vector (tokens routed to each expert, summed over a window of steps); nothing
-here moves weights or tokens. Every rank holds the same number of slots, experts / ep plus `spare`: its
-expert weights are one tensor of a fixed shape. The load model splits an expert's tokens evenly over its
-copies (a dispatcher that spreads them by token index does so to within one token).
+here moves weights or tokens. Every rank holds the same number of slots, experts / ep plus `spare`. Training
+runs a placement whose first experts / ep slots of each rank own their experts (the rank's parameters) and
+whose spare slots hold copies fetched from the owners (`Placement.slots_of`, `placement_with_replicas`).
+The load model splits an expert's tokens evenly over its copies (training deals them out in turn, to within
+one token per source rank: `genomelm.parallel.expert_slots`).
 """
 
 from __future__ import annotations
@@ -62,14 +64,26 @@ class Placement:
                 owner[expert] = rank
                 slots[expert].append(rank * per_rank + place)
         for rank, held in enumerate(self.slots):
-            if len(set(held)) != len(held):
-                raise ValueError(f"rank {rank} holds an expert twice: {held}")
+            if len(set(held)) != len(held) or any(e not in owner for e in held):
+                raise ValueError(f"rank {rank} holds an expert twice or one no rank owns: {held}")
             copies = held[owned:]
             if [owner[e] for e in copies] != sorted(owner[e] for e in copies):
                 raise ValueError(f"rank {rank}'s copies {copies} are not ordered by their owner's rank")
             for place, expert in enumerate(copies, start=owned):
                 slots[expert].append(rank * per_rank + place)
         return slots
+
+    def copy_weights(self, experts: int, ep: int) -> int:
+        """Experts' weights the busiest rank sends and receives for copies in one layer pass (`slots_of`'s
+        layout: the first experts / ep of a rank owned, the rest copies): its own experts' copies elsewhere,
+        plus its copies of others'."""
+        owned = experts // ep
+        owner = {e: r for r, held in enumerate(self.slots) for e in held[:owned]}
+        moved = [len(held) - owned for held in self.slots]
+        for held in self.slots:
+            for expert in held[owned:]:
+                moved[owner[expert]] += 1
+        return max(moved)
 
     def busiest_over_mean(self, load: Sequence[float]) -> float:
         """The busiest rank's tokens over the mean rank's: what sets the MoE layers' step time."""
@@ -143,7 +157,8 @@ def placement_with_replicas(load: Sequence[float], ep: int, spare: int) -> Place
         return balanced_placement(load, ep)
     if spare < 0 or ep == 1 or experts % ep or spare > experts - experts // ep:
         raise ValueError(
-            f"spare={spare} copy slots on ep={ep} ranks of {experts} experts: give spare >= 0, ep > 1"
+            f"spare={spare} copy slots on ep={ep} ranks of {experts} experts: give 0 <= spare <= experts - "
+            "experts / ep, ep > 1"
         )
     copies = replica_counts(load, experts + ep * spare, ep)
     share = [load[e] / copies[e] for e in range(experts)]

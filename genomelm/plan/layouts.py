@@ -60,11 +60,17 @@ class Assumptions:
     # is taken after placement, else under the static blocks (and the placement shown beside)
     placed: bool = False
     copies: int = 0  # the placement's copy slots per rank (`expert_copies`)
+    # where placed: the static blocks' imbalance (a run places its experts at resume, so it starts on the
+    # static blocks: memory is sized for them), and the experts' weights the busiest rank sends and
+    # receives for copies per MoE layer pass (`Placement.copy_weights`)
+    static_imbalance: float = 0.0
+    copy_weights: float = 0.0
     # from a run's expert_load.json (`logged_imbalance`): busiest/mean of the static blocks at each ep, and
     # under a placement by load
     logged_experts: int = 0
     logged_static: dict[int, float] = field(default_factory=dict)
     logged_placed: dict[int, float] = field(default_factory=dict)
+    logged_copy_weights: dict[int, float] = field(default_factory=dict)  # mean over the layers
     # neither set nor measured: the imbalance at each ep from `assumed_load` (where its model applies)
     load_model: bool = True
 
@@ -80,17 +86,26 @@ class Assumptions:
         model's; under the static blocks, or after placement by load where the run places its experts."""
         if self.logged_experts == experts and ep in self.logged_static:
             static, placed = self.logged_static[ep], self.logged_placed[ep]
+            traffic = self.logged_copy_weights[ep]
             source = f"measured (expert_load.json, {self._placement_text(ep, static, placed)})"
         elif self.load_model and ep > 1 and (model := assumed_load(experts, ep, self.copies)) is not None:
-            exponent, static, placed = model
+            exponent, static, placed, traffic = model
             source = (
                 f"assumed: a Zipf load (s={exponent:.3f}) whose static blocks give {ASSUMED_IMBALANCE:g}x at "
                 f"ep={PUBLISHED_EP}, as published; {self._placement_text(ep, static, placed)}"
             )
         else:
             return self
-        imbalance = placed if self.placed else static
-        return dataclasses.replace(self, imbalance=imbalance, imbalance_source=source)
+        if not self.placed:
+            return dataclasses.replace(self, imbalance=static, imbalance_source=source)
+        return dataclasses.replace(
+            self, imbalance=placed, imbalance_source=source, static_imbalance=static, copy_weights=traffic
+        )
+
+    @property
+    def sized_imbalance(self) -> float:
+        """The imbalance memory is sized for: the static blocks' where the run starts on them."""
+        return max(self.imbalance, self.static_imbalance)
 
     def _placement_text(self, ep: int, static: float, placed: float) -> str:
         copies = f" and {self.copies} copy slot(s) per rank" if self.copies else ""
@@ -100,17 +115,19 @@ class Assumptions:
 
 
 @functools.cache
-def assumed_load(experts: int, ep: int, copies: int = 0) -> tuple[float, float, float] | None:
+def assumed_load(experts: int, ep: int, copies: int = 0) -> tuple[float, float, float, int] | None:
     """(Zipf exponent, busiest/mean of the static blocks, and placed by load with `copies` copy slots per
-    rank) at `ep` for the load model of an unmeasured run: experts loaded as 1 / k**s in a fixed random
-    order, s fitted so the static blocks give the published ~4x at the published ep=32. None where it does
-    not apply (32 or ep not dividing `experts`)."""
+    rank, and the copies' weights the busiest rank moves per layer pass) at `ep` for the load model of an
+    unmeasured run: experts loaded as 1 / k**s in a fixed random order, s fitted so the static blocks give
+    the published ~4x at the published ep=32. None where it does not apply (32 or ep not dividing
+    `experts`)."""
     if experts % PUBLISHED_EP or experts % ep:
         return None
     exponent = fit_zipf(experts, PUBLISHED_EP, ASSUMED_IMBALANCE)
     load = zipf_load(experts, exponent)
     static = static_placement(experts, ep).busiest_over_mean(load)
-    return exponent, static, placement_with_replicas(load, ep, copies).busiest_over_mean(load)
+    placed = placement_with_replicas(load, ep, copies)
+    return exponent, static, placed.busiest_over_mean(load), placed.copy_weights(experts, ep)
 
 
 def load_assumptions(config: TrainConfig) -> Assumptions:
@@ -135,24 +152,23 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
 
 def logged_imbalance(path: Path, copies: int = 0) -> dict[str, Any]:
     """From a run's expert_load.json: the MoE layers' busiest/mean (summed over layers as the step adds them)
-    under the static blocks and under a placement by load (with `copies` copy slots per rank), at every
+    under the static blocks and under a placement by load (with `copies` copy slots per rank), and the
+    placement's copies' weights the busiest rank moves per layer pass (mean over the layers), at every
     power-of-two ep dividing the experts (the `logged_*` fields of `Assumptions`)."""
     layers = read_expert_load(path)
     experts = len(next(iter(layers.values()))) if layers else 0
     eps = [2**k for k in range(1, experts.bit_length()) if experts % 2**k == 0]
-    return {
-        "logged_experts": experts,
-        "logged_static": {
-            ep: layers_busiest_over_mean(layers, lambda load, ep=ep: static_placement(experts, ep))
-            for ep in eps
-        },
-        "logged_placed": {
-            ep: layers_busiest_over_mean(
-                layers, lambda load, ep=ep: placement_with_replicas(load, ep, copies)
-            )
-            for ep in eps
-        },
-    }
+    logged: dict[str, Any] = {"logged_experts": experts, "logged_static": {}, "logged_placed": {}}
+    logged["logged_copy_weights"] = {}
+    for ep in eps:
+        placed = {layer: placement_with_replicas(load, ep, copies) for layer, load in layers.items()}
+        static = static_placement(experts, ep)
+        logged["logged_static"][ep] = layers_busiest_over_mean(layers, lambda load: static)
+        by_load = {id(load): placed[layer] for layer, load in layers.items()}  # each layer's own, by its load
+        logged["logged_placed"][ep] = layers_busiest_over_mean(layers, lambda load: by_load[id(load)])
+        moved = [p.copy_weights(experts, ep) for p in placed.values()]
+        logged["logged_copy_weights"][ep] = sum(moved) / max(len(moved), 1)
+    return logged
 
 
 def measured_imbalance(config: TrainConfig) -> tuple[float, str] | None:

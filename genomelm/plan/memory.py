@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
-from genomelm.model.config import is_preset
+from genomelm.model.config import MOE, is_preset
 from genomelm.plan.layouts import GIB, GPUS, Assumptions, Layout
 from genomelm.plan.optimizer_bytes import StateBytes, state_bytes
 from genomelm.plan.trace import (
@@ -60,7 +60,11 @@ MOE_RULE = (
     "(dispatch, combine) per MoE layer, in the forward, the recompute and the backward; with ep_overlap the "
     "forward also holds the next chunk's rows in flight, (1 + imbalance) x chunk x top-k x hidden x 2 B, "
     "less than the backward's gradients of a chunk (imbalance x chunk x top-k x (2 hidden + 3 "
-    "moe_intermediate) x 2 B), so the MoE's transient stays the backward's"
+    "moe_intermediate) x 2 B), so the MoE's transient stays the backward's; with expert_placement=balanced "
+    "the time takes the imbalance after placement and the memory the static blocks' (a run places its "
+    "experts at resume, so it starts on them), and with expert_copies the copies' weights the busiest rank "
+    "sends and receives per layer pass, and their gradients, are added to the MoE's transient (every MoE "
+    "layer's, held to the backward, without recompute)"
 )
 OFFLOAD_RULE = (
     "traced with offload=true (with recompute, offload moves only each layer's saved input to the host); "
@@ -354,7 +358,7 @@ def module_transients(
     held = recompute_held(config, model_config, layout, steps, a)
     if layout.ep > 1 or layout.sharded:  # the busiest rank's rows of one chunk
         rows = (
-            (a.imbalance if layout.ep > 1 else 1.0)
+            (a.sized_imbalance if layout.ep > 1 else 1.0)
             * min(tokens, options.moe_chunk_tokens)
             * model_config.num_experts_per_tok
         )
@@ -362,18 +366,22 @@ def module_transients(
         per_row = (
             (2 * model_config.hidden_size + 3 * model_config.moe_intermediate_size) * 2 * (1 if held else 2)
         )
-        # with copies of other ranks' experts: their bf16 weights as they arrive, the owner's sent ones, and
-        # their gradients
+        # with copies: the weights the busiest rank sends and receives, and their gradients; without a layer
+        # recompute every MoE layer's copies stay saved for its backward
         c = model_config
-        copies = (
-            3 * a.copies * 3 * c.hidden_size * c.moe_intermediate_size * 2
-            if a.placed and layout.ep > 1
-            else 0
-        )
+        expert = 3 * c.hidden_size * c.moe_intermediate_size * copy_width(config, layout)
+        held_layers = 1 if config.memory.recompute else sum(t == MOE for t in c.mlp_layer_types)
+        copies = 2 * a.copy_weights * expert * held_layers if layout.ep > 1 else 0.0
         for k in transients:
-            if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == "sparse":
+            if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == MOE:
                 transients[k] = rows * per_row + copies
     return {k: v + held.get(k, 0.0) for k, v in transients.items()}
+
+
+def copy_width(config: TrainConfig, layout: Layout) -> int:
+    """Bytes per weight of the copies' exchange: the weights as the step computes with them, bf16 where
+    FSDP2 gathers them so (a bf16 run on GPUs: "auto" too), else the fp32 parameters."""
+    return 2 if layout.sharded and config.memory.precision != "fp32" else 4
 
 
 def holds_every_chunk(config: TrainConfig) -> bool:
@@ -419,7 +427,9 @@ def recompute_held(
         )
         busiest = 0.0
         if layout.ep > 1:
-            busiest = (a.imbalance - 1) * tokens * model_config.num_experts_per_tok * hi.expert_row_bytes
+            busiest = (
+                (a.sized_imbalance - 1) * tokens * model_config.num_experts_per_tok * hi.expert_row_bytes
+            )
         held[key] = max(0.0, traced + copies(tokens, layout.ep, layout.sharded) + busiest)
     return held
 

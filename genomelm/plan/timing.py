@@ -19,7 +19,7 @@ from genomelm.data import read_manifest
 from genomelm.model import ModelConfig
 from genomelm.plan import rates, roofline
 from genomelm.plan.layouts import Assumptions, EvalTime, Layout
-from genomelm.plan.memory import ParameterShare, ScaledTraces
+from genomelm.plan.memory import ParameterShare, ScaledTraces, copy_width
 from genomelm.plan.optimizer_bytes import StateBytes
 from genomelm.plan.rates import Peaks
 from genomelm.run import scoring
@@ -240,7 +240,7 @@ def step_time(
     p = device_peaks(a, config.plan.gpu)
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     comm, comm_s, overlapped_s = comm_bytes(
-        model_config, layout, params, steps, a, p, config.parallel.ep_overlap
+        model_config, layout, params, steps, a, p, config.parallel.ep_overlap, copy_exchanges(config, layout)
     )
     chunk_tokens = config.model_options.moe_chunk_tokens
     routings = 2 if config.parallel.ep_overlap else 1  # the forward's, and the recompute's to start ahead
@@ -474,18 +474,25 @@ class _Tally:
         moved = per_exchange * exchanges * moe_layers * self.imbalance
         self.add(label, moved, ep, "all_to_all", overlapped)
 
-    def expert_copies(self, model_config: ModelConfig, layout: Layout, copies: int) -> None:
-        """The weights of each rank's `copies` copies of other ranks' experts (`expert_copies`), fetched from
-        their owners in the forward and again in the recompute, and their gradients sent back in the
-        backward: bf16, one exchange per MoE layer and pass, blocking (an upper bound where a layer's
-        placement uses fewer copies)."""
-        if layout.ep == 1 or copies == 0:
+    def expert_copies(
+        self, model_config: ModelConfig, layout: Layout, weights: float, width: int, passes: int
+    ) -> None:
+        """The experts' `weights` the busiest rank sends and receives for copies (`expert_copies`) per MoE
+        layer pass, `width` bytes each: fetched in the forward (and again in a layer's recompute), their
+        gradients returned in the backward; `passes` exchanges per layer, blocking."""
+        if layout.ep == 1 or weights == 0:
             return
         c = model_config
         moe_layers = sum(t == "sparse" for t in c.mlp_layer_types)
-        per_pass = copies * 3 * c.hidden_size * c.moe_intermediate_size * 2
+        per_pass = weights * 3 * c.hidden_size * c.moe_intermediate_size * width
         label = "ep copies' weights (forward, recompute) and gradients (backward)"
-        self.add(label, 3 * per_pass * moe_layers, layout.ep, "all_to_all")
+        self.add(label, passes * per_pass * moe_layers, layout.ep, "all_to_all")
+
+
+def copy_exchanges(config: TrainConfig, layout: Layout) -> tuple[int, int]:
+    """(bytes per weight, exchanges per MoE layer) of the experts' copies: fetched in the forward and, with a
+    layer recompute, again in it; their gradients returned in the backward."""
+    return copy_width(config, layout), 3 if config.memory.recompute else 2
 
 
 def _gathered(layout: Layout, params: ParameterShare) -> float:
@@ -504,11 +511,13 @@ def comm_bytes(
     a: Assumptions,
     p: Peaks,
     overlap: bool,
+    copies: tuple[int, int],
 ) -> tuple[dict[str, float], float, float]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
     computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over:
     those that block the compute, and those on the side (FSDP2's; with `overlap`, the expert exchanges
-    started ahead)."""
+    started ahead). `copies`: the bytes per weight and exchanges per MoE layer of the experts' copies
+    (`copy_exchanges`)."""
     hi, cp, world = steps.hi, layout.cp, layout.world
     tally = _Tally(p.links, a.imbalance)
     tally.traced_layers(model_config, steps, cp)
@@ -529,7 +538,7 @@ def comm_bytes(
     else:
         label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
         tally.expert_exchange(model_config, layout, tokens, 6, 2, label)
-    tally.expert_copies(model_config, layout, a.copies if a.placed else 0)
+    tally.expert_copies(model_config, layout, a.copy_weights, copies[0], copies[1])
     return tally.bytes, tally.seconds, tally.overlapped_seconds
 
 

@@ -165,8 +165,8 @@ class ParallelConfig:
     # chunk's expert GEMMs, the combine during the shared expert); false: every exchange blocks (same results)
     ep_overlap: bool = True
     # "static": rank r holds the block of experts [r E/ep, (r+1) E/ep); "balanced": each MoE layer's experts
-    # placed at start and at each resume to even the ranks' rows by the run's routed load so far
-    # (runs/<run>/expert_placement.json; static until the run has a load)
+    # placed at each resume to even the ranks' rows by the run's routed load so far
+    # (runs/<run>/expert_placement.json; a fresh run starts on the static blocks)
     expert_placement: str = "static"
     # with expert_placement=balanced: slots per rank for copies of the hottest experts (their weights fetched
     # from the owner each layer pass, their gradients summed into the owner's), used where they lower the
@@ -189,7 +189,7 @@ class ParallelConfig:
         _check_choice("launcher", self.launcher, LAUNCHERS)
         _check_choice("expert_placement", self.expert_placement, EXPERT_PLACEMENTS)
         _require(
-            self.expert_copies == 0 or (self.expert_copies > 0 and self.expert_placement == "balanced"),
+            self.expert_copies == 0 or (0 < self.expert_copies and self.expert_placement == "balanced"),
             f"expert_copies={self.expert_copies}: give 0, or copy slots per rank (> 0) with "
             "expert_placement=balanced",
         )

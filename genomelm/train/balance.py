@@ -7,7 +7,7 @@ weights.
 
 Counts are summed over the step's micro-batches, from each forward's router statistics read once (an
 activation recompute routes the same tokens again and is not counted twice). Their totals since the run's
-first step (`RoutedTotals`) place the experts over the expert-parallel ranks at start and at each resume
+first step (`RoutedTotals`) place the experts over the expert-parallel ranks at each resume
 (`expert_placements`, `expert_placement=balanced`).
 """
 
