@@ -3,7 +3,8 @@
 - `check`: `check_fits` (what every command meant for GPUs calls first) and `describe_run` (`dry_run=true`);
 - `trace`: the training step and the scoring step traced on fake tensors (`torch.distributed._tools`'
   MemTracker and a FLOP/byte counter), at sizes extrapolated to the full window;
-- `memory`, `timing`, `roofline`: memory per rank, step time op by op against the GPU's peaks;
+- `memory`, `timing`, `comm`, `roofline`: memory per rank, step time op by op against the GPU's peaks, what
+  each rank moves over its links;
 - `search`: every layout of the GPUs ranked by projected tokens/s; `report`: what the command prints;
 - `layouts`: the GPUs it knows, what the projection assumes, a layout and its verdict;
 - `simulate`: the run's own multi-GPU step on fake CUDA tensors (NCCL's rules, host syncs);
