@@ -18,9 +18,9 @@ becomes the run's stop request (`genomelm.run.stop`), which the workers read fro
 first step; a second one, or any signal while scoring, ends the driver at once and Ray is shut down.
 
 `ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local
-Ray starts with no dashboard and no authentication, and stops when the run ends. The driver's working
-directory (where `runs/`, `data/` and relative paths live) must exist at the same path on every node: a shared
-file system on a cluster.
+Ray starts with no dashboard, no authentication and no preemption watcher, and stops when the run ends. The
+driver's working directory (where `runs/`, `data/` and relative paths live) must exist at the same path on
+every node: a shared file system on a cluster.
 
 Ray is imported inside the functions: it is slow to import, and `start_ray` sets its environment first.
 """
@@ -60,10 +60,13 @@ class RayLaunchError(RuntimeError):
 
 
 def start_ray(address: str | None = None) -> None:
-    """Connect to the cluster at `address`, or start a local Ray (no dashboard, no authentication); Ray's own
-    chatter is kept to warnings in this process and in every worker it starts."""
+    """Connect to the cluster at `address`, or start a local Ray (no dashboard, no authentication, no
+    preemption watcher); Ray's own chatter is kept to warnings in this process and in every worker it
+    starts."""
     for key, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
+    if address is None:  # Ray Train's preemption watcher polls the nodes for drains: the one node is this one
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     import ray
 
     ray.init(
