@@ -172,7 +172,7 @@ def test_ray_settings_refused_before_ray_starts(monkeypatch) -> None:
 def test_ray_trains_chatter_stays_quiet_after_ray_train_configures_its_loggers() -> None:
     import logging.config
 
-    from genomelm.run.ray_launch import QUIET_LOGGERS, quiet_ray_loggers
+    from genomelm.run.ray_logging import QUIET_LOGGERS, quiet_ray_loggers
 
     quiet_ray_loggers()
     # what Ray Train's controller and workers do on start (`LoggingManager`): it resets the levels below it

@@ -5,10 +5,10 @@ processes, each with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
 environment and the default process group initialised (gloo on the CPU, each rank with its share of the cores;
 NCCL with one GPU per rank on CUDA), calls `fn(*args)` there and returns the ranks' return values in rank
 order (`fn`, its arguments and its results must pickle). Rank 0 is the rank that writes outputs
-(`is_output_rank`). The processes fork from a multiprocessing forkserver that has imported torch once (it
-never runs torch, so no threads or CUDA state are inherited); like spawn, they get nothing from the caller but
-what is pickled, its sys.path, and (set first thing in each rank) its environment variables, working
-directory and warning format.
+(`is_output_rank`). The processes fork from a multiprocessing forkserver that has imported torch, and what
+the ranks import next, once (`genomelm.parallel.rank_preload`; it never runs torch, so no threads or CUDA
+state are inherited); like spawn, they get nothing from the caller but what is pickled, its sys.path, and
+(set first thing in each rank) its environment variables, working directory and warning format.
 
 Failures end the whole launch instead of hanging it:
 - a rank raises: the other ranks are stopped and the parent re-raises that exception (same type and message,
@@ -61,8 +61,7 @@ from tqdm import tqdm
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RANK_SIGNALS_MODULE = "genomelm.parallel.rank_signals"  # named, never imported here: its import ignores them
-# what a training or scoring rank imports next, imported once by the forkserver after torch (no threads)
-RANK_PRELOAD = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor")
+RANK_PRELOAD_MODULE = "genomelm.parallel.rank_preload"  # named, never imported here: what the ranks import
 REAP_GRACE_S = 5.0  # how long a rank that reported gets to exit before SIGKILL
 STACK_DUMP_WAIT_S = 5.0  # how long the ranks get to write their stacks after SIGUSR1
 COLLECTIVE_TIMEOUT_MARGIN_S = 60.0  # no collective_timeout_s: the group's timeout is the launch's + this
@@ -154,9 +153,9 @@ def launch(
             f"{world_size} ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}"
         )
     context = multiprocessing.get_context("forkserver")
-    # the server ignores SIGINT and SIGTERM, then imports torch once, with the parts every training rank
-    # imports next (`RANK_PRELOAD`: about 0.5 s of CPU per rank on this machine); each rank forks from it
-    context.set_forkserver_preload([RANK_SIGNALS_MODULE, __name__, *RANK_PRELOAD])
+    # the server ignores SIGINT and SIGTERM, then imports torch once, with what every training or scoring
+    # rank imports next (`genomelm.parallel.rank_preload`); each rank forks from it
+    context.set_forkserver_preload([RANK_SIGNALS_MODULE, __name__, RANK_PRELOAD_MODULE])
     port = _free_port()
     caller = (dict(os.environ), os.getcwd(), warnings.formatwarning)
     ranks: list[_Rank] = []

@@ -4,7 +4,8 @@
 - `models`: the device, the model config and the before/after models a command reads;
 - `precision`: bf16 or fp32, and what autocast and FSDP2 take from it;
 - `launchers`: where a run's ranks run (one process, local ranks, Ray Train workers) and the layout checks
-  before any of them starts; `ray_launch`: the Ray side of it;
+  before any of them starts; `ray_launch`: the Ray side of it (`ray_logging`: what each Ray process runs
+  first);
 - `lock` and `stop`: one owner per run folder, and signals turned into the run's stop request;
 - `scoring`: the forward pass that scores windows on the run's mesh (eval, the read-outs, held-out eval in
   training, and what `genomelm plan stage=eval` traces);

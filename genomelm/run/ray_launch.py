@@ -18,9 +18,9 @@ becomes the run's stop request (`genomelm.run.stop`), which the workers read fro
 first step; a second one, or any signal while scoring, ends the driver at once and Ray is shut down.
 
 `ray_address` joins an existing cluster ("auto" on a node of it, or "ray://head:10001"); without it a local
-Ray starts with no dashboard and no authentication, and stops when the run ends. The driver's working
-directory (where `runs/`, `data/` and relative paths live) must exist at the same path on every node: a shared
-file system on a cluster.
+Ray starts with no dashboard, no authentication and no preemption watcher, and stops when the run ends. The
+driver's working directory (where `runs/`, `data/` and relative paths live) must exist at the same path on
+every node: a shared file system on a cluster.
 
 Ray is imported inside the functions: it is slow to import, and `start_ray` sets its environment first.
 """
@@ -43,21 +43,13 @@ from typing import Any
 
 from genomelm.parallel.launch import STOP_SIGNALS, Interrupted
 from genomelm.run.config import TrainConfig
+from genomelm.run.ray_logging import WORKER_SETUP_HOOK, quiet_ray_loggers
 from genomelm.run.stop import StopSignals
 
 QUIET_ENVIRONMENT = {
     "RAY_AUTH_MODE": "disabled",  # no token prompt for a cluster this process starts on localhost
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage-stats banner
     "RAY_TRAIN_V2_ENABLED": "1",  # the Train API whose failure handling this module relies on
-}
-
-
-QUIET_LOGGERS = {  # Ray modules whose `logger` says what the run does not need to read, and the level kept
-    "ray.train.v2._internal.execution.context": logging.WARNING,
-    "ray.train.v2._internal.execution.controller.placement_group_cleaner": logging.ERROR,
-    # On a busy machine the first resource request can outwait its 5 s; Ray logs that as a warning with a
-    # traceback ("safe to ignore", it says) and asks again.
-    "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client": logging.ERROR,
 }
 
 
@@ -68,42 +60,21 @@ class RayLaunchError(RuntimeError):
 
 
 def start_ray(address: str | None = None) -> None:
-    """Connect to the cluster at `address`, or start a local Ray (no dashboard, no authentication); Ray's own
-    chatter is kept to warnings in this process and in every worker it starts."""
+    """Connect to the cluster at `address`, or start a local Ray (no dashboard, no authentication, no
+    preemption watcher); Ray's own chatter is kept to warnings in this process and in every worker it
+    starts."""
     for key, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
+    if address is None:  # Ray Train's preemption watcher polls the nodes for drains: the one node is this one
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     import ray
 
     ray.init(
         address=address,
         include_dashboard=False,
         logging_level=logging.WARNING,
-        runtime_env={"worker_process_setup_hook": f"{__name__}.quiet_ray_loggers"},
+        runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
     )
-
-
-class _AtLeast(logging.Filter):
-    """Keeps a logger's records at `level` and above. A filter, not the logger's level: Ray Train's controller
-    and workers `dictConfig` the "ray.train" logger, which resets the levels of the loggers below it."""
-
-    def __init__(self, level: int) -> None:
-        super().__init__()
-        self.level = level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level
-
-
-def quiet_ray_loggers() -> None:
-    """In each Ray worker process: drop Ray Train's per-report lines, the placement-group cleaner's warning
-    that the state API (served by the dashboard, which a local run does not start) is unavailable, and the
-    resource request's transient time-out."""
-    import importlib
-
-    for module, level in QUIET_LOGGERS.items():
-        logger = importlib.import_module(module).logger  # some are named by file, not module
-        if not any(isinstance(f, _AtLeast) for f in logger.filters):
-            logger.addFilter(_AtLeast(level))
 
 
 def run_with_ray(
