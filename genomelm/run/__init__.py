@@ -1,6 +1,7 @@
 """The run core: what every command's run shares, training or not.
 
-- `config`: the run settings (`TrainConfig`, one dataclass per owner);
+- `config`: the run settings (`TrainConfig`, one dataclass per owner; `readout_config`: the evaluation's
+  and the read-outs' groups; `setting_checks`: the checks they share);
 - `models`: the device, the model config and the before/after models a command reads;
 - `precision`: bf16 or fp32, and what autocast and FSDP2 take from it;
 - `launchers`: where a run's ranks run (one process, local ranks, Ray Train workers) and the layout checks

@@ -45,6 +45,8 @@ from genomelm.data.regions import parse_seq, seq_label
 from genomelm.model.config import PRESET_DIR, RunOptions, is_preset
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.run.precision import PRECISIONS
+from genomelm.run.readout_config import EmbedConfig, EvalConfig, ProbeConfig, TrackConfig, VariantConfig
+from genomelm.run.setting_checks import check_choice, require
 
 CP_LAYOUTS = ("zigzag", "contiguous")
 LAUNCHERS = ("local", "ray", "env")
@@ -54,19 +56,6 @@ GPU_KINDS = ("b200", "h200")
 PLAN_DEVICES = ("auto", "cpu", "cuda")
 PLAN_STAGES = ("train", "eval")
 EXPORT_FINAL = ("auto", "true", "false")
-VARIANT_POSITIONS = ("end", "center")
-EMBED_POOLS = ("mean", "base")
-EMBED_DTYPES = ("fp32", "bf16")
-
-
-def _require(ok: bool, message: str) -> None:
-    """A setting's check: ValueError(message), which names the setting and what to give, unless `ok`."""
-    if not ok:
-        raise ValueError(message)
-
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    _require(value in choices, f"{name} must be one of {', '.join(map(str, choices))}, not {value!r}")
 
 
 OPTIMIZERS = {
@@ -95,22 +84,22 @@ class OptimConfig:
     max_bad_steps: int = 5  # stop after this many non-finite steps in a row
 
     def validate(self) -> None:
-        _check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
-        _require(self.steps >= 0, f"steps={self.steps}: give steps >= 1, or 0 to size the run from epochs")
-        _require(self.epochs > 0, f"epochs={self.epochs}: give a number of passes > 0")
-        _require(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: give windows per step >= 1")
-        _require(
+        check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
+        require(self.steps >= 0, f"steps={self.steps}: give steps >= 1, or 0 to size the run from epochs")
+        require(self.epochs > 0, f"epochs={self.epochs}: give a number of passes > 0")
+        require(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: give windows per step >= 1")
+        require(
             self.lr >= 0 and self.warmup_steps >= 0,
             f"lr={self.lr}, warmup_steps={self.warmup_steps}: give lr >= 0 and warmup_steps >= 0",
         )
-        _require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: give a ratio in [0, 1]")
-        _require(
+        require(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio}: give a ratio in [0, 1]")
+        require(
             self.grad_clip is None or self.grad_clip > 0,
             f"grad_clip={self.grad_clip}: give a gradient norm > 0, or none for no clipping",
         )
-        _require(self.weight_decay >= 0, f"weight_decay={self.weight_decay}: give a decay >= 0")
-        _require(all(0 <= b < 1 for b in self.betas), f"betas={self.betas}: give two values in [0, 1)")
-        _require(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps}: give a number of steps >= 1")
+        require(self.weight_decay >= 0, f"weight_decay={self.weight_decay}: give a decay >= 0")
+        require(all(0 <= b < 1 for b in self.betas), f"betas={self.betas}: give two values in [0, 1)")
+        require(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps}: give a number of steps >= 1")
 
 
 @dataclass
@@ -123,12 +112,10 @@ class DataOptions:
     seq_warmup_start: int = 1024  # tokens of the first crops of the warm-up
 
     def validate(self) -> None:
-        _require(0 <= self.rc_aug <= 1, f"rc_aug={self.rc_aug}: give a probability in [0, 1]")
-        _require(
-            self.softmask_weight >= 0, f"softmask_weight={self.softmask_weight}: give a loss weight >= 0"
-        )
-        _require(self.seq_warmup_steps >= 0, f"seq_warmup_steps={self.seq_warmup_steps}: give steps >= 0")
-        _require(self.seq_warmup_start >= 1, f"seq_warmup_start={self.seq_warmup_start}: give tokens >= 1")
+        require(0 <= self.rc_aug <= 1, f"rc_aug={self.rc_aug}: give a probability in [0, 1]")
+        require(self.softmask_weight >= 0, f"softmask_weight={self.softmask_weight}: give a loss weight >= 0")
+        require(self.seq_warmup_steps >= 0, f"seq_warmup_steps={self.seq_warmup_steps}: give steps >= 0")
+        require(self.seq_warmup_start >= 1, f"seq_warmup_start={self.seq_warmup_start}: give tokens >= 1")
 
 
 @dataclass
@@ -147,7 +134,7 @@ class MemoryConfig:
     )
 
     def validate(self) -> None:
-        _check_choice("precision", self.precision, PRECISIONS)
+        check_choice("precision", self.precision, PRECISIONS)
 
 
 @dataclass
@@ -185,30 +172,30 @@ class ParallelConfig:
 
     def validate(self) -> None:
         ParallelDims(self.dp, self.cp, self.ep).check()  # the model's expert count is checked at launch
-        _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
-        _check_choice("launcher", self.launcher, LAUNCHERS)
-        _check_choice("expert_placement", self.expert_placement, EXPERT_PLACEMENTS)
-        _require(
+        check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
+        check_choice("launcher", self.launcher, LAUNCHERS)
+        check_choice("expert_placement", self.expert_placement, EXPERT_PLACEMENTS)
+        require(
             self.expert_copies == 0 or (0 < self.expert_copies and self.expert_placement == "balanced"),
             f"expert_copies={self.expert_copies}: give 0, or copy slots per rank (> 0) with "
             "expert_placement=balanced",
         )
-        _require(
+        require(
             self.ep_capacity_factor > 1,
             f"ep_capacity_factor={self.ep_capacity_factor}: give a multiple of the mean (> 1)",
         )
-        _require(
+        require(
             not self.optimizer_offload or (self.fsdp and self.world > 1),
             "optimizer_offload=true is FSDP2's CPU offload: it needs fsdp=true and dp*cp > 1",
         )
-        _require(
+        require(
             self.max_failures >= 0, f"max_failures={self.max_failures}: give the number of restarts (>= 0)"
         )
-        _require(
+        require(
             self.max_failures == 0 or self.launcher == "ray",
             f"max_failures={self.max_failures}: restarts are Ray's (launcher=ray)",
         )
-        _require(
+        require(
             self.collective_timeout_s > 0,
             f"collective_timeout_s={self.collective_timeout_s}: give the seconds a collective may wait (> 0)",
         )
@@ -227,12 +214,12 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         self.export_final = str(self.export_final).lower()  # YAML reads `true` as a bool
-        _check_choice("export_final", self.export_final, EXPORT_FINAL)
-        _require(self.save_every >= 1, f"save_every={self.save_every}: give a number of steps >= 1")
-        _require(
+        check_choice("export_final", self.export_final, EXPORT_FINAL)
+        require(self.save_every >= 1, f"save_every={self.save_every}: give a number of steps >= 1")
+        require(
             self.keep_checkpoints >= 0, f"keep_checkpoints={self.keep_checkpoints}: give >= 0 (0 keeps all)"
         )
-        _require(bool(self.resume), "resume is empty: give auto, never or a checkpoint folder")
+        require(bool(self.resume), "resume is empty: give auto, never or a checkpoint folder")
 
 
 @dataclass
@@ -246,82 +233,8 @@ class LogConfig:
     )
 
     def validate(self) -> None:
-        _check_choice("wandb", self.wandb, WANDB_MODES)
-        _require(self.log_every >= 1, f"log_every={self.log_every}: give a number of steps >= 1")
-
-
-@dataclass
-class EvalConfig:
-    """`genomelm eval`: held-out loss per position bucket."""
-
-    bucket: int = 32768  # tokens per position bucket
-    eval_windows: int = 0  # held-out windows to score (0 = all)
-    context_cut: bool = True  # also score the last bucket with only the preceding bucket as context
-    heldout: str | None = None  # prepared folders to evaluate, comma separated (default: the run's data)
-    eval_every: int = (
-        0  # during training: score `eval_windows` held-out windows every this many steps (0: off)
-    )
-
-    def validate(self) -> None:
-        _require(self.bucket >= 1, f"bucket={self.bucket}: give tokens per bucket >= 1")
-        _require(self.eval_windows >= 0, f"eval_windows={self.eval_windows}: give windows >= 0 (0 = all)")
-        _require(
-            self.eval_every >= 0, f"eval_every={self.eval_every}: give steps >= 0 (0: no eval in training)"
-        )
-
-
-@dataclass
-class TrackConfig:
-    """`genomelm track`: per-base loss tracks (bigWig, bedGraph) of held-out windows or regions."""
-
-    context_cut_tokens: int = 0  # the long-context gain's short context, tokens (0: the bucket size)
-    track_bin: int = 1  # bases averaged per track value (1: per base)
-
-    def validate(self) -> None:
-        _require(self.context_cut_tokens >= 0, f"context_cut_tokens={self.context_cut_tokens}: give >= 0")
-        _require(self.track_bin >= 1, f"track_bin={self.track_bin}: give bases per value >= 1")
-
-
-@dataclass
-class VariantConfig:
-    """`genomelm variants`: zero-shot variant effects of a VCF's records."""
-
-    vcf: str | None = None  # the VCF (.vcf or .vcf.gz) to score
-    fasta: str | None = None  # the reference (any format `genomelm data` reads); default: the run's source
-    variant_context: int = 0  # tokens of the window scored around each variant (0: the run's SEQ)
-    variant_position: str = "end"  # where the variant sits in its window: "end" or "center"
-    skip_mismatch: bool = False  # count and list REF alleles that differ from the reference, not stop
-    contig_map: str | None = None  # a two-column file: VCF contig name, reference record name
-
-    def validate(self) -> None:
-        _check_choice("variant_position", self.variant_position, VARIANT_POSITIONS)
-        _require(self.variant_context >= 0, f"variant_context={self.variant_context}: give tokens >= 0")
-
-
-@dataclass
-class EmbedConfig:
-    """`genomelm embed`: hidden states of held-out windows or regions."""
-
-    embed_layer: int = -1  # decoder layer whose output is taken (-1: the last, as the head sees it)
-    embed_pool: str = "mean"  # "mean" (one vector per window or region) or "base" (one per base)
-    embed_dtype: str = "fp32"  # "fp32" or "bf16"
-
-    def validate(self) -> None:
-        _check_choice("embed_pool", self.embed_pool, EMBED_POOLS)
-        _check_choice("embed_dtype", self.embed_dtype, EMBED_DTYPES)
-
-
-@dataclass
-class ProbeConfig:
-    """`genomelm probe`: the copy probe."""
-
-    probe_length: int = 200  # bases per planted segment
-    probe_distances: str = "1k,4k,16k,64k,256k,1M"  # distances from the first copy to the second (<= seq)
-    probe_windows: int = 4  # held-out windows probed (0 = all)
-
-    def validate(self) -> None:
-        _require(self.probe_length >= 2, f"probe_length={self.probe_length}: give at least 2 bases")
-        _require(self.probe_windows >= 0, f"probe_windows={self.probe_windows}: give windows >= 0 (0 = all)")
+        check_choice("wandb", self.wandb, WANDB_MODES)
+        require(self.log_every >= 1, f"log_every={self.log_every}: give a number of steps >= 1")
 
 
 @dataclass
@@ -353,23 +266,23 @@ class PlanConfig:
     stage: str = "train"  # what is planned: "train" (the training step) or "eval" (the evaluator's forward)
 
     def validate(self) -> None:
-        _check_choice("gpu", self.gpu, GPU_KINDS)
-        _check_choice("stage", self.stage, PLAN_STAGES)
-        _check_choice("device", self.device, PLAN_DEVICES)
-        _require(
+        check_choice("gpu", self.gpu, GPU_KINDS)
+        check_choice("stage", self.stage, PLAN_STAGES)
+        check_choice("device", self.device, PLAN_DEVICES)
+        require(
             self.gpus >= 0, f"gpus={self.gpus}: give the number of GPUs to plan for (0: the run's dp * cp)"
         )
-        _require(0 < self.mfu <= 1, f"mfu={self.mfu}: give a fraction of peak in (0, 1]")
-        _require(self.gpu_gib >= 0, f"gpu_gib={self.gpu_gib}: give GiB per GPU (0: the GPU's usable memory)")
-        _require(self.imbalance >= 0, f"imbalance={self.imbalance}: give >= 0 (0: measured from the run)")
-        _require(
+        require(0 < self.mfu <= 1, f"mfu={self.mfu}: give a fraction of peak in (0, 1]")
+        require(self.gpu_gib >= 0, f"gpu_gib={self.gpu_gib}: give GiB per GPU (0: the GPU's usable memory)")
+        require(self.imbalance >= 0, f"imbalance={self.imbalance}: give >= 0 (0: measured from the run)")
+        require(
             self.trace_tokens >= 1 and self.gpus_per_node >= 1 and self.nics_per_node >= 1,
             f"trace_tokens={self.trace_tokens}, gpus_per_node={self.gpus_per_node}, "
             f"nics_per_node={self.nics_per_node}: give each >= 1",
         )
         links = {"nvlink_gbs": self.nvlink_gbs, "nic_gbs": self.nic_gbs, "pcie_gbs": self.pcie_gbs}
         for name, value in links.items():
-            _require(value >= 0, f"{name}={value}: give GB/s per direction (0: the GPU's attainable rate)")
+            require(value >= 0, f"{name}={value}: give GB/s per direction (0: the GPU's attainable rate)")
 
 
 @dataclass
