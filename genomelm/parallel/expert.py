@@ -488,15 +488,14 @@ def _slot_rows(
     parts = [(rows, counts, None)]
     if copies is not None:
         parts = [(rows[:own_rows], counts[:owned], None), (rows[own_rows:], counts[owned:], copies)]
-    outputs, unused = [], None
+    outputs, unused = [], []
     for part, part_counts, weights in parts:
         if part.shape[0]:
             outputs.append(module.expert_rows(part, part_counts, weights))
         else:
-            gate_up, down = weights or (module.gate_up_proj, module.down_proj)
-            unused = 0 * (gate_up.sum() + down.sum()).to(rows.dtype) + (0 if unused is None else unused)
+            unused.extend(weights or (module.gate_up_proj, module.down_proj))
     y = torch.cat(outputs) if len(outputs) > 1 else outputs[0] if outputs else rows
-    return y if unused is None else y + unused
+    return y + 0 * sum(w.sum() for w in unused).to(rows.dtype) if unused else y
 
 
 def apply_expert_parallel(
@@ -508,8 +507,9 @@ def apply_expert_parallel(
 ) -> list[str]:
     """Each rank of `group` (size ep) keeps experts [r*E/ep, (r+1)*E/ep) of every `Experts` module in `model`
     and runs them for the whole group (see the module docstring); or, for a module named in `placements`, the
-    experts of its slots there (a permutation of the experts over the ranks, e.g. by load:
-    `genomelm.parallel.placement.balanced_placement`), with the same results to within fp32 summation order.
+    experts of its slots there (each expert owned by one rank, plus any copies: `Placement.slots_of`; e.g. by
+    load, `genomelm.parallel.placement.placement_with_replicas`), with the same results to within fp32
+    summation order.
 
     Every rank must have built the same full model first (the slices come from the weights in the module).
     `capacity_factor`: the most rows one rank may receive in one exchange, as a multiple of the mean over the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -277,13 +277,11 @@ def fit_zipf(experts: int, ep: int, busiest_over_mean: float, seed: int = 0) -> 
     return (lo + hi) / 2
 
 
-def layers_busiest_over_mean(
-    layers: dict[int, list[float]], place: Callable[[list[float]], Placement]
-) -> float:
+def layers_busiest_over_mean(layers: dict[int, list[float]], placements: dict[int, Placement]) -> float:
     """The MoE layers' busiest/mean as a step adds them up: the sum over layers of the busiest rank's tokens
-    over the sum of the mean rank's, each layer's load placed by `place`."""
+    over the sum of the mean rank's, each layer's load placed by its placement in `placements`."""
     busiest = mean = 0.0
-    for load in layers.values():
-        per_rank = place(load).rank_loads(load)
+    for layer, load in layers.items():
+        per_rank = placements[layer].rank_loads(load)
         busiest, mean = busiest + max(per_rank), mean + sum(per_rank) / len(per_rank)
     return busiest / mean if mean else 1.0

@@ -162,10 +162,9 @@ def logged_imbalance(path: Path, copies: int = 0) -> dict[str, Any]:
     logged["logged_copy_weights"] = {}
     for ep in eps:
         placed = {layer: placement_with_replicas(load, ep, copies) for layer, load in layers.items()}
-        static = static_placement(experts, ep)
-        logged["logged_static"][ep] = layers_busiest_over_mean(layers, lambda load: static)
-        by_load = {id(load): placed[layer] for layer, load in layers.items()}  # each layer's own, by its load
-        logged["logged_placed"][ep] = layers_busiest_over_mean(layers, lambda load: by_load[id(load)])
+        static = dict.fromkeys(layers, static_placement(experts, ep))
+        logged["logged_static"][ep] = layers_busiest_over_mean(layers, static)
+        logged["logged_placed"][ep] = layers_busiest_over_mean(layers, placed)
         moved = [p.copy_weights(experts, ep) for p in placed.values()]
         logged["logged_copy_weights"][ep] = sum(moved) / max(len(moved), 1)
     return logged
