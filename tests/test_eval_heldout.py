@@ -20,7 +20,8 @@ from genomelm.eval.evaluate import (
     load_heldout,
     write_outputs,
 )
-from genomelm.eval.report import format_table, result_sets
+from genomelm.eval.report import result_sets
+from genomelm.eval.table import format_table
 from genomelm.run.config import TrainConfig
 
 
