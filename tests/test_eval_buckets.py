@@ -16,7 +16,8 @@ from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucket_sums, bucketed_loss
 from genomelm.eval.evaluate import EvalError, HeldoutSet, check_bucket, evaluate_sets, write_outputs
 from genomelm.eval.paired import WindowSums, summarise
-from genomelm.eval.table import format_table
+from genomelm.eval.report import jsonable
+from genomelm.eval.table import LEGEND, format_table
 from genomelm.eval.window_table import recompute
 from genomelm.run.config import TrainConfig
 from genomelm.run.models import ModelChoiceError, model_pair
@@ -248,9 +249,38 @@ def test_writers_json_csv_png_and_table(tmp_path, capsys) -> None:
         assert float(row["after_se"]) == pytest.approx(bucket["after"]["se"])
         assert float(row["change"]) == pytest.approx(bucket["change"])
         assert int(row["after_repeat_tokens"]) == bucket["after"]["repeat_tokens"]
+        interval = bucket["intervals"]["change"]
+        assert float(row["change_low"]) == pytest.approx(interval["low"])
+        assert interval["low"] < float(row["change"]) < interval["high"]
+        assert row["change_excludes_zero"] == str(interval["excludes_zero"])
+        assert float(row["repeat_change_nats"]) == pytest.approx(bucket["repeat_change_nats"])
 
     assert (tmp_path / "loss_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(saved).splitlines()
     assert table[0].split()[:4] == ["bucket", "context", "(kb)", "tokens"]
     assert [line.split()[0] for line in table[2:5]] == ["0", "1", "2"] and table[6].split()[0] == "all"
     assert any(line.startswith("context cut") for line in table)
+    assert table[8] == LEGEND and "±" in table[2]
+    bucket_2 = saved["buckets"][2]["intervals"]["change"]
+    assert table[4].split("%")[0].endswith(f"± {50 * (bucket_2['high'] - bucket_2['low']):.2f}")
+    assert any(line.startswith("late vs early: bucket 2's change minus bucket 0's") for line in table)
+
+
+def test_every_number_recomputed_from_windows_csv(tmp_path, capsys) -> None:
+    run_synthetic_eval(tmp_path, seq=10, bucket=4)
+    saved = json.loads((tmp_path / "buckets.json").read_text())
+    (recomputed,) = recompute(tmp_path / "windows.csv").values()
+    for part in ("buckets", "overall", "context_cut", "contrast"):
+        assert jsonable(recomputed[part]) == saved[part], part  # exact: the file keeps every float's digits
+    assert saved["context_cut"]["intervals"]["change_full"]["windows"] == 4
+    with open(tmp_path / "windows.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 4 * 3  # windows x buckets
+    assert [(r["window"], r["record"], r["start"], r["end"]) for r in rows[:3]] == [
+        ("0", "chrT", "0", "10")
+    ] * 3
+    assert rows[2]["before_cut_sum"] != "" and rows[1]["before_cut_sum"] == ""  # the cut: last bucket only
+    broken = tmp_path / "broken.csv"
+    broken.write_text("window,record\n0,chrT\n")
+    with pytest.raises(ValueError, match="broken.csv: not a genomelm windows file"):
+        recompute(broken)
