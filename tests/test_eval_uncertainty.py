@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from genomelm.eval.uncertainty import Ratio, combine, ratio_estimate, slope_weights
+from genomelm.run.uncertainty import Ratio, combine, ratio_estimate, slope_weights
 
 
 def test_paired_relative_change_hand_computed() -> None:

@@ -3,7 +3,7 @@
 Position t of a window is the prediction of token t+1 from the t+1 tokens before it, so a bucket of
 positions [start, end) is a band of context lengths. A bucket's loss is the token-weighted mean over its valid
 tokens (N and padding excluded) of all windows, and its standard error is that estimator's own: the
-linearised error of a ratio of totals across windows, the independent samples (`genomelm.eval.uncertainty`).
+linearised error of a ratio of totals across windows, the independent samples (`genomelm.run.uncertainty`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from genomelm.eval.uncertainty import Ratio, ratio_estimate
+from genomelm.run.uncertainty import Ratio, ratio_estimate
 
 # each bucket row holds these statistics for all valid tokens, and the same with the prefix
 # "repeat_" (soft-masked targets) and "unmasked_" (upper-case targets)

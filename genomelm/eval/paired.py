@@ -1,7 +1,7 @@
 """The before/after comparison of one held-out set, every number with its paired 95% interval (numpy only).
 
 Both models score the same windows and tokens, so each comparison is a function of per-window totals
-(`WindowSums`) and its error is paired by window (`genomelm.eval.uncertainty`). Per bucket and overall, for
+(`WindowSums`) and its error is paired by window (`genomelm.run.uncertainty`). Per bucket and overall, for
 all valid tokens and the soft-masked (repeat_) and upper-case (unmasked_) subsets:
 
     change       (after - before) / before = sum(after) / sum(before) - 1      (relative)
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from genomelm.eval.buckets import SUBSETS, BucketSums, loss_rows
-from genomelm.eval.uncertainty import Estimate, Ratio, combine, ratio_estimate, slope_weights
+from genomelm.run.uncertainty import Estimate, Ratio, combine, ratio_estimate, slope_weights
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Uncertainty of the evaluator's numbers: ratio estimators over windows and their paired intervals.
+"""Uncertainty of the held-out numbers (`genomelm eval`, `eval_every`): ratio estimators over windows and
+their paired intervals.
 
 Every number the bucket table shows is a linear combination of ratios of totals over the held-out windows,
 
