@@ -14,9 +14,16 @@ from data_fixtures import fly_windows
 
 from genomelm.model import ModelConfig
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
-from genomelm.parallel.simulation import Collective, CollectiveError, SimulationMode, check_ranks_agree
+from genomelm.parallel.simulation import (
+    Collective,
+    CollectiveError,
+    HostSync,
+    SimulationMode,
+    check_ranks_agree,
+)
 from genomelm.plan.simulate import (
     EXCHANGE_SYNC_SITE,
+    RankSimulation,
     Simulation,
     describe_simulation,
     simulate_eval_layout,
@@ -364,3 +371,51 @@ def test_eval_layout_of_a_planned_run_is_the_evaluations_forward_with_its_contex
     assert text.startswith("simulated evaluation forward on fake CUDA (rank 3 of dp 2 x cp 2, ep 2;")
     assert "then the context cut's 512" in text and "reduce_scatter" not in text
     assert "the results' all_gather_object over the dp group" in text
+
+
+def _first_forward(
+    config: TrainConfig, model_config: ModelConfig
+) -> tuple[list[Collective], list[HostSync], RankSimulation]:
+    """Rank 0 of an evaluated window on fake CUDA under FSDP2: the all-gathers of the whole model's bf16
+    parameter groups in its first forward (the root's, then one per decoder layer, in layer order), and that
+    forward's host syncs at the expert exchanges (one per MoE layer, in layer order)."""
+    simulation = simulate_eval_step(config, model_config, ranks=[0])
+    rank = simulation.ranks[0]
+    world = tuple(range(simulation.dims.world))
+    gathers = [
+        c
+        for c in rank.collectives
+        if c.kind == "all_gather" and c.dtype == "bfloat16" and c.ranks == world and c.phase == "window"
+    ]
+    syncs = [s for s in rank.syncs if EXCHANGE_SYNC_SITE in s.site and s.phase == "window"]
+    moe_layers = sum(kind == "sparse" for kind in model_config.mlp_layer_types)
+    return gathers[: model_config.num_hidden_layers + 1], syncs[:moe_layers], rank
+
+
+def test_fsdp_prefetch_issues_the_next_layers_gather_before_this_layers_host_sync() -> None:
+    """fsdp_prefetch=1 (dp 2 x ep 2, FSDP2, bf16): in the forward, every MoE layer after the first issues the
+    next layer's all-gather before its own host sync (the expert exchange's split sizes), so the gather runs
+    on its stream while the host waits; without prefetch the host reaches that gather only after the sync.
+    The collectives (kind, group, dtype, bytes) and the host syncs are the same, only issued earlier."""
+    model_config = ModelConfig.preset("tiny")
+    settings = ["seq=512", "dp=2", "ep=2", "moe_chunk_tokens=128"]
+    layer_kinds = model_config.mlp_layer_types
+    moe = [index for index, kind in enumerate(layer_kinds) if kind == "sparse"]
+    checked = [(k, layer) for k, layer in enumerate(moe) if layer >= 1 and layer + 1 < len(layer_kinds)]
+    assert len(checked) == 2  # tiny: MoE layers 1 and 2 have a next layer (3 is the last)
+    runs = {}
+    for prefetch in (0, 1):
+        gathers, syncs, rank = _first_forward(
+            _tiny_eval(*settings, f"fsdp_prefetch={prefetch}"), model_config
+        )
+        assert len(gathers) == model_config.num_hidden_layers + 1 and len(syncs) == len(moe)
+        # gathers[layer + 1] is the layer's (gathers[0]: the root's); the next layer's is gathers[layer + 2]
+        ahead = [gathers[layer + 2].issued < syncs[k].issued for k, layer in checked]
+        assert ahead == [bool(prefetch)] * len(checked), (prefetch, gathers, syncs)
+        runs[prefetch] = rank
+    issued = [
+        Counter((c.kind, c.ranks, c.dtype, c.bytes) for c in runs[p].collectives if c.kind != "all_to_all")
+        for p in (0, 1)
+    ]
+    assert issued[0] == issued[1]
+    assert Counter(s.site for s in runs[0].syncs) == Counter(s.site for s in runs[1].syncs)
