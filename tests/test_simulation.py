@@ -419,3 +419,84 @@ def test_fsdp_prefetch_issues_the_next_layers_gather_before_this_layers_host_syn
     ]
     assert issued[0] == issued[1]
     assert Counter(s.site for s in runs[0].syncs) == Counter(s.site for s in runs[1].syncs)
+
+
+def _torchao_fp8_kernel_shapes(calls: Counter[str]) -> None:
+    """torchao's Triton FP8 quantisers as its own fake implementations give them (outputs of the kernels'
+    shapes, dtypes and layouts), each call counted in `calls`: on a machine without a GPU torchao does not
+    build the kernels, so it has no custom ops to fake. What is simulated is the rest of the path: the groups'
+    padding, torchao's autograd function and `torch._scaled_grouped_mm` on fake CUDA."""
+    import torchao.prototype.moe_training.fp8_grouped_mm as fp8
+
+    def rowwise_2d(t: torch.Tensor, output_dtype: torch.dtype, **_: object) -> tuple[torch.Tensor, ...]:
+        calls["rowwise_2d"] += 1
+        return torch.empty(t.shape, dtype=output_dtype, device=t.device), t.new_empty(t.shape[0], 1).float()
+
+    def colwise_3d(t: torch.Tensor, output_dtype: torch.dtype, **_: object) -> tuple[torch.Tensor, ...]:
+        calls["colwise_3d"] += 1
+        e, k, n = t.shape
+        data = torch.empty((e, k, n), dtype=output_dtype, device=t.device).as_strided(
+            (e, k, n), (k * n, 1, k)
+        )
+        return data, torch.empty((e, 1, n), dtype=torch.float32, device=t.device)
+
+    def transpose_rhs(t: torch.Tensor, output_dtype: torch.dtype, **_: object) -> tuple[torch.Tensor, ...]:
+        calls["transpose_rhs"] += 1
+        e, k, n = t.shape
+        data = torch.empty((e, n, k), dtype=output_dtype, device=t.device).as_strided(
+            (e, n, k), (n * k, 1, n)
+        )
+        return data, torch.empty((e, k), dtype=torch.float32, device=t.device)
+
+    def colwise_dual(
+        a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, output_dtype: torch.dtype, **_: object
+    ) -> tuple[torch.Tensor, ...]:
+        calls["colwise_dual"] += 1
+        m, groups = a.shape[0], offsets.numel()
+        out = []
+        for t in (a, b):
+            data = torch.empty(t.shape, dtype=output_dtype, device=t.device).as_strided(t.shape, (1, m))
+            out += [data, torch.empty(t.shape[1] * groups, dtype=torch.float32, device=t.device)]
+        return tuple(out)
+
+    fp8.triton_fp8_rowwise_2d_scale_and_cast = rowwise_2d
+    fp8.triton_fp8_colwise_3d_scale_and_cast = colwise_3d
+    fp8.triton_fp8_rowwise_3d_transpose_rhs = transpose_rhs
+    fp8.triton_fp8_per_group_colwise_scales_dual = colwise_dual
+
+
+def _fp8_expert_step(config: TrainConfig, model_config: ModelConfig) -> tuple[Simulation, Counter[str]]:
+    """In the fake-CUDA process: every rank's step with torchao's FP8 quantisers as their shapes; the
+    simulation and the quantisers' calls."""
+    from genomelm.plan.simulate import _simulate_ranks
+
+    calls: Counter[str] = Counter()
+    _torchao_fp8_kernel_shapes(calls)
+    world = config.parallel.dp * config.parallel.cp
+    return _simulate_ranks(config, model_config, list(range(world)), "h200"), calls
+
+
+def test_fp8_expert_gemms_on_fake_cuda_add_no_host_sync_and_no_host_tensor() -> None:
+    """expert_precision=fp8_rowwise at dp 2 x ep 2 on fake CUDA (H200): torchao's FP8 grouped GEMM on every
+    rank in every MoE layer's forward, recompute and backward, every tensor of it on the device (a host tensor
+    in a collective raises; the padding of the groups is computed on the device), and the host syncs of the
+    bf16 experts only: one per MoE layer and micro-batch, at the exchange's split sizes."""
+    model_config = ModelConfig.preset("tiny")
+    config = _tiny("seq=512", "dp=2", "ep=2", "moe_chunk_tokens=128", "expert_precision=fp8_rowwise")
+    simulation, calls = run_on_fake_cuda(_fp8_expert_step, config, model_config)
+    check_ranks_agree([r.collectives for r in simulation.ranks])
+    assert "fp8_rowwise expert GEMMs" in simulation.ranks[0].routes
+    # each pass: 2 ranks x 3 MoE layers x 4 chunks (512 tokens each) x 2 GEMMs; the forward quantises the rows
+    # and the weights, in the forward and in the recompute; the backward the output gradient twice (by rows;
+    # by each group's columns, with the rows) and the weights once
+    gemms = 2 * 3 * 4 * 2
+    assert calls == {
+        "rowwise_2d": 3 * gemms,
+        "colwise_3d": 2 * gemms,
+        "transpose_rhs": gemms,
+        "colwise_dual": gemms,
+    }
+    syncs = simulation.syncs_per_window()
+    assert sum(syncs.values()) == simulation.expert_syncs_per_window(model_config) == 3, syncs
+    assert all(EXCHANGE_SYNC_SITE in site for site in syncs), syncs
+    assert simulation.syncs_per_update() == {}
