@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm import tqdm
 
 from genomelm.model.checkpoint import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, hf_config_dict
 from genomelm.model.config import ConfigError, ModelConfig, RunOptions
@@ -207,10 +208,11 @@ def _fsync(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range) -> list[str]:
+def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range, progress: bool = False) -> list[str]:
     """Write the output files `numbers` (indices into `plan.files`) into `staging`, one layer at a time,
     reading from DCP only the tensors they hold; returns their names. Each file is fsynced: the folder is
-    renamed into place, possibly by another process, once every writer returned."""
+    renamed into place, possibly by another process, once every writer returned. `progress`: a bar over the
+    layers (bytes written, rate, ETA) on stderr."""
     state_dir = step / STATE_DIR
     wanted = set(numbers)
     pending: dict[str, torch.Tensor] = {}
@@ -222,10 +224,18 @@ def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range) -> list
             _fsync(staging / plan.files[current])
             pending.clear()
 
+    bar = tqdm(
+        total=sum(plan.file_bytes[number] for number in numbers),
+        unit="B",
+        unit_scale=True,
+        desc=f"export {step.name}",
+        disable=not progress,
+    )
     for group in plan.groups:
         names = [name for name in group if plan.files_of(name) & wanted]
         if not names:
             continue
+        bar.set_postfix_str("top-level" if layer_of(names[0]) is None else f"layer {layer_of(names[0])}")
         tensors = _read_group(state_dir, plan.expected, names, plan.stored)
         for name in names:
             tensor = tensors.pop(name).to(plan.expected[name].dtype)
@@ -238,7 +248,9 @@ def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range) -> list
                     current = number
                 # copies: views of one internal tensor share storage, which safetensors refuses
                 pending[key] = piece.contiguous().clone()
+                bar.update(piece.numel() * piece.element_size())
     flush()
+    bar.close()
     return [plan.files[number] for number in numbers]
 
 
@@ -309,6 +321,24 @@ def export_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return step
+
+
+def write_export(
+    step: Path,
+    folder: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = False,
+) -> None:
+    """The files `export_checkpoint` writes, for the complete sharded step folder `step`, written straight
+    into the existing folder `folder` (a caller's staging folder, which it renames into place itself)."""
+    try:
+        config = ModelConfig.from_file(_check_step(step) / CONFIG_FILE)
+    except ConfigError as exc:
+        raise ExportError(f"{step / CONFIG_FILE}: {exc}") from exc
+    plan = _plan(step, config, dtype, max_shard_bytes)
+    _write_files(folder, step, plan, range(len(plan.files)), progress)
+    _write_index(folder, plan)
 
 
 @contextmanager
