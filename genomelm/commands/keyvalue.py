@@ -20,6 +20,7 @@ class Option:
     switch: bool = False
     repeatable: bool = False  # repeated keys (and repeated old flags) collect into a list
     flag: str = ""  # the old flag, when it is not `--` + the key with dashes
+    negate: bool = False  # the old flag switches it off (`--no-progress`: progress=false)
 
 
 @dataclass
@@ -60,7 +61,7 @@ def parse(argv: list[str], options: dict[str, Option], prog: str) -> Parsed:
                 )
             option = options[key]
             if option.switch:
-                value = value if has_value else "true"
+                value = value if has_value else ("false" if option.negate else "true")
             elif not has_value:
                 value = next(items, None)
                 if value is None:

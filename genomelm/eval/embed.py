@@ -155,7 +155,7 @@ def heldout_items(folder: Path, wanted: int, seq: int) -> tuple[list[Item], list
     if not len(heldout):
         raise EmbedError(
             f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-            "(genomelm data --heldout ...) or give region=chr:start-end"
+            "(genomelm data heldout=...) or give region=chr:start-end"
         )
     if heldout.seq_len != seq:
         raise EmbedError(

@@ -244,7 +244,7 @@ def plan_tracks(config: TrainConfig) -> TrackPlan:
                 raise TrackError(
                     f"{folder}: held-out window {i} ({record}:{windows['start'][i] + 1}-{end}) is not in its "
                     f"source ({', '.join(map(str, paths))}); prepare the data again ({manifest['command']} "
-                    "--force)"
+                    "force=true)"
                 )
         return TrackPlan(sizes, [str(p) for p in paths], None, seq, vocab)
     intervals = parse_region(str(config.region), sizes, [str(p) for p in paths])

@@ -273,7 +273,7 @@ def _prepare(
     cannot be exported."""
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(
-            f"{out} already exists and is not empty; choose another OUT or pass --force to replace it"
+            f"{out} already exists and is not empty; choose another OUT or give force=true to replace it"
         )
     step = find_checkpoint(source)
     try:

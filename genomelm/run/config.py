@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from genomelm import resources
 from genomelm.data.augment import parse_blend
 from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
@@ -477,7 +478,9 @@ _OPTIONAL = {  # settings that take null / none
 
 
 def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
-    """A run config file's settings by flat name."""
+    """A run config file's settings by flat name; a relative path missing from the working directory is
+    looked up among the shipped configs (`configs/train/demo.yaml` after a wheel install)."""
+    path = resources.shipped(path)
     if not path.exists():
         raise FileNotFoundError(
             f"no run config at {path}; the presets are in configs/train/ (clusters: configs/cluster/)"
