@@ -90,6 +90,7 @@ from genomelm.run.scoring import (
     ScoringRun,
     WindowShare,
     load_scoring_model,
+    progress_bar,
     scoring_source,
     token_losses,
 )
@@ -340,13 +341,10 @@ def score_sites(
         valid = (window.labels[span] != IGNORE_INDEX).numpy()
         return float(losses.astype(np.float64).sum()), int(valid.sum())
 
-    def report(done: int, total: int) -> None:
-        print(f"  forward pass {done}/{total}", flush=True)
-
     jobs = [functools.partial(job, i, alt) for i in range(len(plan.sites)) for alt in (False, True)]
     model.eval()
     with torch.no_grad():
-        results = (share or WindowShare()).run(jobs, report if progress else None)
+        results = (share or WindowShare()).run(jobs, progress_bar("variants", "pass") if progress else None)
     return np.asarray(results, dtype=np.float64).reshape(len(plan.sites), 2, 2)
 
 

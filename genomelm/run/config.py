@@ -229,6 +229,11 @@ class LogConfig:
 
     log_every: int = 1  # optimizer steps between metrics rows
     wandb: str = "offline"  # "offline", "online" or "disabled"
+    # W&B project, entity (team or user) and group; none: $WANDB_PROJECT (else "genomelm"), $WANDB_ENTITY
+    # (else the account's default) and $WANDB_RUN_GROUP
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_group: str | None = None
     track_memory: bool = (
         False  # log `peak_tracked_gb`: torch's MemTracker on each real step (the planner's tool)
     )

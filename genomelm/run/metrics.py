@@ -22,6 +22,7 @@ import torch
 
 from genomelm.data.errors import space_checked
 from genomelm.run.config import TrainConfig
+from genomelm.run.wandb_run import wandb_init_args
 
 HELDOUT_LOSS = "heldout/loss"
 EXPERT_LOAD_FILE = "expert_load.json"  # tokens routed per expert and MoE layer (`genomelm.train.balance`)
@@ -122,15 +123,7 @@ class MetricsLog:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
-            self.wandb_run = wandb.init(
-                project="genomelm",
-                name=config.run,
-                dir=str(config.run_dir),
-                mode=config.log.wandb,
-                config=config.to_dict(),
-                resume="allow",
-                id=f"{config.run}",
-            )
+            self.wandb_run = wandb.init(**wandb_init_args(config, resumed_step))
 
     def log(self, record: dict[str, Any]) -> None:
         line = json.dumps(record) + "\n"
