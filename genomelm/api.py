@@ -33,7 +33,7 @@ from genomelm.eval.tracks import RegionBases, parse_region, region_windows
 from genomelm.eval.variants import allele_scores, load_variants, score_sites, window_tokens
 from genomelm.model.checkpoint import CONFIG_FILE
 from genomelm.model.config import ModelConfig
-from genomelm.parallel.checkpoint import MODEL_DIR
+from genomelm.parallel.checkpoint import MODEL_DIR, STATE_DIR
 from genomelm.run.config import TrainConfig
 from genomelm.run.hf_folder import find_source, run_vocabulary
 from genomelm.run.models import device_rows, run_device
@@ -213,7 +213,7 @@ def load(
     path = Path(path)
     device = torch.device(device) if device is not None else run_device()
     scoring = ScoringRun(None, device, WindowShare(device=device))
-    if (path / CONFIG_FILE).is_file() and not (path / "state").is_dir():
+    if (path / CONFIG_FILE).is_file() and not (path / STATE_DIR).is_dir():
         config = ModelConfig.from_file(path)
         vocab, folder_seq = _tokenizer_vocabulary(path, config)
         settings = TrainConfig().replace(model=str(path))

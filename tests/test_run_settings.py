@@ -25,7 +25,7 @@ def test_the_settings_file_continues_the_run(fly: Path, tmp_path: Path, capsys) 
     assert train_main(tiny_run(fly, runs, lr="3e-3", steps=2)) == 0
     path = runs / "r" / SETTINGS_FILE
     text = path.read_text()
-    assert "# command: genomelm train data=" in text and f"genomelm train {path}" in text
+    assert f"# continue the run: genomelm train {path}" in text
     settings = yaml.safe_load(text)
     assert (
         settings["optim"]["lr"] == 0.003
@@ -33,6 +33,8 @@ def test_the_settings_file_continues_the_run(fly: Path, tmp_path: Path, capsys) 
         and settings["log"]["wandb"] == "disabled"
     )
     assert TrainConfig.load(path) == TrainConfig.from_args(tiny_run(fly, runs, lr="3e-3", steps=2))
+    assert train_main(tiny_run(fly, runs, run="refused", seq=1024)) == 2  # windows of 512: refused at start
+    assert not (runs / "refused" / SETTINGS_FILE).exists()
     assert not list(path.parent.glob(f".{SETTINGS_FILE}*"))  # no temporary left
 
     capsys.readouterr()

@@ -13,7 +13,6 @@ from genomelm.run.env_launch import before_joining, held_by_rank_zero, join_grou
 from genomelm.run.failures import report_failure
 from genomelm.run.launchers import check_layout, needs_plan, on_ranks
 from genomelm.run.lock import RunLock
-from genomelm.run.settings_file import write_run_settings
 from genomelm.run.stop import RankStopSignals, StopSignals, stop_exit_code
 from genomelm.train.loop import train
 
@@ -33,7 +32,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", help="run config YAML (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
     args = parser.parse_args(argv)
-    args.argv = list(argv)
     try:
         config = TrainConfig.from_args(([args.config] if args.config else []) + args.overrides)
         if config.dry_run:
@@ -44,7 +42,7 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure is reported as one line with its exit status
         return report_failure(PROG, exc)
     try:
-        summary = launch_training(config, args.argv)
+        summary = launch_training(config)
     except Exception as exc:  # noqa: BLE001
         # one writer of failure.txt: rank 0 under launcher=env
         run_dir = config.run_dir if is_output_rank() else None
@@ -89,30 +87,22 @@ def _hint(config: TrainConfig, exc: Exception) -> str | None:
     return None
 
 
-def launch_training(config: TrainConfig, argv: list[str] | None = None) -> dict:
+def launch_training(config: TrainConfig) -> dict:
     """Rank 0's training summary: one process (cp=1, local), dp * cp local processes, or dp * cp Ray Train
     workers (`genomelm.run.launchers`). The layout is checked first, so a refused one writes nothing; a run
     meant for GPUs is planned and refused if it cannot fit; then this process holds the run folder's lock
     (`RunLock`) and turns signals into the run's stop request (`StopSignals`) throughout; the ranks do
     neither. Under launcher=env this process is one of the ranks: each takes the signals itself
-    (`RankStopSignals`) and rank 0 holds the lock and plans (`genomelm.run.env_launch`). Once the lock is
-    held, the settings are written to `runs/<run>/config.yaml` (`write_run_settings`; `argv` for its
-    header)."""
+    (`RankStopSignals`) and rank 0 holds the lock and plans (`genomelm.run.env_launch`)."""
     check_layout(config)
     if config.parallel.launcher == "env":
         with RankStopSignals(config.run_dir):
             planned = before_joining(lambda: _plan(config))
             join_group(config)
-
-            def first() -> None:
-                planned()
-                write_run_settings(config, argv)
-
-            with held_by_rank_zero(config.run_dir, first=first):
+            with held_by_rank_zero(config.run_dir, first=planned):
                 return on_ranks(train_on_rank, config)
     with RunLock(config.run_dir), StopSignals(config.run_dir) as signals:
         _plan(config)
-        write_run_settings(config, argv)
         return on_ranks(train_on_rank, config, signals=signals)
 
 

@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -65,8 +66,8 @@ def _check_step(step: Path) -> Path:
     if (step / MODEL_DIR / CONFIG_FILE).is_file() and not (step / STATE_DIR).exists():
         raise ExportError(
             f"{step} is a checkpoint of the single-process layout ({MODEL_DIR}/ instead of "
-            f"{STATE_DIR}/): it is already in Hugging Face layout at {step / MODEL_DIR}; load or copy "
-            "that folder, no export needed"
+            f"{STATE_DIR}/): it is already in Hugging Face layout at {step / MODEL_DIR}; `genomelm export` "
+            "writes it with a tokenizer and a model card"
         )
     if not (step / CONFIG_FILE).is_file():
         raise ExportError(
@@ -229,6 +230,7 @@ def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range, progres
         unit="B",
         unit_scale=True,
         desc=f"export {step.name}",
+        file=sys.stdout,  # stderr holds a failure's one line alone
         disable=not progress,
     )
     for group in plan.groups:

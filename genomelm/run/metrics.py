@@ -22,6 +22,7 @@ import torch
 
 from genomelm.data.errors import space_checked
 from genomelm.run.config import TrainConfig
+from genomelm.run.settings_file import write_run_settings
 from genomelm.run.wandb_run import wandb_init_args
 
 HELDOUT_LOSS = "heldout/loss"
@@ -108,6 +109,7 @@ class MetricsLog:
     def __init__(self, config: TrainConfig, resumed_step: int) -> None:
         self.path = config.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_run_settings(config)  # runs/<run>/config.yaml: the settings the run (re)starts with
         if self.path.exists():
             kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= resumed_step]
             text = "".join(json.dumps(row) + "\n" for row in kept)

@@ -146,7 +146,8 @@ def _settings_section(settings: TrainConfig | None, step: int) -> list[str]:
         f"augmentation {settings.data_options.rc_aug:g}, soft-masked loss weight "
         f"{settings.data_options.softmask_weight:g}.",
         "",
-        "<details><summary>Every setting (loadable: <code>genomelm train settings.yaml</code>)</summary>",
+        "<details><summary>Every setting (as the run's <code>runs/&lt;run&gt;/config.yaml</code> holds them; "
+        "<code>genomelm train</code> reads this YAML as a run config)</summary>",
         "",
         "```yaml",
         yaml.safe_dump(settings.to_dict(), sort_keys=False).rstrip(),

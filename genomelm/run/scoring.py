@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,13 +64,14 @@ T = TypeVar("T")
 
 
 def progress_bar(desc: str, unit: str) -> Callable[[int, int], None]:
-    """A `WindowShare.run` progress callback: a tqdm bar on stderr (count, rate, ETA) of the jobs done over
+    """A `WindowShare.run` progress callback: a tqdm bar on stdout (count, rate, ETA) of the jobs done over
     all replicas, drawn by the output rank only, closed when the last job is done."""
     bar: list[tqdm] = []
 
     def report(done: int, total: int) -> None:
         if not bar:
-            bar.append(tqdm(total=total, desc=desc, unit=unit, disable=not is_output_rank()))
+            # on stdout, where the results are printed: stderr holds a failure's one line alone
+            bar.append(tqdm(total=total, desc=desc, unit=unit, file=sys.stdout, disable=not is_output_rank()))
         bar[0].update(done - bar[0].n)
         if done >= total:
             bar[0].close()

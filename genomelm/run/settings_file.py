@@ -1,15 +1,16 @@
 """`runs/<run>/config.yaml`: the run's resolved settings, readable and loadable as a run config.
 
-`genomelm train` writes it when a run starts (or continues), once it holds the run folder's lock: the
-settings of every group as `TrainConfig.to_dict` gives them, so `genomelm train runs/<run>/config.yaml`
-continues the run (resume=auto) with the same settings. Relative paths in it (data, model, runs_dir,
-results_dir) are relative to the folder the run was started from, which its header names.
+Training writes it when a run starts (or continues), once its inputs are checked and before its first step
+(`genomelm.run.metrics.MetricsLog`, on the output rank): the settings of every group as `TrainConfig.to_dict`
+gives them, `steps` resolved from `epochs`, so `genomelm train runs/<run>/config.yaml` continues the run
+(resume=auto) with the same settings. A run refused before it starts writes none. Relative paths in it
+(data, model, runs_dir, results_dir) are relative to the folder the run was started from, which its header
+names.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 from pathlib import Path
 
 import yaml
@@ -19,17 +20,15 @@ from genomelm.run.config import TrainConfig
 SETTINGS_FILE = "config.yaml"
 
 
-def write_run_settings(config: TrainConfig, argv: list[str] | None = None) -> Path:
+def write_run_settings(config: TrainConfig) -> Path:
     """Write `config` to `runs/<run>/config.yaml` through a temporary file renamed into place (a reader sees
-    the old file or the new one, never half of one); `argv`: the command's arguments, for the header."""
+    the old file or the new one, never half of one)."""
     path = config.run_dir / SETTINGS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     header = [
         "# The resolved settings of this run, written by `genomelm train` at its start.",
         f"# started in: {Path.cwd()} (relative paths below are relative to it)",
     ]
-    if argv is not None:
-        header.append(f"# command: {shlex.join(['genomelm', 'train', *argv])}")
     header.append(f"# continue the run: genomelm train {path}")
     text = "\n".join(header) + "\n" + yaml.safe_dump(config.to_dict(), sort_keys=False)
     temporary = path.with_name(f".{SETTINGS_FILE}.{os.getpid()}.tmp")
