@@ -95,3 +95,4 @@ def test_shipped_configs_are_found_from_any_folder(tmp_path: Path, monkeypatch) 
     assert TrainConfig.load("configs/train/demo.yaml").model == "demo"
     config = data_config(["genome=demo"])  # configs/data/demo.yaml and its genome, from the checkout
     assert config.fasta == [str(ROOT / "data" / "dmel_chr4.fa.gz")]
+    assert data_config(["configs/data/demo.yaml", "seq=4k"]).fasta == config.fasta

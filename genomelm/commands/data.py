@@ -12,6 +12,7 @@ from genomelm.commands.keyvalue import ArgumentError, Option, as_switch, parse, 
 from genomelm.data.config import DataConfig, genome_config_path, load_yaml, shipped_inputs
 from genomelm.data.errors import DataError
 from genomelm.data.prepare import prepare
+from genomelm.resources import shipped
 
 PROG = "genomelm data"
 _FASTA_SUFFIXES = (
@@ -77,7 +78,8 @@ def resolve_config(given: dict[str, str | list[str]]) -> DataConfig:
     """Config file settings (if any) overridden by the `key=value` settings given."""
     fasta = [path for item in given.get("fasta", []) for path in str(item).split(",") if path]
     settings: dict = {}
-    config = Path(str(given["config"])) if "config" in given else None
+    # a relative config missing here may be a shipped one (configs/data/demo.yaml after a wheel install)
+    config = shipped(str(given["config"])) if "config" in given else None
     if config is None and not fasta:
         genome = str(given.get("genome", "demo"))
         config = genome_config_path(genome)
