@@ -62,6 +62,10 @@ class GenomeModel:
     def _bases(self, what: str, fasta: str | None) -> tuple[RegionBases, int, int]:
         """(the bases to read, the first and the end base (0-based) the answer covers) of a sequence or a
         region `chr:start-end` (1-based, inclusive)."""
+        if what.endswith((".bed", ".bed.gz")):
+            raise ValueError(
+                f"{what}: one region or sequence at a time; `genomelm track region={what}` reads BED"
+            )
         if not REGION.match(what):
             text = "".join(what.split())
             scan = np.frombuffer(text.encode().translate(SCAN_BYTES), dtype=np.uint8)

@@ -175,7 +175,11 @@ def _results_section(settings: TrainConfig | None) -> list[str]:
         return [*lines, f"No evaluation found{where}: `genomelm eval` writes it.", ""]
     result = json.loads(path.read_text())
     sets = [(entry["name"], entry) for entry in result["sets"]] if "sets" in result else [("", result)]
-    lines.append(f"From `{path}` (written by `genomelm eval`); loss in nats per base.")
+    provenance = result.get("provenance", {})
+    lines.append(
+        f"From `{path}` (written by `genomelm eval`): before = `{provenance.get('before_model', '?')}`, "
+        f"after = `{provenance.get('after_model', '?')}`; loss in nats per base."
+    )
     for name, one in sets:
         lines += ["", f"**{name}**", ""] if name else [""]
         lines += ["| positions | tokens | before | after | change |", "|---|---|---|---|---|"]
@@ -269,7 +273,12 @@ def model_card(
         "",
         "## Licences",
         "",
-        f"- Weights: `{licence}` (front matter), following the base model above.",
+        f"- Weights: `{licence}` (front matter), "
+        + (
+            "genomelm's own licence: no base weights went into them; set your terms if you publish them."
+            if settings is not None and is_preset(settings.model)
+            else "following the base model above."
+        ),
         "- genomelm, the code that trained and exported them: Apache-2.0.",
         "- Data: see the Data section.",
         "",
