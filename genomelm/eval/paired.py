@@ -59,13 +59,18 @@ def _change_nats(before: np.ndarray, after: np.ndarray, tokens: np.ndarray) -> E
     return ratio_estimate(Ratio.of(after - before, tokens, tokens))
 
 
+def _per_window(totals: np.ndarray, column: int | None) -> np.ndarray:
+    """[W, B] totals of one bucket (`column`) or of all buckets (None): [W]."""
+    return totals[:, column] if column is not None else totals.sum(axis=1)
+
+
 def _changes(sums: WindowSums, column: int | None) -> dict[str, Estimate]:
     """Paired changes of one bucket (`column`) or of all buckets (None), for every subset."""
     out = {}
     for prefix in SUBSETS:
-        pick = (lambda a: a[:, column]) if column is not None else (lambda a: a.sum(axis=1))
-        before, after = pick(sums.before.sums[prefix]), pick(sums.after.sums[prefix])
-        tokens = pick(sums.tokens[prefix])
+        before = _per_window(sums.before.sums[prefix], column)
+        after = _per_window(sums.after.sums[prefix], column)
+        tokens = _per_window(sums.tokens[prefix], column)
         out[prefix + "change"] = _change(before, after, tokens)
         out[prefix + "change_nats"] = _change_nats(before, after, tokens)
     return out

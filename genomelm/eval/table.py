@@ -26,15 +26,18 @@ def with_interval(
     interval: dict, scale: float = 100.0, digits: int = 2, unit: str = "%", column: bool = False
 ) -> str:
     """An `Estimate.as_dict()` as "value ± half-width<unit> *" (scaled: 100 for a relative change in %),
-    "value<unit> n/a" without an interval, "-" without a value; `column`: padded where there is no mark, so
-    that a column of them aligns on the unit."""
+    "value<unit> n/a" without an interval, "-" without a value; `digits` decimals, more where the half-width
+    needs them to show 2 significant digits; `column`: padded where there is no mark, so that a column of them
+    aligns on the unit."""
     value = interval["value"]
     if _missing(value):
         return "-"
-    text = f"{scale * value:+.{digits}f}"
     if _missing(interval["low"]) or _missing(interval["high"]):
-        return f"{text}{unit} n/a"
+        return f"{scale * value:+.{digits}f}{unit} n/a"
     half = scale * (interval["high"] - interval["low"]) / 2
+    if 0 < half < 10 ** (1 - digits):  # at least 2 significant digits of the half-width, up to 6 decimals
+        digits = min(6, 1 - math.floor(math.log10(half)))
+    text = f"{scale * value:+.{digits}f}"
     mark = f" {MARK}" if interval["excludes_zero"] else ("  " if column else "")
     return f"{text} ± {half:.{digits}f}{unit}{mark}"
 
