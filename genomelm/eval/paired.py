@@ -111,7 +111,7 @@ def overall(sums: WindowSums) -> dict:
 
 def context_cut(sums: WindowSums) -> dict | None:
     """The last bucket with full context vs with its context cut, per model, and the gain's change after vs
-    before; None without the cut. Keys as `genomelm.eval.report.format_table` reads them, plus "intervals"."""
+    before; None without the cut. Keys as `genomelm.eval.table.format_table` reads them, plus "intervals"."""
     if sums.cut_before is None or sums.cut_after is None:
         return None
     tokens = sums.tokens[""][:, -1]

@@ -50,11 +50,22 @@ def _change_cells(intervals: dict) -> str:
 
 def _reasons(result: dict) -> list[str]:
     """The distinct reasons of the result's intervals that are n/a, with where they occur."""
+    places = [(f"bucket {i} ", bucket["intervals"]) for i, bucket in enumerate(result["buckets"])]
+    places.append(("all ", result["overall"]["intervals"]))
+    if result.get("context_cut"):
+        places.append(("context cut ", result["context_cut"]["intervals"]))
+    contrast = result.get("contrast") or {}
+    places.append(
+        (
+            "",
+            {name: contrast[name] for name in ("late_minus_early", "slope_per_doubling") if name in contrast},
+        )
+    )
     found: dict[str, list[str]] = {}
-    for i, bucket in enumerate(result["buckets"]):
-        for name, interval in bucket["intervals"].items():
+    for place, intervals in places:
+        for name, interval in intervals.items():
             if interval["note"]:
-                found.setdefault(interval["note"], []).append(f"bucket {i} {name}")
+                found.setdefault(interval["note"], []).append(place + name)
     return [
         f"{note}: {', '.join(where[:4])}{' ...' if len(where) > 4 else ''}" for note, where in found.items()
     ]
