@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 
+from genomelm.eval.buckets import SUBSETS
 from genomelm.eval.report import format_number, result_sets
 
 MARK = "*"
+CUT_SUBSETS = ("", "far_")  # the context cut's subsets the table shows (all positions, far copies)
 LEGEND = (
     f"± : half-width of the 95% interval, paired across windows (Student t, windows - 1 d.f.); "
     f"{MARK} : it excludes 0"
@@ -43,8 +45,8 @@ def with_interval(
 
 
 def _change_cells(intervals: dict) -> str:
-    """The change, repeat and unmasked columns of a bucket's (or the overall) intervals."""
-    names = ("change", "repeat_change", "unmasked_change")
+    """The change, repeat, unmasked and far-copy columns of a bucket's (or the overall) intervals."""
+    names = ("change", "repeat_change", "unmasked_change", "far_change")
     return " ".join(f"{with_interval(intervals[name], column=True):>18}" for name in names)
 
 
@@ -53,7 +55,9 @@ def _reasons(result: dict) -> list[str]:
     places = [(f"bucket {i} ", bucket["intervals"]) for i, bucket in enumerate(result["buckets"])]
     places.append(("all ", result["overall"]["intervals"]))
     if result.get("context_cut"):
-        places.append(("context cut ", result["context_cut"]["intervals"]))
+        hidden = tuple(prefix for prefix in SUBSETS if prefix not in CUT_SUBSETS)
+        shown = {k: v for k, v in result["context_cut"]["intervals"].items() if not k.startswith(hidden)}
+        places.append(("context cut ", shown))
     contrast = result.get("contrast") or {}
     places.append(
         (
@@ -78,7 +82,7 @@ def format_table(result: dict) -> str:
         return format_side_by_side(result)
     header = (
         f"{'bucket':>6} {'context (kb)':>13} {'tokens':>10} {'windows':>7} {'before':>7} {'s.e.':>6} "
-        f"{'after':>7} {'s.e.':>6} {'change':>18} {'repeat':>18} {'unmasked':>18}"
+        f"{'after':>7} {'s.e.':>6} {'change':>18} {'repeat':>18} {'unmasked':>18} {'far copy':>18}"
     )
     lines = [header, "-" * len(header)]
     for i, b in enumerate(result["buckets"]):
@@ -120,25 +124,34 @@ def format_table(result: dict) -> str:
 
 
 def context_cut_lines(cut: dict) -> list[str]:
-    """The context cut: per model the loss with full and with cut context, the cut's relative change and the
-    long-context gain (cut - full, nats per base), and both changes after vs before."""
+    """The context cut, over all valid positions of the last bucket and over its far copies: per model the
+    loss with full and with cut context, the cut's relative change and the long-context gain (cut - full,
+    nats per base), and the changes after vs before."""
     ci = cut["intervals"]
     lines = [
         f"context cut: positions {cut['start']}-{cut['end']} scored with only the preceding "
         f"{cut['context']} tokens as context"
     ]
-    for model in ("before", "after"):
-        full, cut_loss = format_number(cut[model]["full"], ".4f"), format_number(cut[model]["cut"], ".4f")
-        gain = with_interval(ci[f"{model}_gain_nats"], scale=1.0, digits=4, unit=" nats")
-        change = with_interval(ci[f"{model}_cut_change"])
+    for prefix, subset in zip(CUT_SUBSETS, ("all positions", "far copies")):
+        windows = ci[f"{prefix}change_full"]["windows"]
+        if not windows:
+            lines.append(f" {subset}: none in the last bucket")
+            continue
+        lines.append(f" {subset} ({windows} windows with any):")
+        for model in ("before", "after"):
+            losses = cut[model]
+            full = format_number(losses[f"{prefix}full"], ".4f")
+            cut_loss = format_number(losses[f"{prefix}cut"], ".4f")
+            gain = with_interval(ci[f"{prefix}{model}_gain_nats"], scale=1.0, digits=4, unit=" nats")
+            change = with_interval(ci[f"{prefix}{model}_cut_change"])
+            lines.append(
+                f"  {model:<6} full context {full}  cut {cut_loss}  ({change}); long-context gain {gain}"
+            )
         lines.append(
-            f"  {model:<6} full context {full}  cut {cut_loss}  ({change}); long-context gain {gain}"
+            f"  change after vs before: full context {with_interval(ci[f'{prefix}change_full'])}, "
+            f"cut context {with_interval(ci[f'{prefix}change_cut'])}; "
+            f"gain {with_interval(ci[f'{prefix}gain_change_nats'], scale=1.0, digits=4, unit=' nats')}"
         )
-    lines.append(
-        f"  change after vs before: full context {with_interval(ci['change_full'])}, "
-        f"cut context {with_interval(ci['change_cut'])}; "
-        f"gain {with_interval(ci['gain_change_nats'], scale=1.0, digits=4, unit=' nats')}"
-    )
     return lines
 
 
