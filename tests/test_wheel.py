@@ -15,6 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 SKIPPED = ("build", "dist", "runs", "results", "wandb", "prepared", "cache", "__pycache__", "*.egg-info")
@@ -30,6 +32,7 @@ def run(command: list[str], cwd: Path, env: dict[str, str]) -> str:
     return done.stdout + done.stderr
 
 
+@pytest.mark.slow  # ~20 s alone on 2 cores, ~70 s beside other tests
 def test_a_wheel_installs_into_a_fresh_venv_and_runs_data_and_a_demo_step(tmp_path: Path) -> None:
     source = tmp_path / "source"  # a copy: the in-tree build would write build/ and *.egg-info here
     shutil.copytree(
