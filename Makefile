@@ -53,9 +53,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 data: $(STAMP)
-	$(BIN)/genomelm data $(if $(and $(FASTA),$(filter file,$(origin GENOME))),,--genome $(GENOME)) --seq $(SEQ) \
-	  $(if $(FASTA),--fasta $(FASTA)) $(if $(TRAIN),--train $(TRAIN)) $(if $(HELDOUT),--heldout $(HELDOUT)) \
-	  $(if $(OUT),--out $(OUT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+	$(BIN)/genomelm data $(if $(and $(FASTA),$(filter file,$(origin GENOME))),,genome=$(GENOME)) seq=$(SEQ) \
+	  $(if $(FASTA),fasta=$(FASTA)) $(if $(TRAIN),train=$(TRAIN)) $(if $(HELDOUT),heldout=$(HELDOUT)) \
+	  $(if $(OUT),out=$(OUT)) $(if $(TOKENIZER),tokenizer=$(TOKENIZER))
 
 train: $(STAMP)
 	$(BIN)/genomelm train $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES)
@@ -80,7 +80,7 @@ embed: $(STAMP)
 CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=1073741824
 
 demo: $(STAMP)
-	$(BIN)/genomelm data --config configs/data/demo.yaml
+	$(BIN)/genomelm data configs/data/demo.yaml
 	$(CPU_MALLOC) $(BIN)/genomelm train $(DEMO_CONFIG) $(ARGS)
 	$(CPU_MALLOC) $(BIN)/genomelm eval $(DEMO_CONFIG) $(ARGS)
 

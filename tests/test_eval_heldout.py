@@ -132,4 +132,4 @@ def test_eval_command_on_two_genomes(demo_outputs, tmp_path: Path, capsys) -> No
 
     assert main([*run, f"heldout={fly},{human_256}"]) == 2
     err = capsys.readouterr().err
-    assert "same --seq" in err and fly in err and str(human_256) in err
+    assert "same seq=" in err and fly in err and str(human_256) in err

@@ -99,7 +99,7 @@ def load_heldout(folder: str | Path, wanted: int, name: str | None = None) -> He
     if not len(heldout):
         raise EvalError(
             f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-            "(genomelm data --heldout ...)"
+            "(genomelm data heldout=...)"
         )
     indices = pick_windows(len(heldout), wanted)
     provenance = {
