@@ -96,10 +96,12 @@ def test_the_folder_holds_tokenizer_defaults_and_a_card(run_dir, exported, demo_
     assert manifest["checksums"]["files"]["heldout.bin"]["blocks"][0] in card
     assert "NC_004353.4:1000001-1000768" in card  # the held-out split
     overall = buckets["overall"]
+    interval = overall["intervals"]["change"]
+    half = 100 * (interval["high"] - interval["low"]) / 2
     assert (
-        f"| all | {overall['tokens']:,} | {overall['loss_before']:.4f} | {overall['loss_after']:.4f} |"
-        in card
-    )
+        f"| all | {overall['tokens']:,} | {overall['windows']} | {overall['loss_before']:.4f} | "
+        f"{overall['loss_after']:.4f} | {100 * overall['change']:+.2f} ± {half:.2f}%"
+    ) in card
     assert "AutoModelForImageTextToText.from_pretrained" in card and "vision.safetensors" in card
     assert "lr: 0.003" in card  # the settings as the run resolved them
 

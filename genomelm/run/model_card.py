@@ -163,8 +163,16 @@ def _loss(value: Any) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def _change(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:+.2f}%"
+def _change(row: dict) -> str:
+    """A bucket's (or the overall) relative change with its paired 95% interval, as `genomelm eval` prints
+    it (the `intervals` entry of a result; its bare value for a result written without one)."""
+    interval = row.get("intervals", {}).get("change")
+    if interval is None or interval["value"] is None:
+        return "-" if row["change"] is None else f"{100 * row['change']:+.2f}%"
+    if interval["low"] is None or interval["high"] is None:
+        return f"{100 * interval['value']:+.2f}% (n/a: {interval['note']})"
+    half = 100 * (interval["high"] - interval["low"]) / 2
+    return f"{100 * interval['value']:+.2f} ± {half:.2f}%" + (" *" if interval["excludes_zero"] else "")
 
 
 def _results_section(settings: TrainConfig | None) -> list[str]:
@@ -178,21 +186,22 @@ def _results_section(settings: TrainConfig | None) -> list[str]:
     provenance = result.get("provenance", {})
     lines.append(
         f"From `{path}` (written by `genomelm eval`): before = `{provenance.get('before_model', '?')}`, "
-        f"after = `{provenance.get('after_model', '?')}`; loss in nats per base."
+        f"after = `{provenance.get('after_model', '?')}`; loss in nats per base; change: relative, ± the "
+        "half-width of its 95% interval paired across windows, * where the interval excludes 0."
     )
     for name, one in sets:
         lines += ["", f"**{name}**", ""] if name else [""]
-        lines += ["| positions | tokens | before | after | change |", "|---|---|---|---|---|"]
+        lines += ["| positions | tokens | windows | before | after | change |", "|---|---|---|---|---|---|"]
         for bucket in one["buckets"]:
             lines.append(
                 f"| {bucket['start']:,}-{bucket['end']:,} | {bucket['after']['tokens']:,} | "
-                f"{_loss(bucket['before']['loss'])} | {_loss(bucket['after']['loss'])} | "
-                f"{_change(bucket['change'])} |"
+                f"{bucket['after']['windows']} | {_loss(bucket['before']['loss'])} | "
+                f"{_loss(bucket['after']['loss'])} | {_change(bucket)} |"
             )
         overall = one["overall"]
         lines.append(
-            f"| all | {overall['tokens']:,} | {_loss(overall['loss_before'])} | "
-            f"{_loss(overall['loss_after'])} | {_change(overall['change'])} |"
+            f"| all | {overall['tokens']:,} | {overall.get('windows', '-')} | "
+            f"{_loss(overall['loss_before'])} | {_loss(overall['loss_after'])} | {_change(overall)} |"
         )
     return [*lines, ""]
 
