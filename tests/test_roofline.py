@@ -58,10 +58,23 @@ def test_ops_costed_by_hand_at_their_class_rates():
     fp32 = roofline.OpClass("aten.mm", "fp32", "fp32", "x.py:1", 1, 2 * n**3, 3 * n * n * 4)
     assert roofline.op_seconds(fp32, p)[0] == pytest.approx(2 * n**3 / 60e12 + 7e-6)
     experts = dataclasses.replace(gemm, op="aten._grouped_mm")
-    assert roofline.op_seconds(experts, p)[0] == pytest.approx(2 * n**3 / 700e12 + 7e-6)
+    assert roofline.op_seconds(experts, p)[0] == pytest.approx(2 * n**3 / 450e12 + 7e-6)
     backward = roofline.OpClass("genomelm.sparse_mla_bwd", "bf16", "bf16", "x.py:4", 1, 1e15, 1e9)
-    assert roofline.op_seconds(backward, p)[0] == pytest.approx(1e15 / 820e12 + 7e-6)
+    assert roofline.op_seconds(backward, p)[0] == pytest.approx(1e15 / 262e12 + 7e-6)
     assert roofline.op_seconds(backward, rates.peaks("h200"))[0] == pytest.approx(1e15 / 115e12 + 7e-6)
+    # its atomic adds at the atomics rate, the rest of its bytes at HBM's; a top-k's input once per pass
+    atomic = roofline.OpClass(
+        "genomelm.sparse_mla_bwd", "bf16", "bf16", "x.py:4", 1, 0.0, 4e12, atomic_bytes=3e12
+    )
+    assert roofline.op_seconds(atomic, p)[0] == pytest.approx(1e12 / 6.52e12 + 3e12 / 6.08e12 + 7e-6)
+    topk = roofline.OpClass("aten.topk", "fp32", "memory", "x.py:5", 1, 0.0, 1.5e9, select_bytes=1e9)
+    assert roofline.op_seconds(topk, p)[0] == pytest.approx((1.5e9 + 4 * 1e9) / 6.52e12 + 7e-6)
+    # the range's ends: every rate at its pessimistic or optimistic factor
+    low, high = rates.peaks("b200", case="low"), rates.peaks("b200", case="high")
+    assert low.compute["grouped_gemm_bf16"] == pytest.approx(0.16 * 2250e12)
+    assert high.compute["grouped_gemm_bf16"] == pytest.approx(0.24 * 2250e12)
+    assert low.topk_passes == pytest.approx(9) and high.topk_passes == pytest.approx(3)
+    assert low.launch_s > p.launch_s > high.launch_s and low.atomics < p.atomics < high.atomics
     copy = roofline.OpClass("aten.add", "fp32", "memory", "x.py:2", 10, 0.0, 10 * 3 * 2**30)
     seconds, bound = roofline.op_seconds(copy, p)
     assert bound == "memory" and seconds == pytest.approx(10 * (3 * 2**30 / 6.52e12 + 7e-6))

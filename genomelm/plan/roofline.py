@@ -98,6 +98,8 @@ class OpClass:
     flops: float = 0.0
     bytes: float = 0.0
     recompute_flops: float = 0.0
+    atomic_bytes: float = 0.0  # of `bytes`, those read-modify-written by scattered atomic adds
+    select_bytes: float = 0.0  # of `bytes`, a top-k's input (read once per pass: `Peaks.topk_passes`)
     # the routed experts' work (`expert_work`): "rows" (the busiest expert-parallel rank runs `imbalance` x
     # the mean), "weights" (per local expert: E/ep of them, none where FSDP2 gathers them in bf16), or ""
     expert: str = ""
@@ -167,6 +169,40 @@ def is_kernel(func: Any) -> bool:
         return False
     returns = func._schema.returns
     return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
+
+
+def sparse_mla_bwd_atomics(
+    grad_out: torch.Tensor,
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pools: torch.Tensor,
+    positions: torch.Tensor,
+    kpool: int,
+    select_tail: bool,
+    *_: object,
+) -> float:
+    """Of `dsa_triton.sparse_mla_bwd_bytes`, the fp32 read-modify-writes of the d latent buffer: one per
+    slot row, head block and latent column of every query (its atomic adds)."""
+    from genomelm.model.dsa_triton import BACKWARD_TILES, slot_count
+
+    batch, queries, heads, width = q_lat.shape
+    slots = slot_count(pools.shape[-1], kpool, select_tail)
+    return 2.0 * batch * queries * math.ceil(heads / BACKWARD_TILES.block_h) * slots * width * 4
+
+
+ATOMICS = {"genomelm.sparse_mla_bwd": sparse_mla_bwd_atomics}  # kernels whose bytes hold atomic adds
+TOPK = {"aten.topk"}  # radix-select top-k: its input read once per pass
+
+
+def special_bytes(name: str, args: tuple, kwargs: dict) -> tuple[float, float]:
+    """(atomic bytes, top-k input bytes) of a kernel's bytes (`ATOMICS`, `TOPK`); 0 for the others."""
+    if name in ATOMICS:
+        return ATOMICS[name](*args, **kwargs), 0.0
+    if name in TOPK:
+        return 0.0, float(_tensor_bytes(args[0]))
+    return 0.0, 0.0
 
 
 def op_record(func: Any, args: tuple, kwargs: dict, out: Any, flops: float) -> tuple[str, str, str, float]:
@@ -295,6 +331,9 @@ class OpLog:
         slot.flops += flops
         slot.bytes += moved
         slot.recompute_flops += flops if recompute else 0.0
+        atomic, select = special_bytes(name, args, kwargs)
+        slot.atomic_bytes += atomic
+        slot.select_bytes += select
 
 
 # the project's kernels and fla's stand-ins at the rate of the published kernel of their kind (`rates.RATES`)
@@ -326,17 +365,37 @@ def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float
     n = op.count if count is None else count
     if n <= 0:
         return 0.0, "memory"
-    return kernels_seconds(rate_key(op), op.unit, op.flops / op.count, op.bytes / op.count, n, p)
+    atomic, select = _shares(op)
+    per = op.bytes / op.count
+    return kernels_seconds(rate_key(op), op.unit, op.flops / op.count, per, n, p, atomic * per, select * per)
+
+
+def _shares(op: OpClass) -> tuple[float, float]:
+    """The shares of an op class's bytes that are atomic adds and a top-k's input."""
+    if op.bytes <= 0:
+        return 0.0, 0.0
+    return op.atomic_bytes / op.bytes, op.select_bytes / op.bytes
 
 
 def kernels_seconds(
-    rate: str, unit: str, flops: float, nbytes: float, n: float, p: Peaks
+    rate: str,
+    unit: str,
+    flops: float,
+    nbytes: float,
+    n: float,
+    p: Peaks,
+    atomic: float = 0.0,
+    select: float = 0.0,
 ) -> tuple[float, str]:
-    """`op_seconds` of n kernels of `flops` and `nbytes` each, on `rate`'s row for `unit`."""
+    """`op_seconds` of n kernels of `flops` and `nbytes` each, on `rate`'s row for `unit`; of the bytes,
+    `atomic` read-modify-written by atomic adds (at `Peaks.atomics`) and `select` a top-k's input (read
+    `Peaks.topk_passes` times)."""
     if n <= 0:
         return 0.0, "memory"
     compute = flops / p.flops_rate(rate, unit) if unit != "memory" else 0.0
-    memory = nbytes / p.memory
+    memory = (nbytes - atomic + select * (p.topk_passes - 1)) / p.memory + (
+        atomic / (p.atomics or p.memory) if atomic else 0.0
+    )
     body = max(compute, memory)
     bound = "launch" if p.launch_s > body else ("compute" if compute > memory else "memory")
     return n * (body + p.launch_s), bound
@@ -402,7 +461,17 @@ def project(
                 low.bytes / low.count if low else op.bytes / op.count, op.bytes / op.count, t1, t2, tokens
             )
             scale = times * scales[op.expert]
-            seconds, bound = kernels_seconds(rate_key(op), op.unit, per_flops, per_bytes, count * scale, p)
+            atomic, select = _shares(op)
+            seconds, bound = kernels_seconds(
+                rate_key(op),
+                op.unit,
+                per_flops,
+                per_bytes,
+                count * scale,
+                p,
+                atomic * per_bytes,
+                select * per_bytes,
+            )
             recompute_share = op.recompute_flops / op.flops if op.flops else 0.0
             flops = per_flops * count * scale
             slot = merged.get(op.key)

@@ -102,7 +102,7 @@ class StepTime:
 def device_peaks(a: Assumptions, gpu: str) -> Peaks:
     """`gpu`'s attainable rates (`rates.RATES`) with the links and the datasheet bf16 peak as `a` gives
     them."""
-    p = rates.peaks(gpu, a.nvlink_gbs, a.nic_gbs, a.nics_per_node, a.gpus_per_node, a.pcie_gbs)
+    p = rates.peaks(gpu, a.nvlink_gbs, a.nic_gbs, a.nics_per_node, a.gpus_per_node, a.pcie_gbs, a.case)
     return dataclasses.replace(p, peak_bf16=a.tflops * 1e12 or p.peak_bf16)
 
 
@@ -287,7 +287,7 @@ def host_update(
     step, the gradient accumulation on the host, and the update on the host CPU (AdamW's, or torchao's
     eager low-bit update: `HOST_LOWBIT_BYTES_PER_PARAMETER`)."""
     accum, pcie = config.optim.grad_accum, p.links.pcie
-    host_bandwidth = rates.rate("host_memory").on(config.plan.gpu) / a.gpus_per_node
+    host_bandwidth = rates.rate("host_memory").on(config.plan.gpu, a.case) / a.gpus_per_node
     # the gradients down and the parameters up, once per optimizer step, in the weights' dtype
     copies = state.weights + state.gradients
     grad_bytes = state.gradients / max(state.values, 1.0)  # per parameter: 4, or ~2 for bf16 weights
