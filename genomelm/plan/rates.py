@@ -17,7 +17,8 @@ taken, above.
 
 Links (`Links`): a collective inside a node runs on NVLink at the attainable bus bandwidth of its kind; a
 ring across nodes runs over every NIC of each node it spans (NCCL opens one channel per NIC), so a group that
-fills its nodes moves `nics_per_node` x the NIC rate, shared by the node's GPUs in the group; an all-to-all
+fills its nodes moves `nics_per_node` x the NIC rate, shared by the node's GPUs in the group and by the other
+groups running the same collective through the node's NICs at once (the ep expert groups); an all-to-all
 across nodes sends the share of its bytes bound for other nodes over the NICs and the rest over NVLink, at
 once.
 """
@@ -361,21 +362,23 @@ class Links:
     gpus_per_node: int
     pcie: float
 
-    def ring_bytes_per_s(self, ranks: int) -> float:
-        """A ring collective over `ranks` consecutive ranks: NVLink inside a node; across nodes, the NICs of
-        each node (a group of consecutive ranks fills every node it spans but the last), at most NVLink's."""
+    def ring_bytes_per_s(self, ranks: int, sharing: int = 1) -> float:
+        """A ring collective over `ranks` ranks: NVLink inside a node; across nodes, the NICs of each node
+        (a group of consecutive ranks fills every node it spans but the last), at most NVLink's, shared by
+        the `sharing` groups that run the same collective on each node at once (every ep-th rank's expert
+        group: ep of them on a node, all through its NICs)."""
         if ranks <= self.gpus_per_node:
             return self.nvlink_ring
-        return min(self.nvlink_ring, self.nic * self.nics_per_node)
+        return min(self.nvlink_ring, self.nic * self.nics_per_node / max(sharing, 1))
 
-    def seconds(self, kind: str, moved: float, ranks: int) -> float:
-        """Seconds for one rank to move `moved` bytes in a collective of `kind` over `ranks` consecutive
-        ranks: an all-to-all (`all_to_all_seconds`), else a ring (`ring_bytes_per_s`)."""
+    def seconds(self, kind: str, moved: float, ranks: int, sharing: int = 1) -> float:
+        """Seconds for one rank to move `moved` bytes in a collective of `kind` over `ranks` ranks: an
+        all-to-all (`all_to_all_seconds`), else a ring (`ring_bytes_per_s`, `sharing` groups per node)."""
         if ranks <= 1:
             return 0.0
         if kind == "all_to_all":
             return self.all_to_all_seconds(moved, ranks)
-        return moved / self.ring_bytes_per_s(ranks)
+        return moved / self.ring_bytes_per_s(ranks, sharing)
 
     def all_to_all_seconds(self, moved: float, ranks: int) -> float:
         """An all-to-all in which one rank sends `moved` bytes to the other `ranks - 1` ranks in equal shares:

@@ -34,11 +34,14 @@ from genomelm.model.moe import Experts
 from genomelm.plan.rates import Peaks, ring_factor
 
 OVERLAP_RULE = (
-    "overlap only where the code runs work on a side stream or an async collective: FSDP2's all-gathers and "
-    "reduce-scatters (its own streams), the layer-input offload copies (`HostCopier`'s stream) and, with "
-    "ep_overlap, the expert all-to-alls started ahead (the forward's and the recompute's dispatches and "
-    "combines, the backward's combines) hide under the compute; the context-parallel collectives, the "
-    "backward's expert dispatches, the host AdamW step and everything else add up"
+    "per layer and pass (genomelm/plan/overlap.py): FSDP2's all-gathers (no forward prefetch: the next "
+    "layer's gather issued at each MoE forward's host sync hides behind that MoE's work alone; one layer "
+    "ahead in the backward) and reduce-scatters share one link, FIFO, the NICs shared by the groups using "
+    "them; their copy-outs on the compute stream; the layer inputs come back over PCIe (with the GPU's share "
+    "of its NIC traffic) from the layer before's start, the layer waiting for them; compute beside a "
+    "collective slowed by comm_sm_share; with ep_overlap the expert all-to-alls started ahead hide under the "
+    "MoE work; the context-parallel collectives, the backward's expert dispatches and the host work add up. "
+    "The evaluator's forward: side-stream work hidden under the whole compute"
 )
 # Matmul-like ops: they run on the matmul unit of their dtype (the other ops are costed by their bytes).
 MATMULS = {
@@ -98,6 +101,7 @@ class OpClass:
     flops: float = 0.0
     bytes: float = 0.0
     recompute_flops: float = 0.0
+    recompute_count: int = 0  # of `count`, those the backward's recompute ran
     atomic_bytes: float = 0.0  # of `bytes`, those read-modify-written by scattered atomic adds
     select_bytes: float = 0.0  # of `bytes`, a top-k's input (read once per pass: `Peaks.topk_passes`)
     # the routed experts' work (`expert_work`): "rows" (the busiest expert-parallel rank runs `imbalance` x
@@ -225,6 +229,7 @@ _FRAME_FILES: dict[Any, str | None] = {}  # code object -> its file relative to 
 _RECOMPUTE = (torch.utils.checkpoint.__file__, "recompute_fn")  # non-reentrant checkpoint's recompute
 _EXPERT_ROWS, _EXPERT_WEIGHTS = Experts.expert_rows.__code__, Experts.weights_in.__code__
 _EXPERT_FILES = ("genomelm/model/moe.py", "genomelm/model/mlp.py")  # where expert_rows's kernels are issued
+MOE_FILES = ("genomelm/model/moe.py", "genomelm/parallel/expert.py")  # a MoE layer's work past its host sync
 _MODEL_FILES = ("genomelm/model", "genomelm/parallel")  # a backward op issued here is a Python backward
 _STAND_IN_FILES = ("genomelm/plan/fla_stand_in.py",)  # fla's kernels as the model calls them (traced)
 
@@ -331,6 +336,7 @@ class OpLog:
         slot.flops += flops
         slot.bytes += moved
         slot.recompute_flops += flops if recompute else 0.0
+        slot.recompute_count += 1 if recompute else 0
         atomic, select = special_bytes(name, args, kwargs)
         slot.atomic_bytes += atomic
         slot.select_bytes += select
@@ -425,6 +431,17 @@ class CostedClass:
     bound: str
     model_flops: float  # FLOPs but the recompute's
     rate: str = ""  # the rate that bounds it ("gemm_bf16", "memory", "launch": `rates.RATES`)
+    recompute_seconds: float = 0.0  # of `seconds`, the recompute's (its share of the class's count)
+
+    @property
+    def backward(self) -> bool:
+        """Whether the class runs in the backward proper (not the forward or the recompute)."""
+        return self.where.startswith("backward of ")
+
+    @property
+    def moe(self) -> bool:
+        """Whether the class is a MoE layer's experts' or exchange's work (what runs after its host sync)."""
+        return self.where.removeprefix("backward of ").startswith(MOE_FILES)
 
 
 def _line(a: float, b: float, t1: int, t2: int, t: int) -> float:
@@ -473,6 +490,7 @@ def project(
                 select * per_bytes,
             )
             recompute_share = op.recompute_flops / op.flops if op.flops else 0.0
+            recomputed = seconds * op.recompute_count / op.count if op.count else 0.0
             flops = per_flops * count * scale
             slot = merged.get(op.key)
             if slot is None:
@@ -488,6 +506,7 @@ def project(
                     bound,
                     flops * (1 - recompute_share),
                     p.resolved(rate_key(op), op.unit) if bound == "compute" else bound,
+                    recomputed,
                 )
             else:
                 slot.count += count * scale
@@ -495,6 +514,7 @@ def project(
                 slot.bytes += per_bytes * count * scale
                 slot.seconds += seconds
                 slot.model_flops += flops * (1 - recompute_share)
+                slot.recompute_seconds += recomputed
     return sorted(merged.values(), key=lambda c: -c.seconds)
 
 
