@@ -362,6 +362,9 @@ class Plan:
     evaluation: EvalTime | None = None  # stage="eval"
     roofline: dict[str, Any] = field(default_factory=dict)  # `plan_time.roofline_summary`: op by op
     optimizer: str = "adamw"  # training's `optimizer` (`genomelm.run.config.OPTIMIZERS`)
+    # the range (training): "low" / "high" -> tokens_per_s, step_s (per window) and peak_gib with every rate
+    # at its pessimistic / optimistic end (`rates.CASES`) and the expert load at its quantiles; {} otherwise
+    range: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def host_gib_total(self) -> float:
