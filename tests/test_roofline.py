@@ -104,6 +104,22 @@ def test_collectives_ring_factors_and_links_by_topology():
         max(moved * 7 / 15 / 726e9, moved * 8 / 15 / 50e9) + 7e-6
     )
     assert roofline.collective_seconds("all_to_all", 8e9, 8, p) == pytest.approx(8e9 * 7 / 8 / 726e9 + 7e-6)
+    # groups running the same collective through a node's NICs at once share them (the ep expert groups)
+    assert p.links.seconds("ring", 1e9, 32, sharing=2) == pytest.approx(1e9 / (8 * 47e9 / 2))
+    assert p.links.seconds("ring", 1e9, 8, sharing=2) == pytest.approx(1e9 / 720e9)  # NVLink: its own
+
+
+def test_fsdp_expert_groups_share_the_nics_of_their_nodes():
+    from genomelm.plan.comm import fsdp_groups
+    from genomelm.plan.layouts import Layout
+
+    layout = Layout(dp=2, cp=32, ep=2, sharded=True, optimizer_offload=False)
+    (rest, world, alone), (experts, edp, shared) = fsdp_groups(layout, 64.0, 32.0, 8)
+    assert (rest, world, alone) == (64.0 * 63 / 64, 64, 1)
+    assert (experts, edp, shared) == (16.0 * 31 / 32, 32, 2)  # every second rank: 2 groups per node
+    assert (
+        fsdp_groups(dataclasses.replace(layout, ep=16), 64.0, 32.0, 8)[1][2] == 8
+    )  # at most the node's GPUs
 
 
 class _Log(TorchDispatchMode):

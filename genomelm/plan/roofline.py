@@ -229,7 +229,7 @@ _FRAME_FILES: dict[Any, str | None] = {}  # code object -> its file relative to 
 _RECOMPUTE = (torch.utils.checkpoint.__file__, "recompute_fn")  # non-reentrant checkpoint's recompute
 _EXPERT_ROWS, _EXPERT_WEIGHTS = Experts.expert_rows.__code__, Experts.weights_in.__code__
 _EXPERT_FILES = ("genomelm/model/moe.py", "genomelm/model/mlp.py")  # where expert_rows's kernels are issued
-MOE_FILES = ("genomelm/model/moe.py", "genomelm/parallel/expert.py")  # a MoE layer's work past its host sync
+MOE_FILES = ("genomelm/model/moe.py", "genomelm/model/mlp.py", "genomelm/parallel/expert.py")  # a MoE block
 _MODEL_FILES = ("genomelm/model", "genomelm/parallel")  # a backward op issued here is a Python backward
 _STAND_IN_FILES = ("genomelm/plan/fla_stand_in.py",)  # fla's kernels as the model calls them (traced)
 

@@ -351,7 +351,7 @@ def layer_works(
             forward, recompute, backward = forward + copy_s + route_s, recompute + copy_s, backward + copy_s
             recompute += route_s if routings > 1 else 0.0
             tail += copy_s
-        moe_s += moe + (3 * copy_s if sparse[i] and layout.ep > 1 else 0.0)
+        moe_s += moe + 3 * copy_s if sparse[i] and layout.ep > 1 else 0.0
         works.append(
             LayerWork(
                 forward=forward,
