@@ -127,8 +127,8 @@ RATES: tuple[Rate, ...] = (
     ),
     Rate(
         "grouped_gemm_bf16",
-        "routed experts' grouped GEMM (torch._grouped_mm; 4096 x 1536 and back, 144 local experts, ~230 rows "
-        "each per chunk: 8,192 tokens x top-8 / 288)",
+        "routed experts' grouped GEMM (torch._grouped_mm; 4096 x 1536 and back; per 8,192-token chunk ~230 "
+        "rows per expert from each rank: 8,192 x top-8 / 288, ~455 at a local expert of ep 2)",
         450,
         198,
         198,

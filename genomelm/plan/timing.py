@@ -307,7 +307,8 @@ def layer_works(
     NICs shared), its copy-out (read and write the gathered bf16) on the compute stream; after the backward
     the reduce-scatter (fp32) behind its copy-in and cast (bf16 read, fp32 written). `host_inputs`: the bytes
     of layer inputs offloaded (0: none), back over PCIe in the backward, beside the GPU's share of its node's
-    NIC traffic (GPU-direct through the same switch port)."""
+    NIC traffic (GPU-direct through the same switch port). Left out: the all-gathers' copy-in (a rank's own
+    shard, 1/world of a layer) and the root unit's gather (embedding, norm, head)."""
     scale = a.imbalance if layout.ep > 1 else 1.0
     weights = 0.0 if layout.sharded else 1 / layout.ep
     lo, hi, t1, t2 = steps.lo.ops, steps.hi.ops, steps.t1, steps.t2
