@@ -234,7 +234,7 @@ def test_plan_reports_the_roofline_op_by_op(tmp_path):
     assert r["compute_s"] > r["mean_compute_s"] > 0  # the busiest rank's expert rows x imbalance
     assert all(row["bound"] in ("compute", "memory", "launch") and "@" in row["class"] for row in r["top"])
     assert all(row["rate_value"] > 0 and row["rate_source"] for row in r["top"])
-    assert len(r["rates"]) == len(rates.RATES) and "side stream" in r["overlap"]
+    assert len(r["rates"]) == len(rates.RATES) and "per layer and pass" in r["overlap"]
     files = r["by_source"]  # every kernel of the busiest rank, by source file
     top_s = sum(row["seconds"] for row in r["busiest_top"])
     assert top_s < sum(row["seconds"] for row in files) <= r["compute_s"] * (1 + 1e-9)

@@ -1,8 +1,9 @@
 """Time per window, op by op (`genomelm.plan.roofline`): every kernel of the traced step at the roofline of
 the unit it runs on (each traced layer standing for the layers of its kind; the busiest expert-parallel
 rank's grouped GEMMs x `imbalance`), plus the collectives at the link of their group with their ring factor,
-plus the offload copies over PCIe; FSDP2's collectives and the layer-input offload copies run on side streams
-and hide under the compute (`roofline.OVERLAP_RULE`), everything else adds up. The flat estimate (FLOPs at
+plus the offload copies over PCIe; what FSDP2's collectives (and their copies) and the layer-input copies on
+side streams leave exposed comes from a per-layer event model of the streams (`layer_works`,
+`genomelm.plan.overlap`, `roofline.OVERLAP_RULE`), everything else adds up. The flat estimate (FLOPs at
 `mfu` of the bf16 peak) is kept beside it for comparison. For the evaluation (stage=eval): the forward's
 kernels and collectives of a window and of its context cut, and the whole before/after evaluation of the
 held-out set (`evaluation_time`, `held_out_windows`)."""
