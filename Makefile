@@ -18,6 +18,10 @@ STAMP := $(VENV)/.installed
 # pinned: `ruff format --check` must agree with the formatter every developer runs
 RUFF_VERSION := 0.17.6
 
+# torch's OpenMP threads spin while they wait; on a shared or busy machine they starve each other (a 1.2 s demo
+# step took 40 s on 2 busy cores): every target's threads sleep instead (set OMP_WAIT_POLICY=ACTIVE to override)
+export OMP_WAIT_POLICY ?= PASSIVE
+
 GENOME ?= hg38
 SEQ ?= 512k
 SEQ_NAME := $(shell echo $(SEQ) | tr A-Z a-z)
@@ -49,9 +53,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 data: $(STAMP)
-	$(BIN)/genomelm data $(if $(and $(FASTA),$(filter file,$(origin GENOME))),,--genome $(GENOME)) --seq $(SEQ) \
-	  $(if $(FASTA),--fasta $(FASTA)) $(if $(TRAIN),--train $(TRAIN)) $(if $(HELDOUT),--heldout $(HELDOUT)) \
-	  $(if $(OUT),--out $(OUT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+	$(BIN)/genomelm data $(if $(and $(FASTA),$(filter file,$(origin GENOME))),,genome=$(GENOME)) seq=$(SEQ) \
+	  $(if $(FASTA),fasta=$(FASTA)) $(if $(TRAIN),train=$(TRAIN)) $(if $(HELDOUT),heldout=$(HELDOUT)) \
+	  $(if $(OUT),out=$(OUT)) $(if $(TOKENIZER),tokenizer=$(TOKENIZER))
 
 train: $(STAMP)
 	$(BIN)/genomelm train $(CONFIG) $(CLUSTER_CONFIG) $(OVERRIDES)
@@ -76,7 +80,7 @@ embed: $(STAMP)
 CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=1073741824
 
 demo: $(STAMP)
-	$(BIN)/genomelm data --config configs/data/demo.yaml
+	$(BIN)/genomelm data configs/data/demo.yaml
 	$(CPU_MALLOC) $(BIN)/genomelm train $(DEMO_CONFIG) $(ARGS)
 	$(CPU_MALLOC) $(BIN)/genomelm eval $(DEMO_CONFIG) $(ARGS)
 

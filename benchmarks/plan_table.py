@@ -91,10 +91,15 @@ def row(case: Case, plan: Plan) -> str:
     parts = f"{r['compute_s']:.1f} / {r['comm_s']:.1f} / {r['exposed_overlap_s'] + r['host_s']:.1f}"
     top = r["busiest_top"][0] if plan.ep > 1 else r["top"][0]
     published = PUBLISHED.get(plan.seq, "-") if case.gpu == "b200" else "-"
+    low, high = plan.range["low"], plan.range["high"]
+    speed = (
+        f"{plan.tokens_per_s_projected / 1e3:,.1f}k ({low['tokens_per_s'] / 1e3:,.1f}-"
+        f"{high['tokens_per_s'] / 1e3:,.1f}k)"
+    )
+    peak = f"{plan.peak_gib_per_rank:.1f} ({high['peak_gib']:.1f}-{low['peak_gib']:.1f})"
     return (
-        f"| {case.seq} | {case.gpu.upper()} ({budget} GiB) | {layout} | "
-        f"{plan.tokens_per_s_projected / 1e3:,.1f}k | "
-        f"{r['mfu']:.1%} | {r['hfu']:.1%} | {published} | {plan.peak_gib_per_rank:.1f} | {parts} | "
+        f"| {case.seq} | {case.gpu.upper()} ({budget} GiB) | {layout} | {speed} | "
+        f"{r['mfu']:.1%} | {r['hfu']:.1%} | {published} | {peak} | {parts} | "
         f"`{top['class']}` ({top['share']:.0%}, {top['bound']}) |"
     )
 
@@ -104,8 +109,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a shipped config is not first")
     args = parser.parse_args(argv)
     print(
-        "| window | GPU (budget per GPU) | first layout (`search=true`) | tokens/s | MFU | HFU | published | "
-        "peak GiB | window s: compute / comm / host + exposed | costliest class at the busiest rank |"
+        "| window | GPU (budget per GPU) | first layout (`search=true`) | tokens/s expected (low-high) | "
+        "MFU | HFU | published | peak GiB expected (least-most) | "
+        "window s: compute / comm / host + exposed | costliest class at the busiest rank |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     traces: dict[str, TraceCache] = {}

@@ -11,5 +11,27 @@ Packages, each importing only those listed before it (`tests/test_layering.py` c
 - `genomelm.train` and `genomelm.eval`, side by side: the training loop and step; scoring the model before and
   after training and the genomics read-outs;
 - `genomelm.plan`: will a run fit, and how fast (it traces the training and scoring steps);
-- `genomelm.commands`: one module per `genomelm <stage>`; `genomelm.cli`: the thin dispatcher.
+- `genomelm.commands`: one module per `genomelm <stage>`; `genomelm.cli`: the thin dispatcher;
+- `genomelm.api`: the Python API, `genomelm.load(run_or_folder)` (imported when first called);
+- `genomelm.resources`: where the shipped configs and demo genome are (imports nothing of genomelm).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from genomelm.api import GenomeModel
+
+
+def load(
+    path: str | Path, device: str | torch.device | None = None, seq: int | None = None, progress: bool = True
+) -> GenomeModel:
+    """A run folder, a checkpoint or an exported Hugging Face folder as a `genomelm.api.GenomeModel` (`score`,
+    `embed`, `score_variants`); see `genomelm.api.load`."""
+    from genomelm.api import load as load_model
+
+    return load_model(path, device, seq, progress)

@@ -34,19 +34,13 @@ def demo_outputs(tmp_path_factory) -> tuple[Path, Path]:
     assert (
         data_main(
             [
-                "--fasta",
-                str(ROOT / "data" / "dmel_chr4.fa.gz"),
-                "--genome",
-                "demo",
-                "--seq",
-                "128",
-                "--train",
-                "NC_004353.4:1-8192",
-                "--heldout",
-                "NC_004353.4:1000001-1000768",
-                "--out",
-                str(data),
-                "--no-progress",
+                f"fasta={ROOT / 'data' / 'dmel_chr4.fa.gz'}",
+                "genome=demo",
+                "seq=128",
+                "train=NC_004353.4:1-8192",
+                "heldout=NC_004353.4:1000001-1000768",
+                f"out={data}",
+                "progress=false",
             ]
         )
         == 0

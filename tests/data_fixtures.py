@@ -50,19 +50,13 @@ def fly_windows(out: Path, train: str, seq: int, heldout: str = "200001-201024")
     assert (
         data_main(
             [
-                "--fasta",
-                str(DMEL),
-                "--genome",
-                "fly",
-                "--train",
-                f"{DMEL_RECORD}:{train}",
-                "--heldout",
-                f"{DMEL_RECORD}:{heldout}",
-                "--seq",
-                str(seq),
-                "--out",
-                str(out),
-                "--no-progress",
+                f"fasta={DMEL}",
+                "genome=fly",
+                f"train={DMEL_RECORD}:{train}",
+                f"heldout={DMEL_RECORD}:{heldout}",
+                f"seq={seq}",
+                f"out={out}",
+                "progress=false",
             ]
         )
         == 0

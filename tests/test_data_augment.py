@@ -212,7 +212,7 @@ def test_check_compatible_names_both_folders(dmel: Path, tmp_path: Path) -> None
         train=[f"{DMEL_RECORD}:1-4096"],
         heldout=[f"{DMEL_RECORD}:4097-8192"],
     )
-    with pytest.raises(DataError, match="same --seq") as err:
+    with pytest.raises(DataError, match="same seq=") as err:
         check_compatible([dmel, other_seq])
     assert str(dmel) in str(err.value) and str(other_seq) in str(err.value)
 

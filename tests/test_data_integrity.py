@@ -28,12 +28,12 @@ def prepared(tmp_path: Path, name: str = "fly") -> Path:
 
 
 def rebuild_command(folder: Path) -> str:
-    """What the messages must name: the folder's own `genomelm data` command with --force."""
-    return read_manifest(folder)["command"] + " --force"
+    """What the messages must name: the folder's own `genomelm data` command with force=true."""
+    return read_manifest(folder)["command"] + " force=true"
 
 
 def rerun(command: str) -> int:
-    """`genomelm data` again with ``command`` (a manifest's), without --force."""
+    """`genomelm data` again with ``command`` (a manifest's), without force=true."""
     return data_main(shlex.split(command)[2:-1])
 
 
@@ -246,7 +246,7 @@ def test_manifest_text_without_a_command_names_the_pattern(tmp_path: Path) -> No
     with pytest.raises(DataError) as err:
         WindowDataset(folder, "train")
     assert str(err.value).endswith(
-        "rebuild it: `genomelm data ... --force` (with the settings it was prepared with)"
+        "rebuild it: `genomelm data ... force=true` (with the settings it was prepared with)"
     )
 
 
@@ -254,7 +254,7 @@ def test_a_copied_folder_is_rebuilt_where_it_was_opened(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """A prepared folder copied (or moved) elsewhere and damaged there: the rebuild command names the copy as
-    its --out, not the folder it was first written to, and running it rebuilds the copy."""
+    its out=, not the folder it was first written to, and running it rebuilds the copy."""
     import shutil
 
     original = prepared(tmp_path)
@@ -265,8 +265,8 @@ def test_a_copied_folder_is_rebuilt_where_it_was_opened(
         WindowDataset(copy, "train")
     command = str(err.value).split("rebuild it: `")[1].rstrip("`")
     words = shlex.split(command)
-    assert words[words.index("--out") + 1] == str(copy) and words.count("--out") == 1, command
-    assert words[-1] == "--force"
+    assert [word for word in words if word.startswith("out=")] == [f"out={copy}"], command
+    assert words[-1] == "force=true"
     capsys.readouterr()
     assert data_main(words[2:]) == 0 and f"wrote {copy} " in capsys.readouterr().out
     assert len(WindowDataset(copy, "train")) == 16 and len(WindowDataset(original, "train")) == 16

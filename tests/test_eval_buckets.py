@@ -99,6 +99,15 @@ def test_summarise_changes_per_bucket_and_overall() -> None:
         WindowSums(before, bucket_sums(LOSS, ~VALID, SOFT, bucket=2))
 
 
+def test_far_copies_are_a_subset_of_their_own() -> None:
+    far = np.zeros_like(VALID)
+    far[:, 2:4] = True  # positions 2 and 3 of both windows; position 3 of window 0 is not valid
+    rows = bucketed_loss(LOSS, VALID, SOFT, bucket=2, far_copy=far)
+    _check(rows[1], "far_", 13 / 3, 8 / 9, 3, 2)  # every valid token of bucket 1
+    _check(rows[0], "far_", NAN, NAN, 0, 0)
+    assert bucketed_loss(LOSS, VALID, SOFT, bucket=2)[1]["far_tokens"] == 0  # none without a mask
+
+
 class EmaUnigram(torch.nn.Module):
     """Predicts token t+1 from counts of tokens 0..t decayed by `decay` per step: p ~ 0.5 + counts.
 

@@ -1,4 +1,4 @@
-"""`launcher=env`: each rank started by torchrun (`torchrun --nproc-per-node 2 -m genomelm.cli train ...`) or
+"""`launcher=env`: each rank started by torchrun (`torchrun --nproc-per-node 2 -m genomelm train ...`) or
 by srun (its variables set here over 2 processes: no Slurm needed) trains exactly as the local launcher; a
 layout that does not match dp x cp is refused on every rank with one line; SIGTERM and SIGUSR1 stop the run
 after a step with a checkpoint, and the same command continues it exactly."""
@@ -167,11 +167,11 @@ def clean_environment() -> dict[str, str]:
 
 
 def torchrun(settings: list[str], logs: Path, *flags: str, stage: str = "train") -> subprocess.Popen:
-    """`torchrun --nproc-per-node 2 -m genomelm.cli <stage> ... launcher=env` in its own session, each rank's
+    """`torchrun --nproc-per-node 2 -m genomelm <stage> ... launcher=env` in its own session, each rank's
     stdout and stderr in a file under `logs`."""
     # --standalone: a rendezvous on a free port (another test may run torchrun meanwhile)
     command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects"]
-    command += ["3", *flags, "-m", "genomelm.cli", stage, *settings, "launcher=env"]
+    command += ["3", *flags, "-m", "genomelm", stage, *settings, "launcher=env"]
     return subprocess.Popen(
         command,
         cwd=ROOT,

@@ -97,7 +97,7 @@ def test_export_fp32_equals_the_model_and_transformers_agrees(sharded_run, tmp_p
         cli_main(["export", str(sharded_run), str(out), "--dtype", "fp32", "--max-shard-bytes", "20000"]) == 0
     )
     assert f"checkpoints/{STEP}" in capsys.readouterr().out
-    shards = sorted(path.name for path in out.glob("*.safetensors"))
+    shards = sorted(path.name for path in out.glob("model-*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left
 
@@ -169,8 +169,8 @@ def test_export_errors_name_the_folder_and_the_fix(sharded_run, tmp_path, capsys
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert cli_main(["export", str(sharded_run), str(out)]) == 2
-    assert "--force" in capsys.readouterr().err and (out / "keep.txt").exists()
-    assert cli_main(["export", str(sharded_run), str(out), "--force"]) == 0
+    assert "force=true" in capsys.readouterr().err and (out / "keep.txt").exists()
+    assert cli_main(["export", str(sharded_run), str(out), "force=true"]) == 0
     assert not (out / "keep.txt").exists() and (out / INDEX_FILE).exists()
 
 

@@ -58,10 +58,23 @@ def test_ops_costed_by_hand_at_their_class_rates():
     fp32 = roofline.OpClass("aten.mm", "fp32", "fp32", "x.py:1", 1, 2 * n**3, 3 * n * n * 4)
     assert roofline.op_seconds(fp32, p)[0] == pytest.approx(2 * n**3 / 60e12 + 7e-6)
     experts = dataclasses.replace(gemm, op="aten._grouped_mm")
-    assert roofline.op_seconds(experts, p)[0] == pytest.approx(2 * n**3 / 700e12 + 7e-6)
+    assert roofline.op_seconds(experts, p)[0] == pytest.approx(2 * n**3 / 450e12 + 7e-6)
     backward = roofline.OpClass("genomelm.sparse_mla_bwd", "bf16", "bf16", "x.py:4", 1, 1e15, 1e9)
-    assert roofline.op_seconds(backward, p)[0] == pytest.approx(1e15 / 820e12 + 7e-6)
+    assert roofline.op_seconds(backward, p)[0] == pytest.approx(1e15 / 262e12 + 7e-6)
     assert roofline.op_seconds(backward, rates.peaks("h200"))[0] == pytest.approx(1e15 / 115e12 + 7e-6)
+    # its atomic adds at the atomics rate, the rest of its bytes at HBM's; a top-k's input once per pass
+    atomic = roofline.OpClass(
+        "genomelm.sparse_mla_bwd", "bf16", "bf16", "x.py:4", 1, 0.0, 4e12, atomic_bytes=3e12
+    )
+    assert roofline.op_seconds(atomic, p)[0] == pytest.approx(1e12 / 6.52e12 + 3e12 / 6.08e12 + 7e-6)
+    topk = roofline.OpClass("aten.topk", "fp32", "memory", "x.py:5", 1, 0.0, 1.5e9, select_bytes=1e9)
+    assert roofline.op_seconds(topk, p)[0] == pytest.approx((1.5e9 + 4 * 1e9) / 6.52e12 + 7e-6)
+    # the range's ends: every rate at its pessimistic or optimistic factor
+    low, high = rates.peaks("b200", case="low"), rates.peaks("b200", case="high")
+    assert low.compute["grouped_gemm_bf16"] == pytest.approx(0.16 * 2250e12)
+    assert high.compute["grouped_gemm_bf16"] == pytest.approx(0.24 * 2250e12)
+    assert low.topk_passes == pytest.approx(9) and high.topk_passes == pytest.approx(3)
+    assert low.launch_s > p.launch_s > high.launch_s and low.atomics < p.atomics < high.atomics
     copy = roofline.OpClass("aten.add", "fp32", "memory", "x.py:2", 10, 0.0, 10 * 3 * 2**30)
     seconds, bound = roofline.op_seconds(copy, p)
     assert bound == "memory" and seconds == pytest.approx(10 * (3 * 2**30 / 6.52e12 + 7e-6))
@@ -91,6 +104,22 @@ def test_collectives_ring_factors_and_links_by_topology():
         max(moved * 7 / 15 / 726e9, moved * 8 / 15 / 50e9) + 7e-6
     )
     assert roofline.collective_seconds("all_to_all", 8e9, 8, p) == pytest.approx(8e9 * 7 / 8 / 726e9 + 7e-6)
+    # groups running the same collective through a node's NICs at once share them (the ep expert groups)
+    assert p.links.seconds("ring", 1e9, 32, sharing=2) == pytest.approx(1e9 / (8 * 47e9 / 2))
+    assert p.links.seconds("ring", 1e9, 8, sharing=2) == pytest.approx(1e9 / 720e9)  # NVLink: its own
+
+
+def test_fsdp_expert_groups_share_the_nics_of_their_nodes():
+    from genomelm.plan.comm import fsdp_groups
+    from genomelm.plan.layouts import Layout
+
+    layout = Layout(dp=2, cp=32, ep=2, sharded=True, optimizer_offload=False)
+    (rest, world, alone), (experts, edp, shared) = fsdp_groups(layout, 64.0, 32.0, 8)
+    assert (rest, world, alone) == (64.0 * 63 / 64, 64, 1)
+    assert (experts, edp, shared) == (16.0 * 31 / 32, 32, 2)  # every second rank: 2 groups per node
+    assert (
+        fsdp_groups(dataclasses.replace(layout, ep=16), 64.0, 32.0, 8)[1][2] == 8
+    )  # at most the node's GPUs
 
 
 class _Log(TorchDispatchMode):
@@ -205,7 +234,7 @@ def test_plan_reports_the_roofline_op_by_op(tmp_path):
     assert r["compute_s"] > r["mean_compute_s"] > 0  # the busiest rank's expert rows x imbalance
     assert all(row["bound"] in ("compute", "memory", "launch") and "@" in row["class"] for row in r["top"])
     assert all(row["rate_value"] > 0 and row["rate_source"] for row in r["top"])
-    assert len(r["rates"]) == len(rates.RATES) and "side stream" in r["overlap"]
+    assert len(r["rates"]) == len(rates.RATES) and "per layer and pass" in r["overlap"]
     files = r["by_source"]  # every kernel of the busiest rank, by source file
     top_s = sum(row["seconds"] for row in r["busiest_top"])
     assert top_s < sum(row["seconds"] for row in files) <= r["compute_s"] * (1 + 1e-9)

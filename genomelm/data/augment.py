@@ -78,14 +78,14 @@ def check_compatible(folders: Sequence[str | Path]) -> list[dict]:
         if manifest["seq_len"] != first["seq_len"]:
             raise DataError(
                 f"{first_folder} has windows of {first['seq_len']:,} tokens but {folder} has "
-                f"{manifest['seq_len']:,}; prepare both with the same --seq"
+                f"{manifest['seq_len']:,}; prepare both with the same seq="
             )
         vocab = Vocabulary.from_json(manifest["vocab"])
         if (vocab.code_to_id, vocab.vocab_size) != (first_vocab.code_to_id, first_vocab.vocab_size):
             raise DataError(
                 f"{first_folder} and {folder} use different vocabularies (token ids of pad A C G T N: "
                 f"{list(first_vocab.code_to_id)} vs {list(vocab.code_to_id)}); prepare both with the same "
-                "--tokenizer (or both without)"
+                "tokenizer= (or both without)"
             )
     return manifests
 

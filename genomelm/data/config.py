@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from genomelm import resources
 from genomelm.data.download import UCSC_HG38
 from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
@@ -48,7 +49,7 @@ class DataConfig:
         if self.source not in SOURCES:
             raise DataError(f"source {self.source!r}: must be one of {', '.join(SOURCES)}")
         if not 0.0 <= self.max_n_fraction <= 1.0:
-            raise DataError(f"--max-n-fraction {self.max_n_fraction}: give a fraction between 0 and 1")
+            raise DataError(f"max_n_fraction={self.max_n_fraction}: give a fraction between 0 and 1")
         for name in ("fasta", "files", "train", "heldout"):
             value = getattr(self, name)
             setattr(self, name, [value] if isinstance(value, str) else list(value))
@@ -69,7 +70,7 @@ def load_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as err:
-        raise DataError(f"--config {path}: cannot read it ({err.strerror})") from err
+        raise DataError(f"config={path}: cannot read it ({err.strerror})") from err
     except yaml.YAMLError as err:
         raise DataError(f"{path}: not valid YAML ({err})") from err
     if not isinstance(data, dict):
@@ -82,5 +83,18 @@ def load_yaml(path: str | Path) -> dict:
 
 
 def genome_config_path(genome: str) -> Path:
-    """``configs/data/<genome>.yaml`` under the working directory."""
-    return CONFIG_DIR / f"{genome}.yaml"
+    """``configs/data/<genome>.yaml`` under the working directory, else the shipped one (the checkout's, or
+    the copy a wheel installed: `genomelm.resources`)."""
+    return resources.shipped(CONFIG_DIR / f"{genome}.yaml")
+
+
+def shipped_inputs(settings: dict, config: Path) -> dict:
+    """`settings` of the data config `config` with each relative `fasta` path that is not in the working
+    directory but ships with genomelm (`data/dmel_chr4.fa.gz` of configs/data/demo.yaml) made absolute."""
+    if config.resolve().parent != (resources.root() / CONFIG_DIR).resolve():
+        return settings
+    fasta = settings.get("fasta")
+    if isinstance(fasta, (str, list)):
+        paths = [fasta] if isinstance(fasta, str) else fasta
+        settings = settings | {"fasta": [str(resources.shipped(path)) for path in paths]}
+    return settings

@@ -36,7 +36,7 @@ SPLITS = ("train", "heldout")
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
 HASH_BLOCK_BYTES = 64 << 20  # a 1 GB file has 16 blocks; one is read and hashed in ~7 ms from the page cache
-UNKNOWN_COMMAND = "genomelm data ... --force"
+UNKNOWN_COMMAND = "genomelm data ... force=true"
 _READ_BYTES = 8 << 20  # read buffer: verifying maps no file pages into the process (RSS stays flat)
 
 
@@ -124,9 +124,10 @@ def holds_only_prepared_files(folder: Path) -> bool:
 
 
 def rebuild_command(manifest: dict | None, folder: Path | None = None) -> str:
-    """The command that rebuilds the folder: the manifest's own ``genomelm data`` command with ``--force``,
+    """The command that rebuilds the folder: the manifest's own ``genomelm data`` command with ``force=true``,
     writing to `folder` (the folder that was opened: a copied or moved one is rebuilt where it now is), or a
-    pattern when it is unknown (a damaged manifest, or one written through the Python API)."""
+    pattern when it is unknown (a damaged manifest, or one written through the Python API). A command of the
+    old `--flag` style keeps it."""
     command = manifest.get("command") if isinstance(manifest, dict) else None
     try:
         words = shlex.split(command) if isinstance(command, str) else []
@@ -134,19 +135,24 @@ def rebuild_command(manifest: dict | None, folder: Path | None = None) -> str:
         words = []
     if words[:2] != ["genomelm", "data"]:
         return UNKNOWN_COMMAND
+    flags = any(word.startswith("--") for word in words)
     if folder is not None and _out_of(words) != Path(folder).resolve():
-        words = _without_out(words) + ["--out", str(folder)]
+        words = _without_out(words) + (["--out", str(folder)] if flags else [f"out={folder}"])
         command = shlex.join(words)
-    return command if "--force" in words else f"{command} --force"
+    if any(word in ("--force", "force=true") for word in words):
+        return command
+    return f"{command} {'--force' if flags else 'force=true'}"
 
 
 def _out_of(words: list[str]) -> Path | None:
-    """The resolved `--out` of a ``genomelm data`` command's words; None when it has none."""
+    """The resolved output folder (`out=` or `--out`) of a ``genomelm data`` command's words; None when it
+    has none."""
     for i, word in enumerate(words):
         if word == "--out" and i + 1 < len(words):
             return Path(words[i + 1]).resolve()
-        if word.startswith("--out="):
-            return Path(word.removeprefix("--out=")).resolve()
+        for prefix in ("--out=", "out="):
+            if word.startswith(prefix):
+                return Path(word.removeprefix(prefix)).resolve()
     return None
 
 
@@ -158,7 +164,7 @@ def _without_out(words: list[str]) -> list[str]:
             skip = False
         elif word == "--out":
             skip = True
-        elif not word.startswith("--out="):
+        elif not word.startswith(("--out=", "out=")):
             kept.append(word)
     return kept
 

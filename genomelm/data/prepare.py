@@ -169,7 +169,7 @@ def _complement(record: str, held: list[Interval]) -> list[Interval]:
 
 @dataclass
 class _Selection:
-    """What --train and --heldout select: record names and region strings, matched to records as they are
+    """What train= and heldout= select: record names and region strings, matched to records as they are
     read, and the intervals of BED files, whose records are known."""
 
     specs: list[tuple[str, str]]  # (split, record name or name:start-end)
@@ -195,7 +195,7 @@ def _selection(cfg: DataConfig) -> _Selection:
 class _Builder:
     """Streams every source once, routing each record's bases to the regions that select them.
 
-    With explicit --train and --heldout, a FASTA with an up-to-date samtools index is instead read region by
+    With explicit train= and heldout=, a FASTA with an up-to-date samtools index is instead read region by
     region through pyfaidx (`genomelm.data.faidx`), with the same windows as the stream gives.
     """
 
@@ -251,8 +251,8 @@ class _Builder:
                 if not self.cfg.allow_short:
                     raise DataError(
                         f"{path}: {iv.describe()} has {end - iv.start:,} bases, fewer than SEQ="
-                        f"{self.cfg.seq:,}; use a smaller --seq, "
-                        "or --allow-short to keep it as one padded window"
+                        f"{self.cfg.seq:,}; use a smaller seq=, "
+                        "or allow_short=true to keep it as one padded window"
                     )
                 writer.add(record, cutter.pad_short())
                 writer.stats["padded_short"] += 1
@@ -387,7 +387,7 @@ def _sources(cfg: DataConfig, progress: bool) -> list[Path]:
             cfg.base_url, cfg.files, Path(cfg.cache) / cfg.genome, progress=progress, verify_cached=False
         )
     if not cfg.fasta:
-        raise DataError(f"genome {cfg.genome!r} has no FASTA: give --fasta FILE (or a config with `fasta:`)")
+        raise DataError(f"genome {cfg.genome!r} has no FASTA: give fasta=FILE (or a config with `fasta:`)")
     return [Path(p) for p in cfg.fasta]
 
 
@@ -396,8 +396,8 @@ def _check_settings(cfg: DataConfig) -> _Selection:
     regions. Returns what the splits select."""
     if not cfg.heldout:
         raise DataError(
-            "no held-out split: give --heldout (record names, name:start-end or a BED file, "
-            "comma-separated); --train defaults to everything not held out"
+            "no held-out split: give heldout= (record names, name:start-end or a BED file, "
+            "comma-separated); train= defaults to everything not held out"
         )
     selection = _selection(cfg)
     intervals = [static_interval(spec, s) for s, spec in selection.specs] + selection.bed_intervals
@@ -406,7 +406,7 @@ def _check_settings(cfg: DataConfig) -> _Selection:
         if iv.end is not None and iv.end - iv.start < cfg.seq and not cfg.allow_short:
             raise DataError(
                 f"region {iv.describe()} has {iv.end - iv.start:,} bases, fewer than SEQ={cfg.seq:,}; "
-                "use a smaller --seq, or --allow-short to keep it as one padded window"
+                "use a smaller seq=, or allow_short=true to keep it as one padded window"
             )
     return selection
 
@@ -418,7 +418,7 @@ def _fingerprint(cfg: DataConfig, sources: list[Path], vocab: Vocabulary, select
     stats = []
     for path in sources:
         if not path.is_file():
-            raise DataError(f"{path}: no such FASTA file; check --fasta (or the `fasta:` of the data config)")
+            raise DataError(f"{path}: no such FASTA file; check fasta= (or the `fasta:` of the data config)")
         info = path.stat()
         stats.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
     beds = [[bed.split, str(bed.path.resolve()), bed.md5] for bed in selection.bed_files]
@@ -446,7 +446,7 @@ def _up_to_date(out: Path, fingerprint: str, force: bool, log: Callable[[str], N
         if not holds_only_prepared_files(out):
             raise DataError(
                 f"{err.path}: {err.problem}, and {out} holds files a prepared dataset does not; remove it "
-                "or choose another --out"
+                "or choose another out="
             ) from None
         log(f"{err.path}: {err.problem}; rebuilding {out}")
         return False
@@ -455,7 +455,7 @@ def _up_to_date(out: Path, fingerprint: str, force: bool, log: Callable[[str], N
             if not holds_only_prepared_files(out):
                 raise DataError(
                     f"{out} exists and is not a prepared dataset (no {MANIFEST}); remove it or choose "
-                    "another --out"
+                    "another out="
                 )
             log(f"{out / MANIFEST}: missing (an incomplete or damaged prepared folder); rebuilding {out}")
         return False
@@ -522,7 +522,7 @@ def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[
     if _up_to_date(out, fingerprint, cfg.force, log):
         log(
             f"{out} is up to date (same inputs and settings, files match their checksums); nothing to do. "
-            "Use --force to rebuild."
+            "Give force=true to rebuild."
         )
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -543,7 +543,7 @@ def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[
                 + ", ".join(str(p) for p in sources)
                 + ": "
                 + ", ".join(missing)
-                + f"; records present: {names}; fix --train/--heldout"
+                + f"; records present: {names}; fix train=/heldout="
                 + (" or the BED file" if selection.bed_files else "")
             )
         splits = {s: w.finalize() for s, w in builder.writers.items()}
@@ -551,7 +551,7 @@ def prepare(cfg: DataConfig, command: str, progress: bool = True, log: Callable[
         if empty:
             raise DataError(
                 f"split(s) {', '.join(empty)} kept no windows (all dropped for N > {cfg.max_n_fraction}); "
-                "choose other regions or raise --max-n-fraction"
+                "choose other regions or raise max_n_fraction="
             )
         manifest = {
             "format_version": FORMAT_VERSION,

@@ -91,12 +91,12 @@ def source_files(folder: Path, manifest: dict) -> list[Path]:
             raise DataError(
                 f"{path}: the source reference of {folder} is missing; the read-outs read the record lengths "
                 "(and a region's bases) from it: put it back there, or prepare the data again from where it "
-                f"is now ({manifest['command']} --force, with --fasta changed)"
+                f"is now ({manifest['command']} force=true, with fasta= changed)"
             )
         if path.stat().st_size != entry["bytes"]:
             raise DataError(
                 f"{path}: {path.stat().st_size:,} bytes, not the {entry['bytes']:,} it had when {folder} was "
-                f"prepared from it; prepare the data again ({manifest['command']} --force)"
+                f"prepared from it; prepare the data again ({manifest['command']} force=true)"
             )
         paths.append(path)
     return paths

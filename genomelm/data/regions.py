@@ -20,7 +20,7 @@ def parse_seq(text: str | int) -> int:
     """'16k' -> 16384, '512k' -> 524288, '1M' -> 1048576, '4096' -> 4096 (tokens)."""
     match = re.fullmatch(r"\s*([0-9]+)\s*([kKmM]?)\s*", str(text))
     if not match or int(match.group(1)) <= 0:
-        raise DataError(f"--seq {text!r}: give a positive token count such as 16k, 512k, 1M or 4096")
+        raise DataError(f"seq={text!r}: give a positive token count such as 16k, 512k, 1M or 4096")
     return int(match.group(1)) * _SEQ_UNITS[match.group(2).lower()]
 
 
@@ -90,12 +90,12 @@ def check_overlaps(intervals: list[Interval]) -> None:
             where = "both splits" if left.split != right.split else f"the {left.split} split twice"
             raise DataError(
                 f"regions {left.describe()} and {right.describe()} share bases of {left.record}: the same "
-                f"bases are in {where}; make --train and --heldout disjoint"
+                f"bases are in {where}; make train= and heldout= disjoint"
             )
 
 
 def is_bed(spec: str) -> bool:
-    """Whether a --train/--heldout item names a BED file (``.bed`` or ``.bed.gz``) rather than a region."""
+    """Whether a train=/heldout= item names a BED file (``.bed`` or ``.bed.gz``) rather than a region."""
     return spec.lower().endswith(BED_SUFFIXES)
 
 

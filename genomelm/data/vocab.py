@@ -97,24 +97,24 @@ def tokenizer_vocabulary(folder: str | Path) -> Vocabulary:
 
     Letters are looked up one by one; DNA is never tokenised as a string, because BPE would merge bases.
     """
-    from transformers import AutoTokenizer  # heavy import, only needed with --tokenizer
+    from transformers import AutoTokenizer  # heavy import, only needed with tokenizer=
 
     path = Path(folder)
     if not path.is_dir():
-        raise DataError(f"--tokenizer {path}: no such folder; give a local Hugging Face model folder")
+        raise DataError(f"tokenizer={path}: no such folder; give a local Hugging Face model folder")
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
-        raise DataError(f"--tokenizer {path}: cannot load a tokenizer offline from it ({err})") from err
+        raise DataError(f"tokenizer={path}: cannot load a tokenizer offline from it ({err})") from err
     vocab = tok.get_vocab()
     missing = [letter for letter in LETTERS if letter not in vocab]
     if missing:
         raise DataError(
-            f"--tokenizer {path}: the tokenizer has no single-letter token for {', '.join(missing)}; "
-            "use a tokenizer whose vocabulary contains A, C, G, T and N, or omit --tokenizer"
+            f"tokenizer={path}: the tokenizer has no single-letter token for {', '.join(missing)}; "
+            "use a tokenizer whose vocabulary contains A, C, G, T and N, or omit tokenizer="
         )
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if pad_id is None:
-        raise DataError(f"--tokenizer {path}: the tokenizer has neither a pad nor an eos token for padding")
+        raise DataError(f"tokenizer={path}: the tokenizer has neither a pad nor an eos token for padding")
     ids = [int(pad_id)] + [int(tok.convert_tokens_to_ids(letter)) for letter in LETTERS]
     return Vocabulary(code_to_id=tuple(ids), vocab_size=len(tok), tokenizer=str(path.resolve()))

@@ -14,10 +14,22 @@ import numpy as np
 
 from genomelm.run.uncertainty import Ratio, ratio_estimate
 
-# each bucket row holds these statistics for all valid tokens, and the same with the prefix
-# "repeat_" (soft-masked targets) and "unmasked_" (upper-case targets)
+# each bucket row holds these statistics for all valid tokens, and the same with the prefix "repeat_"
+# (soft-masked targets), "unmasked_" (upper-case targets) and "far_" (far copies: `genomelm.data.far_copy`)
 STATS = ("loss", "se", "tokens", "windows")
-SUBSETS = {"": None, "repeat_": True, "unmasked_": False}
+SUBSETS = ("", "repeat_", "unmasked_", "far_")
+
+
+def subset_masks(
+    valid: np.ndarray, softmask: np.ndarray, far_copy: np.ndarray | None
+) -> dict[str, np.ndarray]:
+    """The valid positions of each subset, {prefix: bool [W, S]}; no far copies where `far_copy` is None."""
+    return {
+        "": valid,
+        "repeat_": valid & softmask,
+        "unmasked_": valid & ~softmask,
+        "far_": valid & far_copy if far_copy is not None else np.zeros_like(valid),
+    }
 
 
 @dataclass
@@ -31,12 +43,19 @@ class BucketSums:
     sums: dict[str, np.ndarray]
 
 
-def bucket_sums(token_loss: np.ndarray, valid: np.ndarray, softmask: np.ndarray, bucket: int) -> BucketSums:
+def bucket_sums(
+    token_loss: np.ndarray,
+    valid: np.ndarray,
+    softmask: np.ndarray,
+    bucket: int,
+    far_copy: np.ndarray | None = None,
+) -> BucketSums:
     """Per-window totals of every subset by bucket.
 
     token_loss: float [W, S] nats per position (any value where not valid); valid: bool [W, S];
     softmask: bool [W, S], True where the predicted base is soft-masked (repeat); bucket: positions per
-    bucket (the last one holds the remaining S mod bucket positions when S is not a multiple).
+    bucket (the last one holds the remaining S mod bucket positions when S is not a multiple); far_copy:
+    bool [W, S], True where the predicted base is a far copy (None: none counted).
     """
     token_loss, valid, softmask = np.asarray(token_loss), np.asarray(valid, bool), np.asarray(softmask, bool)
     if token_loss.ndim != 2 or token_loss.shape != valid.shape or valid.shape != softmask.shape:
@@ -50,8 +69,7 @@ def bucket_sums(token_loss: np.ndarray, valid: np.ndarray, softmask: np.ndarray,
     starts = np.arange(0, width, bucket)
     loss64 = token_loss.astype(np.float64)
     tokens, sums = {}, {}
-    for prefix, masked in SUBSETS.items():
-        keep = valid if masked is None else valid & (softmask == masked)
+    for prefix, keep in subset_masks(valid, softmask, far_copy).items():
         sums[prefix] = np.add.reduceat(np.where(keep, loss64, 0.0), starts, axis=1)
         tokens[prefix] = np.add.reduceat(keep.astype(np.int64), starts, axis=1)
     return BucketSums(starts, np.minimum(starts + bucket, width), tokens, sums)
@@ -77,7 +95,7 @@ def window_stats(sums: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
 
 def loss_rows(sums: BucketSums) -> list[dict]:
     """One dict per bucket: start, end (positions, half-open), loss, se, tokens, windows, and the same four
-    with the prefixes repeat_ and unmasked_. Loss is NaN for a bucket without tokens."""
+    with the prefixes repeat_, unmasked_ and far_. Loss is NaN for a bucket without tokens."""
     rows = [{"start": int(s), "end": int(e)} for s, e in zip(sums.starts, sums.ends)]
     for prefix in SUBSETS:
         stats = window_stats(sums.sums[prefix], sums.tokens[prefix])
@@ -89,6 +107,12 @@ def loss_rows(sums: BucketSums) -> list[dict]:
     return rows
 
 
-def bucketed_loss(token_loss: np.ndarray, valid: np.ndarray, softmask: np.ndarray, bucket: int) -> list[dict]:
+def bucketed_loss(
+    token_loss: np.ndarray,
+    valid: np.ndarray,
+    softmask: np.ndarray,
+    bucket: int,
+    far_copy: np.ndarray | None = None,
+) -> list[dict]:
     """Loss per position bucket (`loss_rows` of `bucket_sums`; the arguments as there)."""
-    return loss_rows(bucket_sums(token_loss, valid, softmask, bucket))
+    return loss_rows(bucket_sums(token_loss, valid, softmask, bucket, far_copy))

@@ -71,7 +71,14 @@ from genomelm.parallel.training import ContextParallelScorer
 from genomelm.run.config import TrainConfig
 from genomelm.run.models import device_rows, model_config_of
 from genomelm.run.precision import autocast_for
-from genomelm.run.scoring import ScoringRun, WindowShare, load_scoring_model, pick_windows, scoring_source
+from genomelm.run.scoring import (
+    ScoringRun,
+    WindowShare,
+    load_scoring_model,
+    pick_windows,
+    progress_bar,
+    scoring_source,
+)
 
 SET = "embeddings"  # the result set's name (write_result_set) and the folder under results/<run>/
 TENSORS = "embeddings.safetensors"
@@ -155,7 +162,7 @@ def heldout_items(folder: Path, wanted: int, seq: int) -> tuple[list[Item], list
     if not len(heldout):
         raise EmbedError(
             f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-            "(genomelm data --heldout ...) or give region=chr:start-end"
+            "(genomelm data heldout=...) or give region=chr:start-end"
         )
     if heldout.seq_len != seq:
         raise EmbedError(
@@ -316,14 +323,12 @@ def embed_windows(
         _write_rows(handle, request.part, at, states[:count], DTYPES[dtype])
         return None
 
-    def report(done: int, total: int) -> None:
-        print(f"  window {done}/{total}", flush=True)
-
     model.eval()
     try:
         with torch.no_grad():
             results = share.run(
-                [functools.partial(job, w) for w in range(len(windows))], report if progress else None
+                [functools.partial(job, w) for w in range(len(windows))],
+                progress_bar("embed", "window") if progress else None,
             )
     finally:
         if handle is not None:

@@ -23,8 +23,9 @@ from torch.utils.data import Subset
 
 from genomelm.data import WindowDataset
 from genomelm.data.augment import check_compatible
+from genomelm.data.far_copy import predicted_far_copy
 from genomelm.data.windows import Window
-from genomelm.eval.buckets import bucket_sums
+from genomelm.eval.buckets import bucket_sums, subset_masks
 from genomelm.eval.paired import WindowSums, summarise
 from genomelm.eval.plot import save_figure
 from genomelm.eval.report import write_csv, write_json, write_result_set
@@ -63,13 +64,21 @@ def check_bucket(bucket: int, seq: int) -> int:
     return -(-seq // bucket)
 
 
-def window_sums(before: Scores, after: Scores, bucket: int) -> WindowSums:
-    """The per-window totals of one held-out set scored by both models (the context cut's when scored)."""
-    pair = [bucket_sums(s.loss, s.valid, s.softmask, bucket) for s in (before, after)]
+def window_sums(before: Scores, after: Scores, bucket: int, far_copy: np.ndarray) -> WindowSums:
+    """The per-window totals of one held-out set scored by both models (the context cut's when scored);
+    far_copy: bool [W, S], the positions whose predicted base is a far copy."""
+    pair = [bucket_sums(s.loss, s.valid, s.softmask, bucket, far_copy) for s in (before, after)]
     if before.cut_loss is None or after.cut_loss is None:
         return WindowSums(*pair)
-    valid = before.valid[:, before.cut_start :]
-    cut = [np.where(valid, s.cut_loss.astype(np.float64), 0.0).sum(axis=1) for s in (before, after)]
+    start = before.cut_start
+    masks = subset_masks(before.valid[:, start:], before.softmask[:, start:], far_copy[:, start:])
+    cut = [
+        {
+            prefix: np.where(keep, s.cut_loss.astype(np.float64), 0.0).sum(axis=1)
+            for prefix, keep in masks.items()
+        }
+        for s in (before, after)
+    ]
     return WindowSums(*pair, *cut, cut_context=bucket)
 
 
@@ -90,7 +99,7 @@ def load_heldout(folder: str | Path, wanted: int, name: str | None = None) -> He
     if not len(heldout):
         raise EvalError(
             f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
-            "(genomelm data --heldout ...)"
+            "(genomelm data heldout=...)"
         )
     indices = pick_windows(len(heldout), wanted)
     provenance = {
@@ -178,7 +187,10 @@ def evaluate_sets(
     settings = {"run": config.run, "seq": seq, "bucket": config.eval.bucket, "buckets": n_buckets}
     results = []
     for heldout in sets:
-        sums = window_sums(scores[heldout.name, "before"], scores[heldout.name, "after"], config.eval.bucket)
+        far_copy = np.stack([predicted_far_copy(window) for window in heldout.windows])
+        sums = window_sums(
+            scores[heldout.name, "before"], scores[heldout.name, "after"], config.eval.bucket, far_copy
+        )
         results.append(
             {
                 "settings": {

@@ -28,13 +28,13 @@ from genomelm.run.uncertainty import Estimate, Ratio, combine, ratio_estimate, s
 @dataclass
 class WindowSums:
     """The per-window facts one held-out set's table is computed from: `before` and `after` (the same
-    windows, buckets and tokens), and the last bucket's loss sums with its context cut, float [W] per model
-    (None without the cut), whose context is `cut_context` tokens."""
+    windows, buckets and tokens), and per model the last bucket's loss sums with its context cut, {subset
+    prefix: float [W]} (None without the cut), whose context is `cut_context` tokens."""
 
     before: BucketSums
     after: BucketSums
-    cut_before: np.ndarray | None = None
-    cut_after: np.ndarray | None = None
+    cut_before: dict[str, np.ndarray] | None = None
+    cut_after: dict[str, np.ndarray] | None = None
     cut_context: int = 0
 
     def __post_init__(self) -> None:
@@ -59,13 +59,18 @@ def _change_nats(before: np.ndarray, after: np.ndarray, tokens: np.ndarray) -> E
     return ratio_estimate(Ratio.of(after - before, tokens, tokens))
 
 
+def _per_window(totals: np.ndarray, column: int | None) -> np.ndarray:
+    """[W, B] totals of one bucket (`column`) or of all buckets (None): [W]."""
+    return totals[:, column] if column is not None else totals.sum(axis=1)
+
+
 def _changes(sums: WindowSums, column: int | None) -> dict[str, Estimate]:
     """Paired changes of one bucket (`column`) or of all buckets (None), for every subset."""
     out = {}
     for prefix in SUBSETS:
-        pick = (lambda a: a[:, column]) if column is not None else (lambda a: a.sum(axis=1))
-        before, after = pick(sums.before.sums[prefix]), pick(sums.after.sums[prefix])
-        tokens = pick(sums.tokens[prefix])
+        before = _per_window(sums.before.sums[prefix], column)
+        after = _per_window(sums.after.sums[prefix], column)
+        tokens = _per_window(sums.tokens[prefix], column)
         out[prefix + "change"] = _change(before, after, tokens)
         out[prefix + "change_nats"] = _change_nats(before, after, tokens)
     return out
@@ -104,23 +109,20 @@ def overall(sums: WindowSums) -> dict:
     return out | {"intervals": _intervals(changes)}
 
 
-def context_cut(sums: WindowSums) -> dict | None:
-    """The last bucket with full context vs with its context cut, per model, and the gain's change after vs
-    before; None without the cut. Keys as `genomelm.eval.report.format_table` reads them, plus "intervals"."""
-    if sums.cut_before is None or sums.cut_after is None:
-        return None
-    tokens = sums.tokens[""][:, -1]
-    out: dict = {"start": int(sums.before.starts[-1]), "end": int(sums.before.ends[-1])}
-    out["context"] = sums.cut_context
+def _cut_subset(sums: WindowSums, cut_sums: dict[str, np.ndarray], prefix: str) -> tuple[dict, dict]:
+    """One subset's context cut (`cut_sums`: each model's loss sums with the cut, [W]): per model its loss
+    with full and with cut context, and the estimates <model>_cut_change, <model>_gain_nats, change_full,
+    change_cut, gain_change_nats (unprefixed)."""
+    tokens = sums.tokens[prefix][:, -1]
+    full_sums = {"before": sums.before.sums[prefix][:, -1], "after": sums.after.sums[prefix][:, -1]}
+    losses: dict[str, dict] = {}
     estimates: dict[str, Estimate] = {}
-    full_sums = {"before": sums.before.sums[""][:, -1], "after": sums.after.sums[""][:, -1]}
-    cut_sums = {"before": sums.cut_before, "after": sums.cut_after}
     for model in ("before", "after"):
         full = ratio_estimate(Ratio.of(full_sums[model], tokens, tokens))
         cut = ratio_estimate(Ratio.of(cut_sums[model], tokens, tokens))
         estimates[f"{model}_cut_change"] = _change(full_sums[model], cut_sums[model], tokens)
         estimates[f"{model}_gain_nats"] = _change_nats(full_sums[model], cut_sums[model], tokens)
-        out[model] = {
+        losses[model] = {
             "full": full.value,
             "full_se": full.se,
             "cut": cut.value,
@@ -132,9 +134,27 @@ def context_cut(sums: WindowSums) -> dict | None:
     estimates["change_cut"] = _change(cut_sums["before"], cut_sums["after"], tokens)
     gain = {model: cut_sums[model] - full_sums[model] for model in cut_sums}
     estimates["gain_change_nats"] = ratio_estimate(Ratio.of(gain["after"] - gain["before"], tokens, tokens))
-    for name in ("change_full", "change_cut", "gain_change_nats"):
-        out[name] = estimates[name].value
-    return out | {"intervals": _intervals(estimates)}
+    return losses, estimates
+
+
+def context_cut(sums: WindowSums) -> dict | None:
+    """The last bucket with full context vs with its context cut, per model and subset, and the long-context
+    gain's change after vs before; None without the cut. Keys as `genomelm.eval.table.format_table` reads
+    them: per model {<prefix>full, <prefix>full_se, <prefix>cut, ...}, <prefix>change_full, ..., and
+    "intervals" {<prefix><name>: `Estimate.as_dict()`} for every subset prefix."""
+    if sums.cut_before is None or sums.cut_after is None:
+        return None
+    out: dict = {"start": int(sums.before.starts[-1]), "end": int(sums.before.ends[-1])}
+    out |= {"context": sums.cut_context, "before": {}, "after": {}, "intervals": {}}
+    for prefix in SUBSETS:
+        cut_sums = {"before": sums.cut_before[prefix], "after": sums.cut_after[prefix]}
+        losses, estimates = _cut_subset(sums, cut_sums, prefix)
+        for model in ("before", "after"):
+            out[model] |= {prefix + name: value for name, value in losses[model].items()}
+        for name in ("change_full", "change_cut", "gain_change_nats"):
+            out[prefix + name] = estimates[name].value
+        out["intervals"] |= {prefix + name: estimate.as_dict() for name, estimate in estimates.items()}
+    return out
 
 
 def contrast(sums: WindowSums) -> dict:

@@ -38,7 +38,14 @@ from genomelm.eval.evaluate import load_heldout
 from genomelm.eval.plot import save_probe_figure
 from genomelm.eval.report import format_number, jsonable, write_atomic, write_result_set
 from genomelm.run.config import TrainConfig
-from genomelm.run.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
+from genomelm.run.scoring import (
+    ScoringRun,
+    WindowShare,
+    load_scoring_model,
+    progress_bar,
+    scoring_source,
+    token_losses,
+)
 
 if TYPE_CHECKING:
     from genomelm.eval.evaluate import HeldoutSet
@@ -177,12 +184,9 @@ def score_probe(
             jobs.append(functools.partial(planted, w, site))
             scores.tokens[w, column[site.distance]] = scored(window, site).sum()
 
-    def report(done: int, total: int) -> None:
-        print(f"  forward pass {done}/{total}", flush=True)
-
     model.eval()
     with torch.no_grad():
-        results = (share or WindowShare()).run(jobs, report if progress else None)
+        results = (share or WindowShare()).run(jobs, progress_bar("probe", "pass") if progress else None)
     for name, w, j, total in (item for result in results for item in result):
         getattr(scores, name)[w, j] = total
     return scores

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 
+from genomelm.eval.buckets import SUBSETS
 from genomelm.eval.report import format_number, result_sets
 
 MARK = "*"
+CUT_SUBSETS = ("", "far_")  # the context cut's subsets the table shows (all positions, far copies)
 LEGEND = (
     f"± : half-width of the 95% interval, paired across windows (Student t, windows - 1 d.f.); "
     f"{MARK} : it excludes 0"
@@ -26,32 +28,48 @@ def with_interval(
     interval: dict, scale: float = 100.0, digits: int = 2, unit: str = "%", column: bool = False
 ) -> str:
     """An `Estimate.as_dict()` as "value ± half-width<unit> *" (scaled: 100 for a relative change in %),
-    "value<unit> n/a" without an interval, "-" without a value; `column`: padded where there is no mark, so
-    that a column of them aligns on the unit."""
+    "value<unit> n/a" without an interval, "-" without a value; `digits` decimals, more where the half-width
+    needs them to show 2 significant digits; `column`: padded where there is no mark, so that a column of them
+    aligns on the unit."""
     value = interval["value"]
     if _missing(value):
         return "-"
-    text = f"{scale * value:+.{digits}f}"
     if _missing(interval["low"]) or _missing(interval["high"]):
-        return f"{text}{unit} n/a"
+        return f"{scale * value:+.{digits}f}{unit} n/a"
     half = scale * (interval["high"] - interval["low"]) / 2
+    if 0 < half < 10 ** (1 - digits):  # at least 2 significant digits of the half-width, up to 6 decimals
+        digits = min(6, 1 - math.floor(math.log10(half)))
+    text = f"{scale * value:+.{digits}f}"
     mark = f" {MARK}" if interval["excludes_zero"] else ("  " if column else "")
     return f"{text} ± {half:.{digits}f}{unit}{mark}"
 
 
 def _change_cells(intervals: dict) -> str:
-    """The change, repeat and unmasked columns of a bucket's (or the overall) intervals."""
-    names = ("change", "repeat_change", "unmasked_change")
+    """The change, repeat, unmasked and far-copy columns of a bucket's (or the overall) intervals."""
+    names = ("change", "repeat_change", "unmasked_change", "far_change")
     return " ".join(f"{with_interval(intervals[name], column=True):>18}" for name in names)
 
 
 def _reasons(result: dict) -> list[str]:
     """The distinct reasons of the result's intervals that are n/a, with where they occur."""
+    places = [(f"bucket {i} ", bucket["intervals"]) for i, bucket in enumerate(result["buckets"])]
+    places.append(("all ", result["overall"]["intervals"]))
+    if result.get("context_cut"):
+        hidden = tuple(prefix for prefix in SUBSETS if prefix not in CUT_SUBSETS)
+        shown = {k: v for k, v in result["context_cut"]["intervals"].items() if not k.startswith(hidden)}
+        places.append(("context cut ", shown))
+    contrast = result.get("contrast") or {}
+    places.append(
+        (
+            "",
+            {name: contrast[name] for name in ("late_minus_early", "slope_per_doubling") if name in contrast},
+        )
+    )
     found: dict[str, list[str]] = {}
-    for i, bucket in enumerate(result["buckets"]):
-        for name, interval in bucket["intervals"].items():
+    for place, intervals in places:
+        for name, interval in intervals.items():
             if interval["note"]:
-                found.setdefault(interval["note"], []).append(f"bucket {i} {name}")
+                found.setdefault(interval["note"], []).append(place + name)
     return [
         f"{note}: {', '.join(where[:4])}{' ...' if len(where) > 4 else ''}" for note, where in found.items()
     ]
@@ -64,7 +82,7 @@ def format_table(result: dict) -> str:
         return format_side_by_side(result)
     header = (
         f"{'bucket':>6} {'context (kb)':>13} {'tokens':>10} {'windows':>7} {'before':>7} {'s.e.':>6} "
-        f"{'after':>7} {'s.e.':>6} {'change':>18} {'repeat':>18} {'unmasked':>18}"
+        f"{'after':>7} {'s.e.':>6} {'change':>18} {'repeat':>18} {'unmasked':>18} {'far copy':>18}"
     )
     lines = [header, "-" * len(header)]
     for i, b in enumerate(result["buckets"]):
@@ -106,25 +124,34 @@ def format_table(result: dict) -> str:
 
 
 def context_cut_lines(cut: dict) -> list[str]:
-    """The context cut: per model the loss with full and with cut context, the cut's relative change and the
-    long-context gain (cut - full, nats per base), and both changes after vs before."""
+    """The context cut, over all valid positions of the last bucket and over its far copies: per model the
+    loss with full and with cut context, the cut's relative change and the long-context gain (cut - full,
+    nats per base), and the changes after vs before."""
     ci = cut["intervals"]
     lines = [
         f"context cut: positions {cut['start']}-{cut['end']} scored with only the preceding "
         f"{cut['context']} tokens as context"
     ]
-    for model in ("before", "after"):
-        full, cut_loss = format_number(cut[model]["full"], ".4f"), format_number(cut[model]["cut"], ".4f")
-        gain = with_interval(ci[f"{model}_gain_nats"], scale=1.0, digits=4, unit=" nats")
-        change = with_interval(ci[f"{model}_cut_change"])
+    for prefix, subset in zip(CUT_SUBSETS, ("all positions", "far copies")):
+        windows = ci[f"{prefix}change_full"]["windows"]
+        if not windows:
+            lines.append(f" {subset}: none in the last bucket")
+            continue
+        lines.append(f" {subset} ({windows} windows with any):")
+        for model in ("before", "after"):
+            losses = cut[model]
+            full = format_number(losses[f"{prefix}full"], ".4f")
+            cut_loss = format_number(losses[f"{prefix}cut"], ".4f")
+            gain = with_interval(ci[f"{prefix}{model}_gain_nats"], scale=1.0, digits=4, unit=" nats")
+            change = with_interval(ci[f"{prefix}{model}_cut_change"])
+            lines.append(
+                f"  {model:<6} full context {full}  cut {cut_loss}  ({change}); long-context gain {gain}"
+            )
         lines.append(
-            f"  {model:<6} full context {full}  cut {cut_loss}  ({change}); long-context gain {gain}"
+            f"  change after vs before: full context {with_interval(ci[f'{prefix}change_full'])}, "
+            f"cut context {with_interval(ci[f'{prefix}change_cut'])}; "
+            f"gain {with_interval(ci[f'{prefix}gain_change_nats'], scale=1.0, digits=4, unit=' nats')}"
         )
-    lines.append(
-        f"  change after vs before: full context {with_interval(ci['change_full'])}, "
-        f"cut context {with_interval(ci['change_cut'])}; "
-        f"gain {with_interval(ci['gain_change_nats'], scale=1.0, digits=4, unit=' nats')}"
-    )
     return lines
 
 

@@ -62,7 +62,14 @@ from genomelm.data.windows import Window
 from genomelm.eval.evaluate import load_heldout
 from genomelm.eval.report import format_number, jsonable, write_result_set
 from genomelm.run.config import TrainConfig
-from genomelm.run.scoring import ScoringRun, WindowShare, load_scoring_model, scoring_source, token_losses
+from genomelm.run.scoring import (
+    ScoringRun,
+    WindowShare,
+    load_scoring_model,
+    progress_bar,
+    scoring_source,
+    token_losses,
+)
 
 MODELS = ("before", "after")
 DESCRIPTIONS = {
@@ -141,13 +148,11 @@ def score_tracks(
         short = short_context_losses(model, window, cut, full, precision)
         return full, np.where(valid, short, 0.0).astype(np.float32)
 
-    def report(done: int, total: int) -> None:
-        print(f"  window {done}/{total}", flush=True)
-
     model.eval()
     with torch.no_grad():
         return (share or WindowShare()).run(
-            [functools.partial(job, i) for i in range(len(windows))], report if progress else None
+            [functools.partial(job, i) for i in range(len(windows))],
+            progress_bar("track", "window") if progress else None,
         )
 
 
@@ -244,7 +249,7 @@ def plan_tracks(config: TrainConfig) -> TrackPlan:
                 raise TrackError(
                     f"{folder}: held-out window {i} ({record}:{windows['start'][i] + 1}-{end}) is not in its "
                     f"source ({', '.join(map(str, paths))}); prepare the data again ({manifest['command']} "
-                    "--force)"
+                    "force=true)"
                 )
         return TrackPlan(sizes, [str(p) for p in paths], None, seq, vocab)
     intervals = parse_region(str(config.region), sizes, [str(p) for p in paths])

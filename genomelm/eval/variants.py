@@ -90,6 +90,7 @@ from genomelm.run.scoring import (
     ScoringRun,
     WindowShare,
     load_scoring_model,
+    progress_bar,
     scoring_source,
     token_losses,
 )
@@ -232,12 +233,13 @@ class VariantSet:
     mismatches: dict[int, str]
 
 
-def load_variants(config: TrainConfig, tokens: int) -> VariantSet:
+def load_variants(config: TrainConfig, tokens: int, vocab: Vocabulary | None = None) -> VariantSet:
     """Read `vcf=` and the reference, match the contigs, check every REF and place every ALT allele in windows
-    of `tokens` (VariantError for what cannot be scored and is not to be skipped)."""
+    of `tokens` (VariantError for what cannot be scored and is not to be skipped). The model's token ids are
+    `vocab`, else those of the run's prepared data (whose manifest also names the default reference)."""
     path = Path(config.variants.vcf)
     position = config.variants.variant_position
-    manifest = run_manifest(config)
+    manifest = run_manifest(config) if vocab is None or not config.variants.fasta else {}
     reference = reference_files(config, manifest)
     mapping = read_contig_map(config.variants.contig_map) if config.variants.contig_map else {}
     vcf = open_vcf(path)
@@ -292,7 +294,7 @@ def load_variants(config: TrainConfig, tokens: int) -> VariantSet:
             record = contigs[allele.contig]
             sites.append(place(allele, record, lengths[record], tokens, position))
         final.append(dataclasses.replace(allele, status=status))
-    vocab = Vocabulary.from_json(manifest["vocab"])
+    vocab = vocab if vocab is not None else Vocabulary.from_json(manifest["vocab"])
     plan = VariantPlan(sites, {s.record: bases[s.record] for s in sites}, vocab, tokens, position)
     return VariantSet(path, vcf, records, final, plan, reference, contigs, mismatches)
 
@@ -339,13 +341,10 @@ def score_sites(
         valid = (window.labels[span] != IGNORE_INDEX).numpy()
         return float(losses.astype(np.float64).sum()), int(valid.sum())
 
-    def report(done: int, total: int) -> None:
-        print(f"  forward pass {done}/{total}", flush=True)
-
     jobs = [functools.partial(job, i, alt) for i in range(len(plan.sites)) for alt in (False, True)]
     model.eval()
     with torch.no_grad():
-        results = (share or WindowShare()).run(jobs, report if progress else None)
+        results = (share or WindowShare()).run(jobs, progress_bar("variants", "pass") if progress else None)
     return np.asarray(results, dtype=np.float64).reshape(len(plan.sites), 2, 2)
 
 

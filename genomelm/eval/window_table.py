@@ -7,10 +7,12 @@ names the folder):
                                    coordinates (0-based, half-open; empty when the scored windows had none)
     bucket, bucket_start, bucket_end   the bucket and its positions in the window (half-open)
     tokens, before_sum, after_sum  the bucket's valid tokens and each model's loss sum over them (nats)
-    repeat_tokens, before_repeat_sum, after_repeat_sum        the same over soft-masked targets
-    unmasked_tokens, before_unmasked_sum, after_unmasked_sum  and over upper-case targets
-    before_cut_sum, after_cut_sum, cut_context                the last bucket's sums with its context cut to
-                                   cut_context tokens (empty in other buckets and without the cut)
+    repeat_tokens, before_repeat_sum, after_repeat_sum        the same over soft-masked targets,
+    unmasked_tokens, before_unmasked_sum, after_unmasked_sum  over upper-case targets,
+    far_tokens, before_far_sum, after_far_sum                 and over far copies (`genomelm.data.far_copy`)
+    before_cut_sum, after_cut_sum, before_repeat_cut_sum, ... (each subset), cut_context
+                                   the last bucket's sums with its context cut to cut_context tokens (empty in
+                                   other buckets and without the cut)
 
 Every number of `buckets.json` is a function of these sums (`genomelm.eval.paired`), and floats are written
 as Python's shortest exact repr, so `recompute` gives back the table's numbers from the file alone; a reader
@@ -37,7 +39,7 @@ SUMS = tuple(
     for prefix in SUBSETS
     for column in (f"{prefix}tokens", f"before_{prefix}sum", f"after_{prefix}sum")
 )
-CUT = ("before_cut_sum", "after_cut_sum", "cut_context")
+CUT = (*(f"{model}_{prefix}cut_sum" for prefix in SUBSETS for model in ("before", "after")), "cut_context")
 
 
 def window_rows(sums: WindowSums, coordinates: list[dict] | None = None) -> list[dict]:
@@ -63,8 +65,9 @@ def window_rows(sums: WindowSums, coordinates: list[dict] | None = None) -> list
                 row[f"before_{prefix}sum"] = float(sums.before.sums[prefix][w, b])
                 row[f"after_{prefix}sum"] = float(sums.after.sums[prefix][w, b])
             last = b == n_buckets - 1 and sums.cut_before is not None and sums.cut_after is not None
-            row["before_cut_sum"] = float(sums.cut_before[w]) if last else ""
-            row["after_cut_sum"] = float(sums.cut_after[w]) if last else ""
+            for model, cut in (("before", sums.cut_before), ("after", sums.cut_after)):
+                for prefix in SUBSETS:
+                    row[f"{model}_{prefix}cut_sum"] = float(cut[prefix][w]) if last and cut else ""
             row["cut_context"] = sums.cut_context if last else ""
             rows.append(row)
     return rows
@@ -91,10 +94,11 @@ def sums_from_rows(rows: list[dict]) -> WindowSums:
     }
     last = [row for row in order if int(row["bucket"]) == n_buckets - 1]
     has_cut = all(str(row["before_cut_sum"]) != "" for row in last)
-    cut = {
-        model: np.array([float(row[f"{model}_cut_sum"]) for row in last]) if has_cut else None
-        for model in ("before", "after")
-    }
+
+    def cut_sums(model: str) -> dict[str, np.ndarray]:
+        return {p: np.array([float(row[f"{model}_{p}cut_sum"]) for row in last]) for p in SUBSETS}
+
+    cut = {model: cut_sums(model) if has_cut else None for model in ("before", "after")}
     context = int(last[0]["cut_context"]) if has_cut else 0
     return WindowSums(models["before"], models["after"], cut["before"], cut["after"], context)
 

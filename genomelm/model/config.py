@@ -15,12 +15,15 @@ from typing import Any
 
 import yaml
 
+from genomelm import resources
+
 KDA = "linear_attention"
 DSA = "indexed_attention"
 DENSE = "dense"
 MOE = "sparse"
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+# the repository's configs/model, or the copy a wheel installed (`genomelm.resources`)
+PRESET_DIR = resources.root() / "configs" / "model"
 
 
 def is_preset(model: str | None) -> bool:

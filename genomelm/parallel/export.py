@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm import tqdm
 
 from genomelm.model.checkpoint import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, hf_config_dict
 from genomelm.model.config import ConfigError, ModelConfig, RunOptions
@@ -64,8 +66,8 @@ def _check_step(step: Path) -> Path:
     if (step / MODEL_DIR / CONFIG_FILE).is_file() and not (step / STATE_DIR).exists():
         raise ExportError(
             f"{step} is a checkpoint of the single-process layout ({MODEL_DIR}/ instead of "
-            f"{STATE_DIR}/): it is already in Hugging Face layout at {step / MODEL_DIR}; load or copy "
-            "that folder, no export needed"
+            f"{STATE_DIR}/): it is already in Hugging Face layout at {step / MODEL_DIR}; `genomelm export` "
+            "writes it with a tokenizer and a model card"
         )
     if not (step / CONFIG_FILE).is_file():
         raise ExportError(
@@ -207,10 +209,11 @@ def _fsync(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range) -> list[str]:
+def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range, progress: bool = False) -> list[str]:
     """Write the output files `numbers` (indices into `plan.files`) into `staging`, one layer at a time,
     reading from DCP only the tensors they hold; returns their names. Each file is fsynced: the folder is
-    renamed into place, possibly by another process, once every writer returned."""
+    renamed into place, possibly by another process, once every writer returned. `progress`: a bar over the
+    layers (bytes written, rate, ETA) on stderr."""
     state_dir = step / STATE_DIR
     wanted = set(numbers)
     pending: dict[str, torch.Tensor] = {}
@@ -222,10 +225,19 @@ def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range) -> list
             _fsync(staging / plan.files[current])
             pending.clear()
 
+    bar = tqdm(
+        total=sum(plan.file_bytes[number] for number in numbers),
+        unit="B",
+        unit_scale=True,
+        desc=f"export {step.name}",
+        file=sys.stdout,  # stderr holds a failure's one line alone
+        disable=not progress,
+    )
     for group in plan.groups:
         names = [name for name in group if plan.files_of(name) & wanted]
         if not names:
             continue
+        bar.set_postfix_str("top-level" if layer_of(names[0]) is None else f"layer {layer_of(names[0])}")
         tensors = _read_group(state_dir, plan.expected, names, plan.stored)
         for name in names:
             tensor = tensors.pop(name).to(plan.expected[name].dtype)
@@ -238,7 +250,9 @@ def _write_files(staging: Path, step: Path, plan: _Plan, numbers: range) -> list
                     current = number
                 # copies: views of one internal tensor share storage, which safetensors refuses
                 pending[key] = piece.contiguous().clone()
+                bar.update(piece.numel() * piece.element_size())
     flush()
+    bar.close()
     return [plan.files[number] for number in numbers]
 
 
@@ -261,7 +275,7 @@ def _prepare(
     cannot be exported."""
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(
-            f"{out} already exists and is not empty; choose another OUT or pass --force to replace it"
+            f"{out} already exists and is not empty; choose another OUT or give force=true to replace it"
         )
     step = find_checkpoint(source)
     try:
@@ -309,6 +323,24 @@ def export_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return step
+
+
+def write_export(
+    step: Path,
+    folder: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = False,
+) -> None:
+    """The files `export_checkpoint` writes, for the complete sharded step folder `step`, written straight
+    into the existing folder `folder` (a caller's staging folder, which it renames into place itself)."""
+    try:
+        config = ModelConfig.from_file(_check_step(step) / CONFIG_FILE)
+    except ConfigError as exc:
+        raise ExportError(f"{step / CONFIG_FILE}: {exc}") from exc
+    plan = _plan(step, config, dtype, max_shard_bytes)
+    _write_files(folder, step, plan, range(len(plan.files)), progress)
+    _write_index(folder, plan)
 
 
 @contextmanager

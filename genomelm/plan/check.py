@@ -17,8 +17,9 @@ kind at the real widths, then scales by the layer counts (`plan_memory`):
 Time (`timing`, `roofline`): every kernel of the traced step at the attainable rate of its class (max of
 FLOPs / the class's FLOP/s and bytes / HBM's, plus a launch; the rates and their sources in `rates.RATES`),
 the collectives on the links of their group (`rates.Links`) with their ring factor, the offload copies over
-PCIe and the optimizer offload's host work; FSDP2's collectives and the layer-input offload copies hide under
-the compute (`roofline.OVERLAP_RULE`), everything else adds up. Printed: step time, tokens/s, MFU and HFU
+PCIe and the optimizer offload's host work; what FSDP2's collectives, their copies and the layer-input
+copies leave exposed by a per-layer event model of the streams (`overlap`, `roofline.OVERLAP_RULE`), the
+rest adding up; low / expected / high from the rates' ranges. Printed: step time, tokens/s, MFU and HFU
 (`timing.MFU_FORMULA`), the ten costliest op classes (mean and busiest expert-parallel rank) with their rates,
 and the flat estimate (FLOPs at `mfu` of the bf16 peak) beside for comparison.
 Every layout of the GPUs, ranked: `plan_search`; the tables and plan.json: `plan_report`; the types and the

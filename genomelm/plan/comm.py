@@ -24,15 +24,23 @@ class _Tally:
     imbalance: float
     bytes: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
-    overlapped_seconds: float = 0.0
+    overlapped: dict[str, float] = field(default_factory=dict)  # side-stream seconds by collective
 
-    def add(self, name: str, moved: float, ranks: int, kind: str = "ring", overlapped: bool = False) -> None:
+    def add(
+        self,
+        name: str,
+        moved: float,
+        ranks: int,
+        kind: str = "ring",
+        overlapped: bool = False,
+        sharing: int = 1,
+    ) -> None:
         """`moved`: the bytes one rank moves over its links in a collective of `kind` ("all_to_all", else a
-        ring)."""
+        ring), its node's NICs shared with `sharing` groups at once."""
         self.bytes[name] = self.bytes.get(name, 0.0) + moved
-        seconds = self.links.seconds(kind, moved, ranks)
+        seconds = self.links.seconds(kind, moved, ranks, sharing)
         if overlapped:
-            self.overlapped_seconds += seconds
+            self.overlapped[name] = self.overlapped.get(name, 0.0) + seconds
         else:
             self.seconds += seconds
 
@@ -93,12 +101,19 @@ def copy_exchanges(config: TrainConfig, layout: Layout) -> tuple[int, int]:
     return copy_width(config, layout), 3 if config.memory.recompute else 2
 
 
-def _gathered(layout: Layout, params: ParameterShare) -> float:
-    """What FSDP's all-gathers of every unit bring one rank per pass, in `params`' unit: the rest of every
-    unit, and the experts from the other ranks holding the same ones (W/ep)."""
+def fsdp_groups(
+    layout: Layout, rest: float, experts: float, gpus_per_node: int
+) -> list[tuple[float, int, int]]:
+    """FSDP2's collectives of `rest` parameters sharded over every rank and `experts` (all ep ranks' routed
+    experts) over the ranks holding the same ones: per group, (what one rank moves, in the parameters' unit,
+    the group's ranks, the groups running it through a node's NICs at once: every ep-th rank is a group, so
+    min(ep, GPUs per node) of them)."""
     world, ep = layout.world, layout.ep
     edp = world // ep
-    return (params.total - params.experts) * (world - 1) / world + params.experts / ep * (edp - 1) / edp
+    return [
+        (rest * (world - 1) / world, world, 1),
+        (experts / ep * (edp - 1) / edp, edp, min(ep, gpus_per_node)),
+    ]
 
 
 def comm_bytes(
@@ -110,7 +125,7 @@ def comm_bytes(
     p: Peaks,
     overlap: bool,
     copies: tuple[int, int],
-) -> tuple[dict[str, float], float, float]:
+) -> tuple[dict[str, float], float, dict[str, float]]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
     computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over:
     those that block the compute, and those on the side (FSDP2's; with `overlap`, the expert exchanges
@@ -123,9 +138,14 @@ def comm_bytes(
         if not (kind == "all_reduce" and size > 1024):  # not the packed gradient sum (computed below)
             tally.traced(kind, size, cp)
     if layout.sharded:  # on FSDP2's own streams
-        gathered = _gathered(layout, params)
-        tally.add("fsdp all_gather (bf16, forward + recompute)", 2 * 2 * gathered, world, overlapped=True)
-        tally.add("fsdp reduce_scatter (fp32 gradients)", 4 * gathered, world, overlapped=True)
+        for moved, ranks, sharing in fsdp_groups(
+            layout, params.total - params.experts, params.experts, p.links.gpus_per_node
+        ):
+            label = "fsdp all_gather (bf16, forward + recompute)"
+            tally.add(label, 2 * 2 * moved, ranks, overlapped=True, sharing=sharing)
+            tally.add(
+                "fsdp reduce_scatter (fp32 gradients)", 4 * moved, ranks, overlapped=True, sharing=sharing
+            )
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
         tally.add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
     tokens = steps.tokens  # bf16 rows, a dispatch and a combine in each of the forward, recompute, backward
@@ -137,7 +157,7 @@ def comm_bytes(
         label = "ep all_to_all (dispatch + combine; forward, recompute, backward)"
         tally.expert_exchange(model_config, layout, tokens, 6, 2, label)
     tally.expert_copies(model_config, layout, a.copy_weights, copies[0], copies[1])
-    return tally.bytes, tally.seconds, tally.overlapped_seconds
+    return tally.bytes, tally.seconds, tally.overlapped
 
 
 def forward_comm_bytes(
@@ -149,7 +169,7 @@ def forward_comm_bytes(
     p: Peaks,
     stored_in_bf16: bool,
     overlap: bool,
-) -> tuple[dict[str, float], float, float]:
+) -> tuple[dict[str, float], float, dict[str, float]]:
     """Bytes one rank moves in the evaluator's forward at `steps.tokens` per rank (the traced
     context-parallel collectives, the losses' all-gather among them; every FSDP unit gathered once, as
     stored; the expert all-to-all once, in bf16 with `stored_in_bf16`, else fp32), and their seconds."""
@@ -159,10 +179,12 @@ def forward_comm_bytes(
     for kind, size in hi.comm.get("rest", {}).items():  # the per-token losses: linear in the tokens
         tally.traced(kind, steps.line(lo.comm.get("rest", {}).get(kind, 0), size), layout.cp)
     if layout.sharded:  # on FSDP2's own streams
-        gathered = _gathered(layout, stored)
-        tally.add("fsdp all_gather (as stored, forward)", gathered, layout.world, overlapped=True)
+        for moved, ranks, sharing in fsdp_groups(
+            layout, stored.total - stored.experts, stored.experts, p.links.gpus_per_node
+        ):
+            tally.add("fsdp all_gather (as stored, forward)", moved, ranks, overlapped=True, sharing=sharing)
     width = 2 if stored_in_bf16 else 4  # the rows in the compute dtype
     ahead = " started ahead" if overlap else ""
     label = f"ep all_to_all{ahead} (dispatch + combine; forward)"
     tally.expert_exchange(model_config, layout, steps.tokens, 2, width, label, overlapped=overlap)
-    return tally.bytes, tally.seconds, tally.overlapped_seconds
+    return tally.bytes, tally.seconds, tally.overlapped

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from genomelm.parallel.placement import (
-    fit_zipf,
     layers_busiest_over_mean,
     placement_with_replicas,
     static_placement,
@@ -26,6 +28,12 @@ GPUS = {  # usable device memory (GiB), dense bf16 datasheet peak (TFLOP/s)
 }
 ASSUMED_IMBALANCE = 4.0  # busiest expert-parallel rank's tokens over the mean when neither set nor measured
 PUBLISHED_EP = 32  # the reference recipe's expert parallelism (EP32 x ETP2), where it measured about 4x
+# The load model's expert orders: each MoE layer's router puts its hot experts in an order of its own, so a
+# step's busiest/mean is the expectation over orders (the sum over ~40 MoE layers of the busiest rank's rows
+# over the sum of the mean's), not one order's; its spread is the quantiles over the orders (`LOAD_RANGE`).
+LOAD_ORDERS = 200
+LOAD_RANGE = (0.1, 0.9)  # the orders' quantiles the range's optimistic and pessimistic ends take; memory is
+# sized for a layer at the pessimistic one (a step's peak is its busiest MoE layer's)
 # the `plan` settings the projection takes as given (`imbalance` is set, measured or assumed)
 SETTINGS = (
     "mfu",
@@ -53,9 +61,13 @@ class Assumptions:
     pcie_gbs: float = PlanConfig.pcie_gbs
     gpus_per_node: int = PlanConfig.gpus_per_node
     host_gib: float = PlanConfig.host_gib
-    imbalance: float = ASSUMED_IMBALANCE
+    imbalance: float = ASSUMED_IMBALANCE  # the expectation: what the projection's expected figure takes
     imbalance_source: str = "assumed (4x the mean)"
+    # the range's ends (`LOAD_RANGE`): the optimistic and the pessimistic busiest/mean (0: as `imbalance`)
+    imbalance_low: float = 0.0
+    imbalance_high: float = 0.0
     trace_tokens: int = PlanConfig.trace_tokens
+    case: str = "expected"  # the rates' end this projection takes (`rates.CASES`)
     # the run places its experts by load (`expert_placement=balanced`): a logged or modelled load's imbalance
     # is taken after placement, else under the static blocks (and the placement shown beside)
     placed: bool = False
@@ -64,12 +76,15 @@ class Assumptions:
     # static blocks: memory is sized for them), and the experts' weights the busiest rank sends and
     # receives for copies per MoE layer pass (`Placement.copy_weights`)
     static_imbalance: float = 0.0
+    static_high: float = 0.0
     copy_weights: float = 0.0
     # from a run's expert_load.json (`logged_imbalance`): busiest/mean of the static blocks at each ep, and
     # under a placement by load
     logged_experts: int = 0
     logged_static: dict[int, float] = field(default_factory=dict)
     logged_placed: dict[int, float] = field(default_factory=dict)
+    # the layers' quantiles (`LOAD_RANGE`) of busiest/mean at each ep: (static low, high, placed low, high)
+    logged_range: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)
     logged_copy_weights: dict[int, float] = field(default_factory=dict)  # mean over the layers
     # neither set nor measured: the imbalance at each ep from `assumed_load` (where its model applies)
     load_model: bool = True
@@ -82,30 +97,59 @@ class Assumptions:
 
     def at_ep(self, ep: int, experts: int) -> Assumptions:
         """A copy for a layout with `ep` expert-parallel ranks of a model with `experts` routed experts: the
-        imbalance its run's logged load gives there (when that load is of as many experts), else the load
-        model's; under the static blocks, or after placement by load where the run places its experts."""
+        imbalance its run's logged load gives there (when that load is of as many experts: the layers'
+        aggregate, their quantiles the range), else the load model's (the expectation over expert orders,
+        their quantiles the range); under the static blocks, or after placement by load where the run places
+        its experts."""
         if self.logged_experts == experts and ep in self.logged_static:
             static, placed = self.logged_static[ep], self.logged_placed[ep]
+            static_low, static_high, placed_low, placed_high = self.logged_range[ep]
             traffic = self.logged_copy_weights[ep]
             source = f"measured (expert_load.json, {self._placement_text(ep, static, placed)})"
         elif self.load_model and ep > 1 and (model := assumed_load(experts, ep, self.copies)) is not None:
-            exponent, static, placed, traffic = model
+            static, placed, traffic = model.static, model.placed, model.copy_weights
+            static_low, static_high, placed_low, placed_high = model.static_range + model.placed_range
             source = (
-                f"assumed: a Zipf load (s={exponent:.3f}) whose static blocks give {ASSUMED_IMBALANCE:g}x at "
-                f"ep={PUBLISHED_EP}, as published; {self._placement_text(ep, static, placed)}"
+                f"assumed: a Zipf load (s={model.exponent:.3f}) whose static blocks give "
+                f"{ASSUMED_IMBALANCE:g}x at ep={PUBLISHED_EP} as published, averaged over {LOAD_ORDERS} "
+                f"expert orders (quantiles {LOAD_RANGE[0]:g}-{LOAD_RANGE[1]:g}: "
+                f"{static_low:.2f}-{static_high:.2f}); "
+                f"{self._placement_text(ep, static, placed)}"
             )
         else:
             return self
         if not self.placed:
-            return dataclasses.replace(self, imbalance=static, imbalance_source=source)
+            return dataclasses.replace(
+                self,
+                imbalance=static,
+                imbalance_low=static_low,
+                imbalance_high=static_high,
+                imbalance_source=source,
+            )
         return dataclasses.replace(
-            self, imbalance=placed, imbalance_source=source, static_imbalance=static, copy_weights=traffic
+            self,
+            imbalance=placed,
+            imbalance_low=placed_low,
+            imbalance_high=placed_high,
+            imbalance_source=source,
+            static_imbalance=static,
+            static_high=static_high,
+            copy_weights=traffic,
         )
+
+    def at_case(self, case: str) -> Assumptions:
+        """A copy for one end of the range (`rates.CASES`): "low" (the fewest tokens/s) takes the pessimistic
+        busiest/mean as its imbalance, "high" the optimistic one, "expected" the expectation."""
+        if case == "expected":
+            return dataclasses.replace(self, case=case)
+        end = self.imbalance_high if case == "low" else self.imbalance_low
+        return dataclasses.replace(self, case=case, imbalance=end or self.imbalance)
 
     @property
     def sized_imbalance(self) -> float:
-        """The imbalance memory is sized for: the static blocks' where the run starts on them."""
-        return max(self.imbalance, self.static_imbalance)
+        """The imbalance memory is sized for: a busy layer's (the pessimistic quantile), the static blocks'
+        where the run starts on them."""
+        return max(self.imbalance, self.imbalance_high, self.static_imbalance, self.static_high)
 
     def _placement_text(self, ep: int, static: float, placed: float) -> str:
         copies = f" and {self.copies} copy slot(s) per rank" if self.copies else ""
@@ -114,20 +158,81 @@ class Assumptions:
         return f"the static blocks at ep={ep}; placed by load {placed:.2f} with expert_placement=balanced"
 
 
+class LoadModel(NamedTuple):
+    """The load model's busiest/mean at one ep: the Zipf exponent, the expectation over expert orders under
+    the static blocks and placed by load, the `LOAD_RANGE` quantiles of each, and the copies' traffic."""
+
+    exponent: float
+    static: float
+    placed: float
+    static_range: tuple[float, float]
+    placed_range: tuple[float, float]
+    copy_weights: float  # the copies' weights the busiest rank moves per layer pass
+
+
 @functools.cache
-def assumed_load(experts: int, ep: int, copies: int = 0) -> tuple[float, float, float, int] | None:
-    """(Zipf exponent, busiest/mean of the static blocks, and placed by load with `copies` copy slots per
-    rank, and the copies' weights the busiest rank moves per layer pass) at `ep` for the load model of an
-    unmeasured run: experts loaded as 1 / k**s in a fixed random order, s fitted so the static blocks give
-    the published ~4x at the published ep=32. None where it does not apply (32 or ep not dividing
+def _orders(experts: int, orders: int) -> np.ndarray:
+    """[orders, experts]: row i the experts from the hottest down, in the order `zipf_load(seed=i)` draws."""
+    rows = []
+    for seed in range(orders):
+        order = list(range(experts))
+        random.Random(seed).shuffle(order)
+        rows.append(order)
+    return np.array(rows)
+
+
+def static_ratios(experts: int, ep: int, exponent: float, orders: int = LOAD_ORDERS) -> np.ndarray:
+    """[orders]: the static blocks' busiest/mean at `ep` under the Zipf load of `exponent` in each of
+    `orders` expert orders (`zipf_load` with seeds 0 .. orders - 1)."""
+    weights = 1.0 / np.arange(1, experts + 1) ** exponent
+    weights *= experts / weights.sum()
+    ranks = _orders(experts, orders) // (experts // ep)  # the rank of each of the k-th hottest experts
+    loads = np.zeros((orders, ep))
+    np.add.at(loads, (np.arange(orders)[:, None], ranks), weights[None, :])
+    return loads.max(1) / (experts / ep)
+
+
+@functools.cache
+def fitted_exponent(experts: int) -> float:
+    """The Zipf exponent whose static blocks give `ASSUMED_IMBALANCE` at `PUBLISHED_EP` in expectation over
+    `LOAD_ORDERS` orders (bisection: the expectation grows with the exponent)."""
+    lo, hi = 0.0, 8.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if static_ratios(experts, PUBLISHED_EP, mid).mean() < ASSUMED_IMBALANCE:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _quantiles(values: np.ndarray | list[float]) -> tuple[float, float]:
+    low, high = np.quantile(np.asarray(values), LOAD_RANGE)
+    return float(low), float(high)
+
+
+@functools.cache
+def assumed_load(experts: int, ep: int, copies: int = 0) -> LoadModel | None:
+    """The load model of an unmeasured run at `ep` (`LoadModel`): experts loaded as 1 / k**s, each MoE layer
+    in a random order of its own, s fitted so the static blocks give the published ~4x at the published
+    ep=32 in expectation; placed by load with `copies` copy slots per rank (a packing of the loads whatever
+    their order: one order gives it, no range). None where it does not apply (32 or ep not dividing
     `experts`)."""
     if experts % PUBLISHED_EP or experts % ep:
         return None
-    exponent = fit_zipf(experts, PUBLISHED_EP, ASSUMED_IMBALANCE)
+    exponent = fitted_exponent(experts)
+    static = static_ratios(experts, ep, exponent)
     load = zipf_load(experts, exponent)
-    static = static_placement(experts, ep).busiest_over_mean(load)
-    placed = placement_with_replicas(load, ep, copies)
-    return exponent, static, placed.busiest_over_mean(load), placed.copy_weights(experts, ep)
+    placement = placement_with_replicas(load, ep, copies)
+    placed = placement.busiest_over_mean(load)
+    return LoadModel(
+        exponent,
+        float(static.mean()),
+        placed,
+        _quantiles(static),
+        (placed, placed),
+        float(placement.copy_weights(experts, ep)),
+    )
 
 
 def load_assumptions(config: TrainConfig) -> Assumptions:
@@ -152,19 +257,23 @@ def load_assumptions(config: TrainConfig) -> Assumptions:
 
 def logged_imbalance(path: Path, copies: int = 0) -> dict[str, Any]:
     """From a run's expert_load.json: the MoE layers' busiest/mean (summed over layers as the step adds them)
-    under the static blocks and under a placement by load (with `copies` copy slots per rank), and the
+    under the static blocks and under a placement by load (with `copies` copy slots per rank), the layers'
+    `LOAD_RANGE` quantiles of each, and the
     placement's copies' weights the busiest rank moves per layer pass (mean over the layers), at every
     power-of-two ep dividing the experts (the `logged_*` fields of `Assumptions`)."""
     layers = read_expert_load(path)
     experts = len(next(iter(layers.values()))) if layers else 0
     eps = [2**k for k in range(1, experts.bit_length()) if experts % 2**k == 0]
     logged: dict[str, Any] = {"logged_experts": experts, "logged_static": {}, "logged_placed": {}}
-    logged["logged_copy_weights"] = {}
+    logged["logged_copy_weights"], logged["logged_range"] = {}, {}
     for ep in eps:
         placed = {layer: placement_with_replicas(load, ep, copies) for layer, load in layers.items()}
         static = dict.fromkeys(layers, static_placement(experts, ep))
         logged["logged_static"][ep] = layers_busiest_over_mean(layers, static)
         logged["logged_placed"][ep] = layers_busiest_over_mean(layers, placed)
+        logged["logged_range"][ep] = _quantiles(
+            [static[layer].busiest_over_mean(load) for layer, load in layers.items()]
+        ) + _quantiles([placed[layer].busiest_over_mean(load) for layer, load in layers.items()])
         moved = [p.copy_weights(experts, ep) for p in placed.values()]
         logged["logged_copy_weights"][ep] = sum(moved) / max(len(moved), 1)
     return logged
@@ -253,6 +362,9 @@ class Plan:
     evaluation: EvalTime | None = None  # stage="eval"
     roofline: dict[str, Any] = field(default_factory=dict)  # `plan_time.roofline_summary`: op by op
     optimizer: str = "adamw"  # training's `optimizer` (`genomelm.run.config.OPTIMIZERS`)
+    # the range (training): "low" / "high" -> tokens_per_s, step_s (per window) and peak_gib with every rate
+    # at its pessimistic / optimistic end (`rates.CASES`) and the expert load at its quantiles; {} otherwise
+    range: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def host_gib_total(self) -> float:

@@ -17,6 +17,7 @@ import torch
 
 from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
 from genomelm.model.config import MOE, is_preset
+from genomelm.plan import rates
 from genomelm.plan.layouts import GIB, GPUS, Assumptions, Layout
 from genomelm.plan.optimizer_bytes import StateBytes, state_bytes
 from genomelm.plan.trace import (
@@ -508,6 +509,9 @@ def rank_memory(
         traced = hi.optimizer_peak_total * params.local / sum(hi.param_numel.values())
         # another optimizer: its weights, gradients and state in proportion to AdamW's (`OPTIMIZER_RULE`)
         opt_phase = traced * state.total / max(adamw_total(model_config, config, layout), 1.0)
+    outside = outside_allocator(max(sum(device.values()), opt_phase), config.plan.gpu, a.case)
+    device |= outside
+    opt_phase += sum(outside.values())
     peak = max(sum(device.values()), opt_phase)
     device["optimizer step peak (separate phase)"] = opt_phase
     ranks_per_node = min(a.gpus_per_node, layout.world)
@@ -582,7 +586,21 @@ def eval_rank_memory(
     device["live as the peak's module starts (streams, inputs)"] = starts.get(peak_module, 0.0)
     device[f"transient of {peak_module}"] = transients[peak_module]
     device["per-token loss, all-gathered ([S] fp32)"] = (3 if layout.cp > 1 else 1) * config.seq_len * 4
+    device |= outside_allocator(sum(device.values()), config.plan.gpu, a.case)
     return RankMemory(device, transients, {}, 0.0, sum(device.values()), usable_gib(config))
+
+
+FRAGMENTATION = "allocator fragmentation (reserved over allocated at the peak)"
+CONTEXT = "CUDA / NCCL context and workspaces (outside the allocator)"
+
+
+def outside_allocator(allocated: float, gpu: str, case: str) -> dict[str, float]:
+    """What the device holds beyond the allocated peak `allocated` (bytes), at `case`'s end of the range: the
+    caching allocator's fragmentation (a share of the peak) and the CUDA / NCCL context (`rates.RATES`)."""
+    return {
+        FRAGMENTATION: rates.rate("fragmentation").on(gpu, case) * allocated,
+        CONTEXT: rates.rate("context_gib").on(gpu, case),
+    }
 
 
 def _largest_layer(model_config: ModelConfig, layout: Layout, params: ParameterShare) -> float:

@@ -87,6 +87,18 @@ def describe(plan: Plan) -> str:
         f"{a['comm_s']:.2f} s + side-stream work not hidden {a['exposed_overlap_s']:.2f} s of "
         f"{a['overlapped_s']:.2f} s + host {a['host_copy_s']:.2f} s)"
     )
+    if plan.range:
+        low, high = plan.range["low"], plan.range["high"]
+        lines.append(
+            f"  range (every rate at its low / high end, rates.py; expert load at its quantiles): "
+            f"{low['tokens_per_s']:,.0f} / {plan.tokens_per_s_projected:,.0f} / {high['tokens_per_s']:,.0f} "
+            f"tokens/s (low / expected / high); peak {high['peak_gib']:.1f} / {plan.peak_gib_per_rank:.1f} / "
+            f"{low['peak_gib']:.1f} GiB (least / expected / most)"
+        )
+    if r.get("exposed_parts"):
+        lines.append(
+            "  not hidden, per window: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["exposed_parts"].items())
+        )
     if r.get("host_parts"):
         lines.append(
             "  host work per window: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["host_parts"].items())

@@ -34,11 +34,14 @@ from genomelm.model.moe import Experts
 from genomelm.plan.rates import Peaks, ring_factor
 
 OVERLAP_RULE = (
-    "overlap only where the code runs work on a side stream or an async collective: FSDP2's all-gathers and "
-    "reduce-scatters (its own streams), the layer-input offload copies (`HostCopier`'s stream) and, with "
-    "ep_overlap, the expert all-to-alls started ahead (the forward's and the recompute's dispatches and "
-    "combines, the backward's combines) hide under the compute; the context-parallel collectives, the "
-    "backward's expert dispatches, the host AdamW step and everything else add up"
+    "per layer and pass (genomelm/plan/overlap.py): FSDP2's all-gathers (no forward prefetch: the next "
+    "layer's gather issued at each MoE forward's host sync hides behind that MoE's work alone; one layer "
+    "ahead in the backward) and reduce-scatters share one link, FIFO, the NICs shared by the groups using "
+    "them; their copy-outs on the compute stream; the layer inputs come back over PCIe (with the GPU's share "
+    "of its NIC traffic) from the layer before's start, the layer waiting for them; compute beside a "
+    "collective slowed by comm_sm_share; with ep_overlap the expert all-to-alls started ahead hide under the "
+    "MoE work; the context-parallel collectives, the backward's expert dispatches and the host work add up. "
+    "The evaluator's forward: side-stream work hidden under the whole compute"
 )
 # Matmul-like ops: they run on the matmul unit of their dtype (the other ops are costed by their bytes).
 MATMULS = {
@@ -98,6 +101,9 @@ class OpClass:
     flops: float = 0.0
     bytes: float = 0.0
     recompute_flops: float = 0.0
+    recompute_count: int = 0  # of `count`, those the backward's recompute ran
+    atomic_bytes: float = 0.0  # of `bytes`, those read-modify-written by scattered atomic adds
+    select_bytes: float = 0.0  # of `bytes`, a top-k's input (read once per pass: `Peaks.topk_passes`)
     # the routed experts' work (`expert_work`): "rows" (the busiest expert-parallel rank runs `imbalance` x
     # the mean), "weights" (per local expert: E/ep of them, none where FSDP2 gathers them in bf16), or ""
     expert: str = ""
@@ -169,6 +175,40 @@ def is_kernel(func: Any) -> bool:
     return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
 
 
+def sparse_mla_bwd_atomics(
+    grad_out: torch.Tensor,
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pools: torch.Tensor,
+    positions: torch.Tensor,
+    kpool: int,
+    select_tail: bool,
+    *_: object,
+) -> float:
+    """Of `dsa_triton.sparse_mla_bwd_bytes`, the fp32 read-modify-writes of the d latent buffer: one per
+    slot row, head block and latent column of every query (its atomic adds)."""
+    from genomelm.model.dsa_triton import BACKWARD_TILES, slot_count
+
+    batch, queries, heads, width = q_lat.shape
+    slots = slot_count(pools.shape[-1], kpool, select_tail)
+    return 2.0 * batch * queries * math.ceil(heads / BACKWARD_TILES.block_h) * slots * width * 4
+
+
+ATOMICS = {"genomelm.sparse_mla_bwd": sparse_mla_bwd_atomics}  # kernels whose bytes hold atomic adds
+TOPK = {"aten.topk"}  # radix-select top-k: its input read once per pass
+
+
+def special_bytes(name: str, args: tuple, kwargs: dict) -> tuple[float, float]:
+    """(atomic bytes, top-k input bytes) of a kernel's bytes (`ATOMICS`, `TOPK`); 0 for the others."""
+    if name in ATOMICS:
+        return ATOMICS[name](*args, **kwargs), 0.0
+    if name in TOPK:
+        return 0.0, float(_tensor_bytes(args[0]))
+    return 0.0, 0.0
+
+
 def op_record(func: Any, args: tuple, kwargs: dict, out: Any, flops: float) -> tuple[str, str, str, float]:
     """(op name, dtype, unit, bytes) of one dispatched kernel with its `flops` (0 without a formula)."""
     name = f"{func.namespace}.{func._opname}"
@@ -189,6 +229,7 @@ _FRAME_FILES: dict[Any, str | None] = {}  # code object -> its file relative to 
 _RECOMPUTE = (torch.utils.checkpoint.__file__, "recompute_fn")  # non-reentrant checkpoint's recompute
 _EXPERT_ROWS, _EXPERT_WEIGHTS = Experts.expert_rows.__code__, Experts.weights_in.__code__
 _EXPERT_FILES = ("genomelm/model/moe.py", "genomelm/model/mlp.py")  # where expert_rows's kernels are issued
+MOE_FILES = ("genomelm/model/moe.py", "genomelm/model/mlp.py", "genomelm/parallel/expert.py")  # a MoE block
 _MODEL_FILES = ("genomelm/model", "genomelm/parallel")  # a backward op issued here is a Python backward
 _STAND_IN_FILES = ("genomelm/plan/fla_stand_in.py",)  # fla's kernels as the model calls them (traced)
 
@@ -295,6 +336,10 @@ class OpLog:
         slot.flops += flops
         slot.bytes += moved
         slot.recompute_flops += flops if recompute else 0.0
+        slot.recompute_count += 1 if recompute else 0
+        atomic, select = special_bytes(name, args, kwargs)
+        slot.atomic_bytes += atomic
+        slot.select_bytes += select
 
 
 # the project's kernels and fla's stand-ins at the rate of the published kernel of their kind (`rates.RATES`)
@@ -326,17 +371,37 @@ def op_seconds(op: OpClass, p: Peaks, count: float | None = None) -> tuple[float
     n = op.count if count is None else count
     if n <= 0:
         return 0.0, "memory"
-    return kernels_seconds(rate_key(op), op.unit, op.flops / op.count, op.bytes / op.count, n, p)
+    atomic, select = _shares(op)
+    per = op.bytes / op.count
+    return kernels_seconds(rate_key(op), op.unit, op.flops / op.count, per, n, p, atomic * per, select * per)
+
+
+def _shares(op: OpClass) -> tuple[float, float]:
+    """The shares of an op class's bytes that are atomic adds and a top-k's input."""
+    if op.bytes <= 0:
+        return 0.0, 0.0
+    return op.atomic_bytes / op.bytes, op.select_bytes / op.bytes
 
 
 def kernels_seconds(
-    rate: str, unit: str, flops: float, nbytes: float, n: float, p: Peaks
+    rate: str,
+    unit: str,
+    flops: float,
+    nbytes: float,
+    n: float,
+    p: Peaks,
+    atomic: float = 0.0,
+    select: float = 0.0,
 ) -> tuple[float, str]:
-    """`op_seconds` of n kernels of `flops` and `nbytes` each, on `rate`'s row for `unit`."""
+    """`op_seconds` of n kernels of `flops` and `nbytes` each, on `rate`'s row for `unit`; of the bytes,
+    `atomic` read-modify-written by atomic adds (at `Peaks.atomics`) and `select` a top-k's input (read
+    `Peaks.topk_passes` times)."""
     if n <= 0:
         return 0.0, "memory"
     compute = flops / p.flops_rate(rate, unit) if unit != "memory" else 0.0
-    memory = nbytes / p.memory
+    memory = (nbytes - atomic + select * (p.topk_passes - 1)) / p.memory + (
+        atomic / (p.atomics or p.memory) if atomic else 0.0
+    )
     body = max(compute, memory)
     bound = "launch" if p.launch_s > body else ("compute" if compute > memory else "memory")
     return n * (body + p.launch_s), bound
@@ -366,6 +431,17 @@ class CostedClass:
     bound: str
     model_flops: float  # FLOPs but the recompute's
     rate: str = ""  # the rate that bounds it ("gemm_bf16", "memory", "launch": `rates.RATES`)
+    recompute_seconds: float = 0.0  # of `seconds`, the recompute's (its share of the class's count)
+
+    @property
+    def backward(self) -> bool:
+        """Whether the class runs in the backward proper (not the forward or the recompute)."""
+        return self.where.startswith("backward of ")
+
+    @property
+    def moe(self) -> bool:
+        """Whether the class is a MoE layer's experts' or exchange's work (what runs after its host sync)."""
+        return self.where.removeprefix("backward of ").startswith(MOE_FILES)
 
 
 def _line(a: float, b: float, t1: int, t2: int, t: int) -> float:
@@ -402,8 +478,19 @@ def project(
                 low.bytes / low.count if low else op.bytes / op.count, op.bytes / op.count, t1, t2, tokens
             )
             scale = times * scales[op.expert]
-            seconds, bound = kernels_seconds(rate_key(op), op.unit, per_flops, per_bytes, count * scale, p)
+            atomic, select = _shares(op)
+            seconds, bound = kernels_seconds(
+                rate_key(op),
+                op.unit,
+                per_flops,
+                per_bytes,
+                count * scale,
+                p,
+                atomic * per_bytes,
+                select * per_bytes,
+            )
             recompute_share = op.recompute_flops / op.flops if op.flops else 0.0
+            recomputed = seconds * op.recompute_count / op.count if op.count else 0.0
             flops = per_flops * count * scale
             slot = merged.get(op.key)
             if slot is None:
@@ -419,6 +506,7 @@ def project(
                     bound,
                     flops * (1 - recompute_share),
                     p.resolved(rate_key(op), op.unit) if bound == "compute" else bound,
+                    recomputed,
                 )
             else:
                 slot.count += count * scale
@@ -426,6 +514,7 @@ def project(
                 slot.bytes += per_bytes * count * scale
                 slot.seconds += seconds
                 slot.model_flops += flops * (1 - recompute_share)
+                slot.recompute_seconds += recomputed
     return sorted(merged.values(), key=lambda c: -c.seconds)
 
 

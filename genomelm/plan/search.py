@@ -118,7 +118,22 @@ def plan_layout(
     state = state_bytes(model_config, config.model_options, config.optim.optimizer, layout)
     memory = rank_memory(config, model_config, layout, params, steps, a, state)
     time = step_time(config, model_config, layout, params, steps, memory.host_inputs, a, state)
-    return _plan(config, layout, a, memory, time, _notes(config, model_config, layout, steps))
+    plan = _plan(config, layout, a, memory, time, _notes(config, model_config, layout, steps))
+    for case in ("low", "high"):  # the range: every rate at one end, the load at its quantile
+        end = a.at_case(case)
+        end_memory = rank_memory(config, model_config, layout, params, steps, end, state)
+        end_time = step_time(config, model_config, layout, params, steps, end_memory.host_inputs, end, state)
+        plan.range[case] = {
+            "tokens_per_s": layout.dp * config.seq_len / max(end_time.step_s, 1e-9),
+            "step_s": end_time.step_s,
+            "peak_gib": end_memory.peak / GIB,
+        }
+    plan.range["expected"] = {
+        "tokens_per_s": plan.tokens_per_s_projected,
+        "step_s": time.step_s,
+        "peak_gib": plan.peak_gib_per_rank,
+    }
+    return plan
 
 
 def _plan(

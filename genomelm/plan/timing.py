@@ -1,8 +1,9 @@
 """Time per window, op by op (`genomelm.plan.roofline`): every kernel of the traced step at the roofline of
 the unit it runs on (each traced layer standing for the layers of its kind; the busiest expert-parallel
 rank's grouped GEMMs x `imbalance`), plus the collectives at the link of their group with their ring factor,
-plus the offload copies over PCIe; FSDP2's collectives and the layer-input offload copies run on side streams
-and hide under the compute (`roofline.OVERLAP_RULE`), everything else adds up. The flat estimate (FLOPs at
+plus the offload copies over PCIe; what FSDP2's collectives (and their copies) and the layer-input copies on
+side streams leave exposed comes from a per-layer event model of the streams (`layer_works`,
+`genomelm.plan.overlap`, `roofline.OVERLAP_RULE`), everything else adds up. The flat estimate (FLOPs at
 `mfu` of the bf16 peak) is kept beside it for comparison. For the evaluation (stage=eval): the forward's
 kernels and collectives of a window and of its context cut, and the whole before/after evaluation of the
 held-out set (`evaluation_time`, `held_out_windows`)."""
@@ -18,10 +19,11 @@ from typing import Any
 from genomelm.data import read_manifest
 from genomelm.model import ModelConfig
 from genomelm.plan import rates, roofline
-from genomelm.plan.comm import comm_bytes, copy_exchanges, forward_comm_bytes
+from genomelm.plan.comm import comm_bytes, copy_exchanges, forward_comm_bytes, fsdp_groups
 from genomelm.plan.layouts import Assumptions, EvalTime, Layout
 from genomelm.plan.memory import ParameterShare, ScaledTraces
 from genomelm.plan.optimizer_bytes import StateBytes
+from genomelm.plan.overlap import LayerWork, simulate
 from genomelm.plan.rates import Peaks
 from genomelm.run import scoring
 from genomelm.run.config import TrainConfig
@@ -88,10 +90,15 @@ class StepTime:
     mean_compute_s: float = 0.0  # the mean rank's kernels
     by_source: list[dict[str, Any]] = field(default_factory=list)  # the busiest rank's kernels by source file
     host_parts: dict[str, float] = field(default_factory=dict)  # `host_s` by part
+    # what the per-layer event model (`overlap.simulate`) adds to the compute, by part; empty: the aggregate
+    # rule (the side-stream work less the compute, the evaluator's forward)
+    exposed: dict[str, float] = field(default_factory=dict)
 
     @property
     def exposed_s(self) -> float:
-        """The side-stream work the compute does not hide."""
+        """The side-stream work the compute does not hide, and what waiting for it adds."""
+        if self.exposed:
+            return sum(self.exposed.values())
         return max(0.0, self.overlapped_s - self.compute_s)
 
     @property
@@ -102,7 +109,7 @@ class StepTime:
 def device_peaks(a: Assumptions, gpu: str) -> Peaks:
     """`gpu`'s attainable rates (`rates.RATES`) with the links and the datasheet bf16 peak as `a` gives
     them."""
-    p = rates.peaks(gpu, a.nvlink_gbs, a.nic_gbs, a.nics_per_node, a.gpus_per_node, a.pcie_gbs)
+    p = rates.peaks(gpu, a.nvlink_gbs, a.nic_gbs, a.nics_per_node, a.gpus_per_node, a.pcie_gbs, a.case)
     return dataclasses.replace(p, peak_bf16=a.tflops * 1e12 or p.peak_bf16)
 
 
@@ -240,17 +247,25 @@ def step_time(
     `state`: its weights, gradients and optimizer state (the update's bytes)."""
     p = device_peaks(a, config.plan.gpu)
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
-    comm, comm_s, overlapped_s = comm_bytes(
+    comm, comm_s, side = comm_bytes(
         model_config, layout, params, steps, a, p, config.parallel.ep_overlap, copy_exchanges(config, layout)
     )
     chunk_tokens = config.model_options.moe_chunk_tokens
     routings = 2 if config.parallel.ep_overlap else 1  # the forward's, and the recompute's to start ahead
     kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu, chunk_tokens, routings=routings)
-    compute_s, mean_s = kernels.busiest_s, kernels.mean_s
     host: dict[str, float] = {}
+    offloaded = host_inputs if config.memory.offload else 0.0
+    works, rest_s, moe_s = layer_works(
+        model_config, layout, params, steps, a, p, offloaded, chunk_tokens, routings
+    )
+    timeline = simulate(works, between=rest_s, comm_sm_share=p.comm_sm_share)
+    exposed = dict(timeline.exposed)
+    # the expert exchanges started ahead run on NVLink (and NICs past a node) beside the MoE work
+    ahead = sum(v for k, v in side.items() if k.startswith("ep "))
+    exposed["expert exchanges started ahead, past the MoE work"] = max(0.0, ahead - moe_s)
+    overlapped_s = sum(side.values()) + (2 * host_inputs / p.links.pcie if config.memory.offload else 0.0)
+    compute_s, mean_s = timeline.compute_s, kernels.mean_s
     accum = config.optim.grad_accum
-    if config.memory.offload:  # the layer inputs out and back, per window, on the copier's own stream
-        overlapped_s += 2 * host_inputs / p.links.pcie
     if layout.optimizer_offload:
         host = host_update(config, params, state, a, p)
     else:  # the update on the GPU, per window
@@ -269,7 +284,93 @@ def step_time(
         mean_s,
     )
     time.host_parts = host
+    time.exposed = exposed
     return time
+
+
+def layer_works(
+    model_config: ModelConfig,
+    layout: Layout,
+    params: ParameterShare,
+    steps: ScaledTraces,
+    a: Assumptions,
+    p: Peaks,
+    host_inputs: float,
+    chunk_tokens: int,
+    routings: int,
+) -> tuple[list[LayerWork], float, float]:
+    """Each decoder layer's work in a window for the event model (`LayerWork`), the rest's compute
+    (embedding, head, loss; forward and backward) and the MoE work of every pass (seconds), at the busiest
+    expert-parallel rank. A layer's kernels by pass: the backward's classes, the recompute's share of the
+    others' count, the forward's the rest (of it the MoE's, after its host sync, the tail); the exchange's
+    copies one third per pass, the routing ahead in the forward (and the recompute's). FSDP2 per layer and
+    pass: the all-gather of its parameters (bf16) and of its experts over their groups (`fsdp_groups`, the
+    NICs shared), its copy-out (read and write the gathered bf16) on the compute stream; after the backward
+    the reduce-scatter (fp32) behind its copy-in and cast (bf16 read, fp32 written). `host_inputs`: the bytes
+    of layer inputs offloaded (0: none), back over PCIe in the backward, beside the GPU's share of its node's
+    NIC traffic (GPU-direct through the same switch port). Left out: the all-gathers' copy-in (a rank's own
+    shard, 1/world of a layer) and the root unit's gather (embedding, norm, head)."""
+    scale = a.imbalance if layout.ep > 1 else 1.0
+    weights = 0.0 if layout.sharded else 1 / layout.ep
+    lo, hi, t1, t2 = steps.lo.ops, steps.hi.ops, steps.t1, steps.t2
+    n = model_config.num_hidden_layers
+    sparse = [t == "sparse" for t in model_config.mlp_layer_types]
+    moe_layers = max(sum(sparse), 1)
+
+    def passes(part: str) -> tuple[float, float, float, float, float]:
+        classes = roofline.project(lo, hi, t1, t2, steps.tokens, {part: 1.0}, p, scale, weights)
+        backward = sum(c.seconds for c in classes if c.backward)
+        recompute = sum(c.recompute_seconds for c in classes if not c.backward)
+        forward = sum(c.seconds for c in classes if not c.backward) - recompute
+        tail = sum(c.seconds - c.recompute_seconds for c in classes if c.moe and not c.backward)
+        moe = sum(c.seconds for c in classes if c.moe)
+        return forward, recompute, backward, tail, moe
+
+    kinds = {rep: passes(f"layers.{rep}") for rep in set(steps.rep_of.values())}
+    copies = sum(c.seconds for c in exchange_copies(model_config, layout, steps.tokens, 3, p, scale))
+    routes = sum(
+        c.seconds for c in planned_routes(model_config, layout, steps.tokens, chunk_tokens, p, routings)
+    )
+    copy_s, route_s = copies / 3 / moe_layers, routes / routings / moe_layers
+    experts = params.experts / moe_layers
+    links = p.links
+    works, moe_s = [], 0.0
+    for i in range(n):
+        forward, recompute, backward, tail, moe = kinds[steps.rep_of[i]]
+        layer_experts = experts if sparse[i] else 0.0
+        gather = reduce = copy_out = nic = 0.0
+        if layout.sharded:
+            rest = params.numel[f"layers.{i}"] - layer_experts
+            for moved, ranks, sharing in fsdp_groups(layout, rest, layer_experts, links.gpus_per_node):
+                gather += links.seconds("ring", 2 * moved, ranks, sharing)
+                reduce += links.seconds("ring", 4 * moved, ranks, sharing)
+                if ranks > links.gpus_per_node:  # what the node's NICs carry, per GPU port
+                    nic += 6 * moved * sharing / links.gpus_per_node
+            unsharded = rest + layer_experts / layout.ep
+            copy_out = 2 * 2 * unsharded / p.memory
+            reduce += (2 + 4) * unsharded / p.memory
+        if sparse[i] and layout.ep > 1:
+            forward, recompute, backward = forward + copy_s + route_s, recompute + copy_s, backward + copy_s
+            recompute += route_s if routings > 1 else 0.0
+            tail += copy_s
+        moe_s += moe + 3 * copy_s if sparse[i] and layout.ep > 1 else 0.0
+        works.append(
+            LayerWork(
+                forward=forward,
+                recompute=recompute,
+                backward=backward,
+                tail=tail,
+                syncs=sparse[i] and layout.ep > 1,
+                gather=gather,
+                copy_out=copy_out,
+                reduce=reduce,
+                host_in=(host_inputs / n + nic) / links.pcie if host_inputs else 0.0,
+            )
+        )
+    rest_s = sum(
+        c.seconds for c in roofline.project(lo, hi, t1, t2, steps.tokens, {"rest": 1.0}, p, scale, weights)
+    )
+    return works, rest_s, moe_s
 
 
 def update_bytes(params: ParameterShare, state: StateBytes) -> float:
@@ -287,7 +388,7 @@ def host_update(
     step, the gradient accumulation on the host, and the update on the host CPU (AdamW's, or torchao's
     eager low-bit update: `HOST_LOWBIT_BYTES_PER_PARAMETER`)."""
     accum, pcie = config.optim.grad_accum, p.links.pcie
-    host_bandwidth = rates.rate("host_memory").on(config.plan.gpu) / a.gpus_per_node
+    host_bandwidth = rates.rate("host_memory").on(config.plan.gpu, a.case) / a.gpus_per_node
     # the gradients down and the parameters up, once per optimizer step, in the weights' dtype
     copies = state.weights + state.gradients
     grad_bytes = state.gradients / max(state.values, 1.0)  # per parameter: 4, or ~2 for bf16 weights
@@ -323,11 +424,11 @@ def forward_time(
     `stored_in_bf16`); MoE chunks of `chunk_tokens`. No host copies."""
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
     p = device_peaks(a, gpu)
-    comm, comm_s, overlapped_s = forward_comm_bytes(
+    comm, comm_s, side = forward_comm_bytes(
         model_config, layout, stored, steps, a, p, stored_in_bf16, overlap
     )
     kernels = kernel_time(model_config, layout, steps, a, gpu, chunk_tokens, passes=1)
-    return _step_time(rank_flops, busiest_flops, comm, comm_s, 0.0, overlapped_s, kernels, a)
+    return _step_time(rank_flops, busiest_flops, comm, comm_s, 0.0, sum(side.values()), kernels, a)
 
 
 def _step_time(
@@ -404,6 +505,7 @@ def roofline_summary(time: StepTime, layout: Layout, seq: int, a: Assumptions, g
         "comm_s": time.comm_s,
         "overlapped_s": time.overlapped_s,
         "exposed_overlap_s": time.exposed_s,
+        "exposed_parts": time.exposed,
         "host_s": time.host_s,
         "host_parts": time.host_parts,
         "model_flops": time.model_flops,

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from genomelm import resources
 from genomelm.data.augment import parse_blend
 from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
@@ -242,6 +243,11 @@ class LogConfig:
 
     log_every: int = 1  # optimizer steps between metrics rows
     wandb: str = "offline"  # "offline", "online" or "disabled"
+    # W&B project, entity (team or user) and group; none: $WANDB_PROJECT (else "genomelm"), $WANDB_ENTITY
+    # (else the account's default) and $WANDB_RUN_GROUP
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_group: str | None = None
     track_memory: bool = (
         False  # log `peak_tracked_gb`: torch's MemTracker on each real step (the planner's tool)
     )
@@ -436,13 +442,25 @@ class TrainConfig:
         settings: dict[str, Any] = {}
         for path in map(Path, paths):
             settings.update(_read_yaml(path, cls.GROUPS))
+        return cls._from_flat(settings, overrides)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "settings", check: bool = True) -> TrainConfig:
+        """The settings of a mapping shaped as `to_dict` gives them (sections or flat keys), e.g. the one a
+        checkpoint's trainer state keeps; `source` names it in errors. `check=False`: types only, not
+        `validate` (a record read elsewhere, whose model folder need not exist here)."""
+        return cls._from_flat(_flat_settings(raw, cls.GROUPS, source), [], check)
+
+    @classmethod
+    def _from_flat(cls, settings: dict[str, Any], overrides: list[str], check: bool = True) -> TrainConfig:
         for item in overrides:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not key=value (for example steps=10)")
             key, value = item.split("=", 1)
             settings[_flat_key(key.strip(), None)] = yaml.safe_load(value) if value else ""
         coerced = {key: _coerce(key, value, _DEFAULTS[key]) for key, value in settings.items()}
-        return cls().replace(**coerced).validate()
+        config = cls().replace(**coerced)
+        return config.validate() if check else config
 
     @classmethod
     def from_args(cls, items: list[str]) -> TrainConfig:
@@ -479,7 +497,9 @@ _OPTIONAL = {  # settings that take null / none
 
 
 def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
-    """A run config file's settings by flat name."""
+    """A run config file's settings by flat name; a relative path missing from the working directory is
+    looked up among the shipped configs (`configs/train/demo.yaml` after a wheel install)."""
+    path = resources.shipped(path)
     if not path.exists():
         raise FileNotFoundError(
             f"no run config at {path}; the presets are in configs/train/ (clusters: configs/cluster/)"
@@ -487,14 +507,19 @@ def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a run config is a mapping of settings (key: value)")
+    return _flat_settings(raw, groups, path)
+
+
+def _flat_settings(raw: dict[str, Any], groups: tuple[str, ...], source: Path | str) -> dict[str, Any]:
+    """A mapping of settings (sections or flat keys) by flat name; errors name `source`."""
     settings: dict[str, Any] = {}
     for key, value in raw.items():
         if key in groups:
             if not isinstance(value, dict):
-                raise ValueError(f"{path}: section {key!r} must be a mapping of its settings")
-            settings.update({_flat_key(f"{key}.{k}", path): v for k, v in value.items()})
+                raise ValueError(f"{source}: section {key!r} must be a mapping of its settings")
+            settings.update({_flat_key(f"{key}.{k}", source): v for k, v in value.items()})
         else:
-            settings[_flat_key(key, path)] = value
+            settings[_flat_key(key, source)] = value
     return settings
 
 
@@ -503,7 +528,7 @@ def setting_names() -> dict[str, str]:
     return {name: "" for name in _TOP_LEVEL} | dict(_SETTING_GROUP)
 
 
-def _flat_key(key: str, source: Path | None) -> str:
+def _flat_key(key: str, source: Path | str | None) -> str:
     """A setting's flat name from `name` or `group.name`; an error names the known settings."""
     group, _, name = key.rpartition(".")
     if (not group and name in _DEFAULTS) or (group and _SETTING_GROUP.get(name) == group):

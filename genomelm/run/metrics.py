@@ -23,6 +23,8 @@ import torch
 
 from genomelm.data.errors import space_checked
 from genomelm.run.config import TrainConfig
+from genomelm.run.settings_file import write_run_settings
+from genomelm.run.wandb_run import wandb_init_args
 
 HELDOUT_LOSS = "heldout/loss"
 EXPERT_LOAD_FILE = "expert_load.json"  # tokens routed per expert and MoE layer (`genomelm.train.balance`)
@@ -115,6 +117,7 @@ class MetricsLog:
     def __init__(self, config: TrainConfig, resumed_step: int) -> None:
         self.path = config.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_run_settings(config)  # runs/<run>/config.yaml: the settings the run (re)starts with
         if self.path.exists():
             kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= resumed_step]
             text = "".join(json.dumps(row) + "\n" for row in kept)
@@ -130,15 +133,7 @@ class MetricsLog:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
-            self.wandb_run = wandb.init(
-                project="genomelm",
-                name=config.run,
-                dir=str(config.run_dir),
-                mode=config.log.wandb,
-                config=config.to_dict(),
-                resume="allow",
-                id=f"{config.run}",
-            )
+            self.wandb_run = wandb.init(**wandb_init_args(config, resumed_step))
 
     def log(self, record: dict[str, Any]) -> None:
         line = json.dumps(record) + "\n"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.data.windows import Window
@@ -50,6 +52,7 @@ from genomelm.parallel.checkpoint import (
     load_sharded_model,
     verify_checkpoint,
 )
+from genomelm.parallel.launch import is_output_rank
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ContextParallelScorer, ParallelRun
@@ -58,6 +61,22 @@ from genomelm.run.models import device_rows, model_config_of, run_device
 from genomelm.run.precision import autocast_for, fsdp_param_dtype, resolve_precision
 
 T = TypeVar("T")
+
+
+def progress_bar(desc: str, unit: str) -> Callable[[int, int], None]:
+    """A `WindowShare.run` progress callback: a tqdm bar on stdout (count, rate, ETA) of the jobs done over
+    all replicas, drawn by the output rank only, closed when the last job is done."""
+    bar: list[tqdm] = []
+
+    def report(done: int, total: int) -> None:
+        if not bar:
+            # on stdout, where the results are printed: stderr holds a failure's one line alone
+            bar.append(tqdm(total=total, desc=desc, unit=unit, file=sys.stdout, disable=not is_output_rank()))
+        bar[0].update(done - bar[0].n)
+        if done >= total:
+            bar[0].close()
+
+    return report
 
 
 def scoring_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -319,13 +338,11 @@ def score_windows(
         part = token_losses(model, window.cropped(cut_start - bucket), precision)[bucket:]
         return loss, np.where(valid[i, cut_start:], part, 0.0).astype(np.float32)
 
-    def report(done: int, total: int) -> None:
-        print(f"  window {done}/{total}", flush=True)
-
     model.eval()
     with torch.no_grad():
         rows = share.run(
-            [functools.partial(job, i) for i in range(len(windows))], report if progress else None
+            [functools.partial(job, i) for i in range(len(windows))],
+            progress_bar("score", "window") if progress else None,
         )
     loss = np.stack([row[0] for row in rows])
     cut_loss = np.stack([row[1] for row in rows]) if context_cut else None

@@ -53,7 +53,7 @@ def check_vocabulary(data_vocab: Vocabulary, data_dir: Path, model: str, config:
     """
     folder = Path(model)
     source = model if folder.is_dir() else "/path/to/the/checkpoint/folder"  # a preset has no tokenizer
-    fix = f"make data TOKENIZER={source} (genomelm data --tokenizer {source})"
+    fix = f"make data TOKENIZER={source} (genomelm data tokenizer={source})"
     if folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES):
         wanted = tokenizer_vocabulary(folder)
         if tuple(wanted.code_to_id) != tuple(data_vocab.code_to_id):

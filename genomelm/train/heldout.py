@@ -110,7 +110,7 @@ class HeldoutEval:
         if not len(heldout):
             raise RunMismatch(
                 f"eval_every={config.eval.eval_every} scores held-out windows, but {heldout.path} has none: "
-                "prepare it with a held-out region (genomelm data --heldout ..., make data HELDOUT=...), "
+                "prepare it with a held-out region (genomelm data heldout=..., make data HELDOUT=...), "
                 "give data= a folder that has one, or set eval_every=0"
             )
         if config.eval.bucket > heldout.seq_len:
