@@ -36,6 +36,9 @@ Checks, in this order, one table row each:
    smoke, 2 gloo processes).
 6a. The low-bit optimizers' update (`benchmarks/optimizer_update.py`): torchao's update compiled, as CUDA runs
    it, against the eager one on a [4096, 8192] parameter, and its bandwidth at the planner's bytes per value.
+6b. The routed experts' low-precision grouped GEMM (`benchmarks/expert_gemm.py`, `expert_precision`):
+   torchao's fp8_rowwise (Hopper+) and mxfp8 (Blackwell) kernels against the CPU emulation and bf16, and their
+   forward + backward time against bf16 at GLM-5.3-Flash's expert shape (the planner's expert GEMM rate).
 7. With --long: the slice at 128k and 512k tokens (skipped without fla: the torch KDA path does not fit).
 
 --budget-s: a check whose estimated time exceeds what is left of the budget is skipped, with the estimate as
@@ -650,6 +653,20 @@ def check_optimizer_update(setup: Setup, optimizer: str) -> Row:
     )
 
 
+def check_expert_gemm(setup: Setup, precision: str) -> Row:
+    """torchao's low-precision grouped GEMM against its CPU emulation and bf16, and its time against bf16's
+    (`benchmarks/expert_gemm.py`)."""
+    import expert_gemm
+
+    result = expert_gemm.check(setup.device, precision)
+    errors = max(result["vs_emulation"].values()), max(result["vs_bf16"].values())
+    note = (
+        f"vs emulation {errors[0]:.1e}, vs bf16 {errors[1]:.1e}; fwd+bwd {result['low_ms']:.2f} ms, bf16 "
+        f"{result['bf16_ms']:.2f} ms: {result['speedup']:.2f}x"
+    )
+    return Row("ok" if result["ok"] else "mismatch", note, seconds=result["low_ms"] / 1e3, details=result)
+
+
 def check_roofline(setup: Setup, slice_model: SliceModel, length: int) -> Row:
     """The roofline's projection of the slice's step beside its measured time, part by part
     (`roofline_gpu.projected_vs_measured`; the table is printed): the first GPU contact's calibration of the
@@ -873,6 +890,18 @@ def plan(setup: Setup, long: bool) -> list[Check]:
         # the CPU runs the update eagerly; tests/test_optimizers.py holds the compiled one to it there
         return None if setup.cuda else "no CUDA (the compiled update is the GPU's path)"
 
+    def capability_missing(need: tuple[int, int]) -> Callable[[], str | None]:
+        def missing() -> str | None:
+            if not setup.cuda:
+                return "no CUDA (torchao's kernels; tests/test_expert_precision.py holds the emulation)"
+            capability = torch.cuda.get_device_capability(setup.device)
+            if capability < need:
+                found = f"{capability[0]}.{capability[1]}"
+                return f"needs compute capability {need[0]}.{need[1]}+, this GPU is {found}"
+            return None
+
+        return missing
+
     def gpus_missing() -> str | None:
         if setup.cuda and torch.cuda.device_count() < 2:
             return f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"
@@ -942,6 +971,16 @@ def plan(setup: Setup, long: bool) -> list[Check]:
                 False,
             )
             for optimizer in ("adamw8bit", "adamw_bf16")
+        ),
+        *(
+            Check(
+                f"expert GEMM {precision} vs emulation and bf16 (4096 x 4096, 8 experts)",
+                0,
+                lambda precision=precision: check_expert_gemm(setup, precision),
+                capability_missing(need),
+                False,
+            )
+            for precision, need in (("fp8_rowwise", (9, 0)), ("mxfp8", (10, 0)))
         ),
     ]
     if long:

@@ -57,6 +57,10 @@ def test_gpu_check_cpu_smoke(gpu_check: ModuleType, tmp_path: Path, capsys) -> N
     kernels = [f"{title} at 64 tokens" for title, _ in gpu_check.KERNEL_CHECKS]
     torch_slice = "slice at 512 tokens (fwd+bwd, recompute, bf16, KDA torch, torch paths)"
     updates = [f"{name} update: compiled vs eager, [4096, 8192]" for name in ("adamw8bit", "adamw_bf16")]
+    experts = [
+        f"expert GEMM {name} vs emulation and bf16 (4096 x 4096, 8 experts)"
+        for name in ("fp8_rowwise", "mxfp8")
+    ]
     assert list(rows) == [
         "fla chunk_kda vs torch KDA (64 heads x 128)",
         *kernels,
@@ -68,11 +72,15 @@ def test_gpu_check_cpu_smoke(gpu_check: ModuleType, tmp_path: Path, capsys) -> N
         "offload vs no offload (small, bf16)",
         "dp 2 x ep 2 step (tiny, fp32, FSDP2, gloo)",
         *updates,
+        *experts,
     ]
     for name, row in rows.items():  # every row is in the printed table
         assert f"| {name} | " in out and f" | {row['result']} |" in out
     for name in updates:  # tests/test_optimizers.py holds the compiled update to the eager one on the CPU
         assert rows.pop(name)["result"] == "skipped: no CUDA (the compiled update is the GPU's path)"
+    for name in experts:  # tests/test_expert_precision.py holds the emulation to bf16 on the CPU
+        skipped = "skipped: no CUDA (torchao's kernels; tests/test_expert_precision.py holds the emulation)"
+        assert rows.pop(name)["result"] == skipped
     fla, *others = rows.values()
     assert fla["result"] == "skipped: no CUDA (fla's kernels run on GPUs only)"
     assert all(row["status"] == "ok" for row in others), [row["result"] for row in others]

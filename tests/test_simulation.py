@@ -14,9 +14,16 @@ from data_fixtures import fly_windows
 
 from genomelm.model import ModelConfig
 from genomelm.parallel.fake_cuda import run_on_fake_cuda
-from genomelm.parallel.simulation import Collective, CollectiveError, SimulationMode, check_ranks_agree
+from genomelm.parallel.simulation import (
+    Collective,
+    CollectiveError,
+    HostSync,
+    SimulationMode,
+    check_ranks_agree,
+)
 from genomelm.plan.simulate import (
     EXCHANGE_SYNC_SITE,
+    RankSimulation,
     Simulation,
     describe_simulation,
     simulate_eval_layout,
@@ -364,3 +371,132 @@ def test_eval_layout_of_a_planned_run_is_the_evaluations_forward_with_its_contex
     assert text.startswith("simulated evaluation forward on fake CUDA (rank 3 of dp 2 x cp 2, ep 2;")
     assert "then the context cut's 512" in text and "reduce_scatter" not in text
     assert "the results' all_gather_object over the dp group" in text
+
+
+def _first_forward(
+    config: TrainConfig, model_config: ModelConfig
+) -> tuple[list[Collective], list[HostSync], RankSimulation]:
+    """Rank 0 of an evaluated window on fake CUDA under FSDP2: the all-gathers of the whole model's bf16
+    parameter groups in its first forward (the root's, then one per decoder layer, in layer order), and that
+    forward's host syncs at the expert exchanges (one per MoE layer, in layer order)."""
+    simulation = simulate_eval_step(config, model_config, ranks=[0])
+    rank = simulation.ranks[0]
+    world = tuple(range(simulation.dims.world))
+    gathers = [
+        c
+        for c in rank.collectives
+        if c.kind == "all_gather" and c.dtype == "bfloat16" and c.ranks == world and c.phase == "window"
+    ]
+    syncs = [s for s in rank.syncs if EXCHANGE_SYNC_SITE in s.site and s.phase == "window"]
+    moe_layers = sum(kind == "sparse" for kind in model_config.mlp_layer_types)
+    return gathers[: model_config.num_hidden_layers + 1], syncs[:moe_layers], rank
+
+
+def test_fsdp_prefetch_issues_the_next_layers_gather_before_this_layers_host_sync() -> None:
+    """fsdp_prefetch=1 (dp 2 x ep 2, FSDP2, bf16): in the forward, every MoE layer after the first issues the
+    next layer's all-gather before its own host sync (the expert exchange's split sizes), so the gather runs
+    on its stream while the host waits; without prefetch the host reaches that gather only after the sync.
+    The collectives (kind, group, dtype, bytes) and the host syncs are the same, only issued earlier."""
+    model_config = ModelConfig.preset("tiny")
+    settings = ["seq=512", "dp=2", "ep=2", "moe_chunk_tokens=128"]
+    layer_kinds = model_config.mlp_layer_types
+    moe = [index for index, kind in enumerate(layer_kinds) if kind == "sparse"]
+    checked = [(k, layer) for k, layer in enumerate(moe) if layer >= 1 and layer + 1 < len(layer_kinds)]
+    assert len(checked) == 2  # tiny: MoE layers 1 and 2 have a next layer (3 is the last)
+    runs = {}
+    for prefetch in (0, 1):
+        gathers, syncs, rank = _first_forward(
+            _tiny_eval(*settings, f"fsdp_prefetch={prefetch}"), model_config
+        )
+        assert len(gathers) == model_config.num_hidden_layers + 1 and len(syncs) == len(moe)
+        # gathers[layer + 1] is the layer's (gathers[0]: the root's); the next layer's is gathers[layer + 2]
+        ahead = [gathers[layer + 2].issued < syncs[k].issued for k, layer in checked]
+        assert ahead == [bool(prefetch)] * len(checked), (prefetch, gathers, syncs)
+        runs[prefetch] = rank
+    issued = [
+        Counter((c.kind, c.ranks, c.dtype, c.bytes) for c in runs[p].collectives if c.kind != "all_to_all")
+        for p in (0, 1)
+    ]
+    assert issued[0] == issued[1]
+    assert Counter(s.site for s in runs[0].syncs) == Counter(s.site for s in runs[1].syncs)
+
+
+def _torchao_fp8_kernel_shapes(calls: Counter[str]) -> None:
+    """torchao's Triton FP8 quantisers as its own fake implementations give them (outputs of the kernels'
+    shapes, dtypes and layouts), each call counted in `calls`: on a machine without a GPU torchao does not
+    build the kernels, so it has no custom ops to fake. What is simulated is the rest of the path: the groups'
+    padding, torchao's autograd function and `torch._scaled_grouped_mm` on fake CUDA."""
+    import torchao.prototype.moe_training.fp8_grouped_mm as fp8
+
+    def rowwise_2d(t: torch.Tensor, output_dtype: torch.dtype, **_: object) -> tuple[torch.Tensor, ...]:
+        calls["rowwise_2d"] += 1
+        return torch.empty(t.shape, dtype=output_dtype, device=t.device), t.new_empty(t.shape[0], 1).float()
+
+    def colwise_3d(t: torch.Tensor, output_dtype: torch.dtype, **_: object) -> tuple[torch.Tensor, ...]:
+        calls["colwise_3d"] += 1
+        e, k, n = t.shape
+        data = torch.empty((e, k, n), dtype=output_dtype, device=t.device).as_strided(
+            (e, k, n), (k * n, 1, k)
+        )
+        return data, torch.empty((e, 1, n), dtype=torch.float32, device=t.device)
+
+    def transpose_rhs(t: torch.Tensor, output_dtype: torch.dtype, **_: object) -> tuple[torch.Tensor, ...]:
+        calls["transpose_rhs"] += 1
+        e, k, n = t.shape
+        data = torch.empty((e, n, k), dtype=output_dtype, device=t.device).as_strided(
+            (e, n, k), (n * k, 1, n)
+        )
+        return data, torch.empty((e, k), dtype=torch.float32, device=t.device)
+
+    def colwise_dual(
+        a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, output_dtype: torch.dtype, **_: object
+    ) -> tuple[torch.Tensor, ...]:
+        calls["colwise_dual"] += 1
+        m, groups = a.shape[0], offsets.numel()
+        out = []
+        for t in (a, b):
+            data = torch.empty(t.shape, dtype=output_dtype, device=t.device).as_strided(t.shape, (1, m))
+            out += [data, torch.empty(t.shape[1] * groups, dtype=torch.float32, device=t.device)]
+        return tuple(out)
+
+    fp8.triton_fp8_rowwise_2d_scale_and_cast = rowwise_2d
+    fp8.triton_fp8_colwise_3d_scale_and_cast = colwise_3d
+    fp8.triton_fp8_rowwise_3d_transpose_rhs = transpose_rhs
+    fp8.triton_fp8_per_group_colwise_scales_dual = colwise_dual
+
+
+def _fp8_expert_step(config: TrainConfig, model_config: ModelConfig) -> tuple[Simulation, Counter[str]]:
+    """In the fake-CUDA process: every rank's step with torchao's FP8 quantisers as their shapes; the
+    simulation and the quantisers' calls."""
+    from genomelm.plan.simulate import _simulate_ranks
+
+    calls: Counter[str] = Counter()
+    _torchao_fp8_kernel_shapes(calls)
+    world = config.parallel.dp * config.parallel.cp
+    return _simulate_ranks(config, model_config, list(range(world)), "h200"), calls
+
+
+def test_fp8_expert_gemms_on_fake_cuda_add_no_host_sync_and_no_host_tensor() -> None:
+    """expert_precision=fp8_rowwise at dp 2 x ep 2 on fake CUDA (H200): torchao's FP8 grouped GEMM on every
+    rank in every MoE layer's forward, recompute and backward, every tensor of it on the device (a host tensor
+    in a collective raises; the padding of the groups is computed on the device), and the host syncs of the
+    bf16 experts only: one per MoE layer and micro-batch, at the exchange's split sizes."""
+    model_config = ModelConfig.preset("tiny")
+    config = _tiny("seq=512", "dp=2", "ep=2", "moe_chunk_tokens=128", "expert_precision=fp8_rowwise")
+    simulation, calls = run_on_fake_cuda(_fp8_expert_step, config, model_config)
+    check_ranks_agree([r.collectives for r in simulation.ranks])
+    assert "fp8_rowwise expert GEMMs" in simulation.ranks[0].routes
+    # each pass: 2 ranks x 3 MoE layers x 4 chunks (512 tokens each) x 2 GEMMs; the forward quantises the rows
+    # and the weights, in the forward and in the recompute; the backward the output gradient twice (by rows;
+    # by each group's columns, with the rows) and the weights once
+    gemms = 2 * 3 * 4 * 2
+    assert calls == {
+        "rowwise_2d": 3 * gemms,
+        "colwise_3d": 2 * gemms,
+        "transpose_rhs": gemms,
+        "colwise_dual": gemms,
+    }
+    syncs = simulation.syncs_per_window()
+    assert sum(syncs.values()) == simulation.expert_syncs_per_window(model_config) == 3, syncs
+    assert all(EXCHANGE_SYNC_SITE in site for site in syncs), syncs
+    assert simulation.syncs_per_update() == {}

@@ -257,6 +257,9 @@ class RunOptions:
     indexer_precision: str = "bf16"  # "bf16" or "fp8" (e4m3 scores, per-row scales; Hopper and newer)
     mhc_backend: str = "auto"  # "auto" (Triton kernels on CUDA, else torch), "triton", "torch"
     moe_backend: str = "grouped"  # "grouped" (tokens sorted by expert) or "loop" (readable reference)
+    # the routed experts' grouped GEMMs: "bf16", "fp8_rowwise" (Hopper+) or "mxfp8" (Blackwell), quantised
+    # as torchao's MoE training does (emulated off CUDA); the weights stay as stored (expert_precision.py)
+    expert_precision: str = "bf16"
     indexer_query_block: int = 128  # queries scored against all pools at once
     attention_query_block: int = 128  # queries attending over their gathered tokens at once
     moe_chunk_tokens: int = 4096  # tokens routed + computed through the experts at once

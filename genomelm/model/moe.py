@@ -9,7 +9,8 @@ the experts' slices of one `unbind`, so the backward writes one stacked gradient
 per expert); "loop" is the readable reference (each expert gathers its tokens with a mask).
 
 Precision: routing (logits, sigmoid scores, group and top-k choice, combine weights) runs in fp32 with
-autocast off; the expert GEMMs follow the caller's autocast (bf16 on GPUs).
+autocast off; the expert GEMMs follow the caller's autocast (bf16 on GPUs), or with `expert_precision`
+fp8_rowwise / mxfp8 run quantised as torchao's MoE training does (`expert_precision.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from .chunking import ChunkRunner, run_directly
 from .config import ModelConfig, RunOptions
+from .expert_precision import check_device, check_expert_precision, low_precision_grouped_linear
 from .mlp import MLP, clamped_swiglu
 from .precision import compute_dtype, fp32_region
 
@@ -79,14 +81,18 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class Experts(nn.Module):
     """Routed expert weights: `gate_up_proj` [E, 2I, D] (gate rows first), `down_proj` [E, D, I]."""
 
-    def __init__(self, config: ModelConfig, backend: str = "grouped") -> None:
+    def __init__(self, config: ModelConfig, backend: str = "grouped", precision: str = "bf16") -> None:
         super().__init__()
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        check_expert_precision(precision, (d, i))
+        if precision != "bf16" and backend != "grouped":
+            raise ValueError(f"expert_precision={precision} runs the grouped GEMM: set moe_backend=grouped")
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.swiglu_limit = config.swiglu_limit
         self.backend = backend
+        self.precision = precision  # `EXPERT_PRECISIONS`: what the grouped GEMMs quantise their operands to
         # the place in the MoE's forward of the chunk being run (set by `MoE`): lets a module that splits the
         # experts over processes find what it kept of this chunk when a recompute runs it again
         self.chunk_index = 0
@@ -137,6 +143,12 @@ class Experts(nn.Module):
         [E', 2I, D], down [E', D, I]) to use instead of the module's own, counts then [E'] (expert
         parallelism passes its own experts and copies of other ranks')."""
         dtype = x_sorted.dtype
+        if self.precision != "bf16":  # quantised as torchao does, from the weights in the compute dtype
+            check_device(self.precision, x_sorted.device)
+            gate_up, down = self.weights_in(dtype, weights)
+            gate_up_rows = low_precision_grouped_linear(x_sorted, gate_up, counts, self.precision)
+            hidden = clamped_swiglu(*gate_up_rows.chunk(2, dim=-1), self.swiglu_limit)
+            return low_precision_grouped_linear(hidden, down, counts, self.precision)
         if grouped_mm_supported(x_sorted.device, dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             gate_up, down = self.weights_in(dtype, weights)
@@ -212,13 +224,14 @@ class MoE(nn.Module):
         if options.moe_chunk_tokens < 1:
             raise ValueError(f"moe_chunk_tokens must be positive, got {options.moe_chunk_tokens}")
         self.gate = TopkRouter(config)
-        self.experts = Experts(config, options.moe_backend)
+        self.experts = Experts(config, options.moe_backend, options.expert_precision)
         self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
         self.chunk_tokens = options.moe_chunk_tokens
         self.chunk_runner: ChunkRunner = run_directly
         self.route = (
             f"moe: {options.moe_backend}, "
-            f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
+            + (f"{options.expert_precision} expert GEMMs, " if options.expert_precision != "bf16" else "")
+            + f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
             f"chunks of {self.chunk_tokens} tokens"
         )
         self.tokens_per_expert: Tensor | None = None  # [E] long, of the last forward

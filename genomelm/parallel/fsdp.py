@@ -28,6 +28,22 @@ returning a `ShardPlacementResult`, the return type `fully_shard` documents, def
 which makes one parameter group per process group; and a mixed-precision policy per group (FSDP2 takes one
 per `fully_shard` call): `_gather_in_fp32` sets the fp32 group's before FSDP's lazy init reads it. As groups
 are told apart by process group, the fp32 one has a process group of its own over all ranks.
+
+Prefetch (`prefetch` = n > 0, the `fsdp_prefetch` setting): each layer's forward pre-hook issues the
+all-gathers of the next n layers right after its own (the root's, of the first n), and its backward pre-hook
+those of the n layers whose backward comes next (FSDP2's `set_modules_to_forward_prefetch` /
+`set_modules_to_backward_prefetch`). The point is the MoE forward's host sync (the expert exchange's split
+sizes, `genomelm.parallel.expert`): without forward prefetch, layer i+1's gather is issued by layer i+1's
+pre-hook, which the host reaches only after layer i's sync has drained the GPU's queue, so the gather runs
+alone on the critical path; issued ahead, it is on the all-gather stream before that sync and overlaps
+layer i's work. Cost: up to n more layers' gathered parameters at a time. The same gathers, in the same
+dtype, of the same values: the numbers do not change (tests/test_parallel_fsdp.py).
+
+Reduction dtype (`reduce_dtype`, the `reduce_dtype` setting): the dtype FSDP2 reduce-scatters the layers'
+and the experts' gradients in; bf16 halves the largest stream of bytes between nodes. Each rank's sharded
+gradient stays in the parameter's dtype (fp32 master weights): FSDP2 casts the reduced shard back and
+accumulates micro-batches there, and the clipping and the optimizer read fp32. The fp32-declared group
+(router, KDA decay, mHC) is reduced in fp32 whatever the setting.
 """
 
 from __future__ import annotations
@@ -99,13 +115,20 @@ def _gather_in_fp32(unit: nn.Module, fp32_mesh: FSDPMeshInfo | None) -> None:
 
 
 def shard_model(
-    model: GlmForCausalLM, mesh: Mesh, param_dtype: torch.dtype | None, offload: bool = False
+    model: GlmForCausalLM,
+    mesh: Mesh,
+    param_dtype: torch.dtype | None,
+    offload: bool = False,
+    prefetch: int = 0,
+    reduce_dtype: torch.dtype | None = None,
 ) -> None:
     """FSDP2 on `model` in place: one unit per decoder layer (its replicated parameters, its experts over the
     EDP group, its fp32-declared parameters in fp32: see the module docstring), then the root. `param_dtype`:
-    what FSDP gathers the parameters in (bf16 runs), with fp32 gradient reduction; None keeps their own dtype.
+    what FSDP gathers the parameters in (bf16 runs); None keeps their own dtype. `reduce_dtype`: what the
+    gradients are reduce-scattered in (None: fp32 when `param_dtype` is set, else the parameters' own).
     Gradients are summed (divide factor 1: the loss is already normalised by the step's global token weight
-    and window count). `offload`: FSDP2's CPU offload (GPU runs only)."""
+    and window count). `offload`: FSDP2's CPU offload (GPU runs only). `prefetch`: layers whose all-gathers
+    each layer issues ahead, in the forward and the backward (0: FSDP2's default)."""
     from torch.distributed.fsdp import (  # slow import (~0.6 s), for FSDP runs only
         CPUOffloadPolicy,
         FSDPModule,
@@ -120,7 +143,10 @@ def shard_model(
         )
     # the loss the root returns is a view, never modified in place (`window_loss` multiplies out of place)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    reduce_dtype = torch.float32 if param_dtype else None
+    if prefetch < 0:
+        raise ValueError(f"fsdp_prefetch={prefetch}: give the layers gathered ahead (>= 0)")
+    if reduce_dtype is None and param_dtype is not None:
+        reduce_dtype = torch.float32
     placement = _Placement(model, mesh, param_dtype)
     settings = {
         "mesh": mesh.world_mesh,
@@ -136,3 +162,20 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             if mesh.world_mesh.device_type != "cuda":
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum; 1 needs none
+    if prefetch:
+        _prefetch_ahead(model, prefetch)
+
+
+def _prefetch_ahead(model: GlmForCausalLM, ahead: int) -> None:
+    """Each unit issues the all-gathers of the `ahead` units that run after it, in the forward (the root: the
+    first layers) and in the backward (the root, whose backward runs first: the last layers)."""
+    layers = list(model.layers)
+    model.set_modules_to_forward_prefetch(layers[:ahead])
+    model.set_modules_to_backward_prefetch(layers[::-1][:ahead])
+    for index, layer in enumerate(layers):
+        following = layers[index + 1 : index + 1 + ahead]
+        preceding = layers[max(index - ahead, 0) : index][::-1]
+        if following:
+            layer.set_modules_to_forward_prefetch(following)
+        if preceding:
+            layer.set_modules_to_backward_prefetch(preceding)

@@ -25,10 +25,11 @@ a shadow returns a placeholder (0), and the sync is still recorded.
 
 from __future__ import annotations
 
+import itertools
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,8 @@ COLLECTIVE_KINDS = {
 SAME_SHAPE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
 SHADOW_NUMEL = 1 << 16
 _PACKAGE = Path(__file__).resolve().parents[1]  # genomelm/
+# the place of each recorded event (collective or host sync) in the order the host issued them, this process
+_ISSUED = itertools.count()
 _THIS = Path(__file__).resolve()
 
 
@@ -95,7 +98,8 @@ class Collective:
     """One collective as issued by this rank: kind, group (global ranks), dtype, bytes this rank sends or
     receives (its largest tensor), the shapes of its tensors, the source line, the phase it ran in, and
     whether it was started without waiting (`async_op`: on a GPU it runs on NCCL's stream beside the compute
-    until the caller waits for its work)."""
+    until the caller waits for its work); `issued`: its place among this process's recorded collectives and
+    host syncs, in the order the host reached them (the order the GPU's streams are handed their work)."""
 
     kind: str
     ranks: tuple[int, ...]
@@ -105,17 +109,20 @@ class Collective:
     site: str
     phase: str
     started_ahead: bool = False
+    issued: int = field(default_factory=lambda: next(_ISSUED), compare=False)
 
 
 @dataclass(frozen=True)
 class HostSync:
     """A point where the host waits for the device: kind ("value read", "device-to-host copy", "host-to-device
-    copy", "data-dependent shape"), the aten op, the source line, the phase."""
+    copy", "data-dependent shape"), the aten op, the source line, the phase, and its place among the recorded
+    events (`Collective.issued`)."""
 
     kind: str
     op: str
     site: str
     phase: str
+    issued: int = field(default_factory=lambda: next(_ISSUED), compare=False)
 
 
 def source_line() -> str:

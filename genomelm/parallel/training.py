@@ -142,13 +142,17 @@ class ParallelRun:
         optimizer_offload: bool = False,
         overlap: bool = True,
         placements: Mapping[str, Placement] | None = None,
+        prefetch: int = 0,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         """Split `model` over the mesh in place: context parallel over the cp group, expert parallel over the
-        ep group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs),
-        with fp32 gradient reduction; None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU
-        offload (sharded fp32 parameters, gradients and AdamW state in pinned host memory; the step runs on
-        the CPU). `overlap`: the expert exchanges started ahead; `placements`: where the experts of the
-        `Experts` modules they name live (`apply_expert_parallel`)."""
+        ep group, then (with `fsdp`) FSDP2. `param_dtype`: the dtype FSDP gathers parameters in (bf16 runs);
+        None keeps the parameters' own dtype. `optimizer_offload`: FSDP2's CPU offload (sharded fp32
+        parameters, gradients and AdamW state in pinned host memory; the step runs on the CPU). `overlap`:
+        the expert exchanges started ahead; `placements`: where the experts of the `Experts` modules they
+        name live (`apply_expert_parallel`). With FSDP: `prefetch`, the layers whose all-gathers each layer
+        issues ahead; `reduce_dtype`, what the gradients are reduce-scattered in (None: fp32 under a
+        `param_dtype`) (`shard_model`)."""
         if self.context is not None:
             apply_context_parallel(model, self.context.group, self.context.kind)
         if self.dims.ep > 1:
@@ -156,7 +160,7 @@ class ParallelRun:
         if optimizer_offload and not self.fsdp:
             raise ValueError("optimizer_offload=true needs fsdp=true (FSDP2 keeps the host copy)")
         if self.fsdp:
-            shard_model(model, self.mesh, param_dtype, optimizer_offload)
+            shard_model(model, self.mesh, param_dtype, optimizer_offload, prefetch, reduce_dtype)
 
     def reduce_gradients(self, model: nn.Module) -> None:
         """Without FSDP: sum the gradients over every rank holding the same parameter (one packed all-reduce

@@ -45,7 +45,7 @@ from genomelm.data.errors import DataError
 from genomelm.data.regions import parse_seq, seq_label
 from genomelm.model.config import PRESET_DIR, RunOptions, is_preset
 from genomelm.parallel.mesh import ParallelDims
-from genomelm.run.precision import PRECISIONS
+from genomelm.run.precision import PRECISIONS, REDUCE_DTYPES
 from genomelm.run.readout_config import EmbedConfig, EvalConfig, ProbeConfig, TrackConfig, VariantConfig
 from genomelm.run.setting_checks import check_choice, require
 
@@ -148,6 +148,12 @@ class ParallelConfig:
     cp_layout: str = "zigzag"  # "zigzag" (balanced indexer work) or "contiguous"
     fsdp: bool = True  # with more than one process: FSDP2 shards parameters, gradients and optimizer state
     optimizer_offload: bool = False  # weights, gradients and optimizer state in host memory (FSDP2, GPUs)
+    # FSDP2: layers whose all-gathers each layer issues ahead of its own work, in the forward (before its MoE
+    # host sync) and the backward; each costs one more layer's gathered parameters. 0: FSDP2's default
+    fsdp_prefetch: int = 0
+    # FSDP2: the dtype gradients are reduce-scattered in, "fp32" or "bf16" (half the bytes; each rank's
+    # shard, the accumulation over micro-batches and the optimizer stay fp32)
+    reduce_dtype: str = "fp32"
     ep_capacity_factor: float = 8.0  # refuse an MoE exchange giving a rank more than this x the mean tokens
     # start each expert exchange ahead of the work that needs it (the next chunk's dispatch during this
     # chunk's expert GEMMs, the combine during the shared expert); false: every exchange blocks (same results)
@@ -176,6 +182,14 @@ class ParallelConfig:
         check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
         check_choice("launcher", self.launcher, LAUNCHERS)
         check_choice("expert_placement", self.expert_placement, EXPERT_PLACEMENTS)
+        check_choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        require(
+            self.fsdp_prefetch >= 0, f"fsdp_prefetch={self.fsdp_prefetch}: give layers gathered ahead (>= 0)"
+        )
+        require(
+            self.reduce_dtype == "fp32" or self.fsdp,
+            f"reduce_dtype={self.reduce_dtype} is FSDP2's reduce-scatter: it needs fsdp=true",
+        )
         require(
             self.expert_copies == 0 or (0 < self.expert_copies and self.expert_placement == "balanced"),
             f"expert_copies={self.expert_copies}: give 0, or copy slots per rank (> 0) with "

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 PRECISIONS = ("auto", "bf16", "fp32")
+REDUCE_DTYPES = ("fp32", "bf16")  # the `reduce_dtype` setting
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -35,3 +36,11 @@ def fsdp_param_dtype(precision: str, device: torch.device) -> torch.dtype | None
     """The dtype FSDP2 gathers parameters in for a run of `precision` on `device`: bf16 for bf16 runs, None
     (the parameters' own) otherwise."""
     return torch.bfloat16 if resolve_precision(precision, device) == "bf16" else None
+
+
+def fsdp_reduce_dtype(reduce: str) -> torch.dtype | None:
+    """The dtype FSDP2 reduce-scatters gradients in for the `reduce_dtype` setting: bf16 for "bf16", None for
+    "fp32" (fp32 gradients, or the fp32 reduction of bf16-gathered parameters: `shard_model`)."""
+    if reduce not in REDUCE_DTYPES:
+        raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, not {reduce!r}")
+    return torch.bfloat16 if reduce == "bf16" else None

@@ -219,6 +219,7 @@ def load_scoring_model(path: str, config: TrainConfig, run: ScoringRun) -> nn.Mo
             fsdp_param_dtype(config.memory.precision, run.device),
             config.parallel.ep_capacity_factor,
             overlap=config.parallel.ep_overlap,
+            prefetch=config.parallel.fsdp_prefetch,
         )
     else:
         model = build_scoring_model(model_config_of(path), config, run)
@@ -243,6 +244,7 @@ def build_scoring_model(model_config: ModelConfig, config: TrainConfig, run: Sco
         fsdp_param_dtype(config.memory.precision, run.device),
         config.parallel.ep_capacity_factor,
         overlap=config.parallel.ep_overlap,
+        prefetch=config.parallel.fsdp_prefetch,
     )
     model.to_empty(device=run.device)
     return model

@@ -40,7 +40,7 @@ from genomelm.run.metrics import (
     host_memory_gb,
 )
 from genomelm.run.models import device_rows, model_config_of, run_device
-from genomelm.run.precision import fsdp_param_dtype
+from genomelm.run.precision import fsdp_param_dtype, fsdp_reduce_dtype
 from genomelm.run.stop import StopCheck
 from genomelm.train.balance import (
     PlacedLayer,
@@ -258,6 +258,8 @@ def build_model(
             config.parallel.optimizer_offload,
             config.parallel.ep_overlap,
             placements_by_module(model, {layer: p.placement for layer, p in (placed or {}).items()}),
+            config.parallel.fsdp_prefetch,
+            fsdp_reduce_dtype(config.parallel.reduce_dtype),
         )
         if shard_read:
             model.to_empty(device=device)
