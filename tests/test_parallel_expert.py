@@ -367,10 +367,12 @@ def expert_gradients_in_expert_order(results: list[dict], kind: str, name: str) 
 
 
 def test_experts_placed_out_of_order_equal_the_static_blocks() -> None:
-    """tiny's 3 MoE layers with their 8 experts permuted over the 2 ranks: the loss and the gradients equal
-    the static blocks' bit for bit, each expert's gradient found on the rank and in the slot that holds it
-    (the same rows meet the same experts in the same order; a token's two results are added in the other
-    order, and two fp32 terms add the same either way)."""
+    """tiny's 3 MoE layers with their 8 experts permuted over the 2 ranks: the loss equals the static blocks'
+    bit for bit (the same rows meet the same experts in the same order; a token's two results are added in
+    the other order, and two fp32 terms add the same either way), and every gradient, each expert's found on
+    the rank and in the slot that holds it, to within fp32 rounding: in the backward a token's input
+    gradient gathers its routed experts' and the shared expert's terms in the slots' order, three or more
+    fp32 terms whose sum depends on it (measured on an AMD EPYC: 3e-8 of the largest gradient)."""
     results = launch(placed_and_static_rank, EP, PERMUTED, timeout_s=TIMEOUT_S)
     for rank, result in enumerate(results):
         static, placed = result["static"], result["placed"]
@@ -378,11 +380,16 @@ def test_experts_placed_out_of_order_equal_the_static_blocks() -> None:
         assert torch.equal(static["loss"], placed["loss"])
         for name, grad in static["grads"].items():
             if not name.endswith(EXPERT_PARAMS):
-                assert torch.equal(grad, placed["grads"][name]), name
+                scale = float(grad.abs().max())
+                torch.testing.assert_close(
+                    placed["grads"][name], grad, rtol=FP32_RTOL, atol=FP32_RTOL * scale, msg=name
+                )
     for name in results[0]["static"]["grads"]:
         if name.endswith(EXPERT_PARAMS):
-            placed = expert_gradients_in_expert_order(results, "placed", name)
-            assert torch.equal(placed, expert_gradients_in_expert_order(results, "static", name)), name
+            want = expert_gradients_in_expert_order(results, "static", name)
+            got = expert_gradients_in_expert_order(results, "placed", name)
+            scale = float(want.abs().max())
+            torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=FP32_RTOL * scale, msg=name)
 
 
 @pytest.mark.parametrize(
