@@ -345,6 +345,33 @@ def rank_stuck(lab: Lab) -> Row:
     return row
 
 
+def launcher_killed(lab: Lab) -> Row:
+    row = Row("kill -9 of the launcher mid-run (cp=2), then the same command again")
+    folder = lab.folder("launcher-killed")
+    run = folder / "runs" / "r"
+    (folder / "killed").mkdir()
+    command = Command(lab.train(folder, cp=2, steps=1000, save_every=2), folder / "killed")
+    command.wait_until(lambda: len(rows_of(run / "metrics.jsonl")) >= 3)
+    os.kill(command.process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    row.code = command.process.wait()
+    row.processes = command.leftovers(grace_s=15.0)
+    gone_s = time.monotonic() - killed
+    row.expect(row.processes == "none", f"processes left: {row.processes}")
+    row.expect(gone_s < 10.0, f"its processes ran on for {gone_s:.0f} s")
+    saved = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    row.expect(bool(saved), "no checkpoint to continue from")
+    end = max(rows_of(run / "metrics.jsonl")) + 2
+    code, again = run_to_end(lab, folder, lab.train(folder, cp=2, steps=end, save_every=2))
+    row.last_line = again.last_line()
+    row.expect(code == 0, f"the same command again: exit status {code}")
+    row.expect(f"steps {saved[-1] if saved else '?'}..{end}" in row.last_line, "it did not continue")
+    row.expect(rows_of(run / "metrics.jsonl") == list(range(1, end + 1)), "metrics rows doubled or missing")
+    row.expect(not again.tracebacks() and not command.tracebacks(), "a traceback was printed")
+    row.disk = listing(run)
+    return row
+
+
 @contextmanager
 def tmpfs(folder: Path, size: str):
     """`folder` as a tmpfs of `size` (root only; PermissionError otherwise)."""
@@ -463,6 +490,7 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "damaged-data-cp2": damaged_data,
         "rank-killed-cp2": rank_killed,
         "rank-stuck-cp2": rank_stuck,
+        "launcher-killed-cp2": launcher_killed,
         "disk-full-init": lambda lab: disk_full(lab, "the initial model (init/)"),
         "disk-full-checkpoint-cp2": lambda lab: disk_full(lab, "a checkpoint (cp=2)"),
         "disk-full-metrics": lambda lab: disk_full(lab, "a metrics append"),

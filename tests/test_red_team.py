@@ -26,6 +26,7 @@ IN_THE_SUITE = [
     "damaged-data-cp2",
     "rank-killed-cp2",
     "rank-stuck-cp2",
+    "launcher-killed-cp2",
     "disk-full-init",
     "disk-full-checkpoint-cp2",
     "disk-full-metrics",

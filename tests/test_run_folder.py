@@ -55,6 +55,37 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path: Path) -
         RunLock(run_dir).acquire()
 
 
+def test_the_lock_is_taken_over_only_when_no_process_of_the_run_lives(tmp_path: Path) -> None:
+    """A launcher killed outright leaves its ranks for a few seconds (they stop at their next step): the
+    lock names them and is refused until none runs. A recorded pid now used by another process (another
+    start time) is not the run's."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with RunLock(run_dir) as lock:
+            lock.add_processes([rank.pid])
+            held = json.loads((run_dir / LOCK_FILE).read_text())
+        held["pid"] = gone.pid
+        (run_dir / LOCK_FILE).write_text(json.dumps(held))
+        with pytest.raises(RunLocked, match=f"still in use by pid {rank.pid} of the run pid {gone.pid}"):
+            RunLock(run_dir).acquire()
+        held["processes"] = [[rank.pid, held["processes"][0][1] - 100.0]]  # the pid, another process
+        (run_dir / LOCK_FILE).write_text(json.dumps(held))
+        with pytest.warns(UserWarning, match=f"taking over the lock of pid {gone.pid}"), RunLock(run_dir):
+            pass
+        (run_dir / LOCK_FILE).write_text(json.dumps(held | {"processes": [[rank.pid, 0.0]]}))
+        rank.kill()
+        rank.wait()
+        with pytest.warns(UserWarning, match="which no longer runs"), RunLock(run_dir):
+            pass
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node(tmp_path: Path, monkeypatch) -> None:
     """Slurm ends every process of a job before it requeues it; the job runs again under its id, usually on
     other nodes, and must not be refused by the lock its earlier run left."""

@@ -32,6 +32,7 @@ from genomelm.parallel.layout import ContextLayout
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.run.config import TrainConfig
 from genomelm.run.env_launch import from_rank_zero, join_group
+from genomelm.run.lock import RunLock
 from genomelm.run.models import model_config_of, run_device
 from genomelm.run.ray_launch import run_with_ray
 from genomelm.run.stop import StopSignals
@@ -86,12 +87,16 @@ def check_mesh(config: TrainConfig, lengths: Sequence[int]) -> None:
 
 
 def on_ranks(
-    fn: Callable[..., Any], config: TrainConfig, *args: Any, signals: StopSignals | None = None
+    fn: Callable[..., Any],
+    config: TrainConfig,
+    *args: Any,
+    signals: StopSignals | None = None,
+    lock: RunLock | None = None,
 ) -> Any:
     """`fn(config, *args)` on the run's mesh (see the module docstring); rank 0's result. `fn` is a
     module-level function (the ranks receive it pickled). `signals`: the lock holder's (training), which turn
     the first signal into the run's stop request; without them a signal ends the ranks at once
-    (`Interrupted`)."""
+    (`Interrupted`). `lock`: the run folder's, which records the local launch's processes once they run."""
     if config.parallel.launcher == "ray":
         return run_with_ray(_on_rank, config, fn, *args, signals=signals)
     if config.parallel.launcher == "env":
@@ -117,6 +122,7 @@ def on_ranks(
         device=device,
         collective_timeout_s=config.parallel.collective_timeout_s,
         on_signal=signals.request if signals is not None else None,
+        on_started=lock.add_processes if lock is not None else None,
     )[0]
 
 

@@ -28,6 +28,7 @@ from genomelm.model.config import MOE, is_preset
 from genomelm.parallel.checkpoint import Checkpointer, write_checksums
 from genomelm.parallel.expert_slots import placements_by_module
 from genomelm.parallel.export import export_checkpoint_collective
+from genomelm.parallel.launcher_watch import check_launcher
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ParallelRun
@@ -136,6 +137,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}",
             )
+            check_launcher()  # a rank whose launcher is gone stops here, saving nothing
             saved = (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.optim.steps
             if saved:
                 save(run, step + 1)
