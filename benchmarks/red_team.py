@@ -372,6 +372,38 @@ def launcher_killed(lab: Lab) -> Row:
     return row
 
 
+def blocked_checkpoint_path(lab: Lab, name: str) -> Row:
+    row = Row(f"a file named checkpoints/{name} in a run resumed to step 4 (cp=2)")
+    folder = lab.folder(f"blocked-{name.strip('.')}")
+    run = folder / "runs" / "r"
+    assert run_to_end(lab, folder, lab.train(folder, cp=2))[0] == 0
+    blocker = run / "checkpoints" / name
+    blocker.write_text("not a checkpoint")
+    code, command = run_to_end(lab, folder, lab.train(folder, cp=2, steps=4))
+    common_checks(row, command, code, f"{blocker} is a file where the run writes", 2)
+    row.disk = listing(run)
+    row.expect(rows_of(run / "metrics.jsonl") == [1, 2], "it trained steps it could not save")
+    row.expect(blocker.read_text() == "not a checkpoint", "the file was changed")
+    return row
+
+
+def read_only_run_folder(lab: Lab) -> Row:
+    row = Row("a read-only run folder (a tmpfs remounted read-only)")
+    folder = lab.folder("read-only")
+    runs = folder / "runs"
+    try:
+        with tmpfs(runs, "16m"):
+            assert run_to_end(lab, folder, lab.train(folder))[0] == 0
+            subprocess.run(["mount", "-o", "remount,ro", str(runs)], check=True)
+            code, command = run_to_end(lab, folder, lab.train(folder, steps=4))
+            common_checks(row, command, code, f"the run folder {runs / 'r'} cannot be written", 2)
+            row.disk = listing(runs / "r")
+            row.expect(rows_of(runs / "r" / "metrics.jsonl") == [1, 2], "metrics.jsonl changed")
+    except PermissionError as exc:
+        row.skipped = f"needs a tmpfs mount: {exc}"
+    return row
+
+
 @contextmanager
 def tmpfs(folder: Path, size: str):
     """`folder` as a tmpfs of `size` (root only; PermissionError otherwise)."""
@@ -491,6 +523,9 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "rank-killed-cp2": rank_killed,
         "rank-stuck-cp2": rank_stuck,
         "launcher-killed-cp2": launcher_killed,
+        "blocked-checkpoint-cp2": lambda lab: blocked_checkpoint_path(lab, "step-0000004"),
+        "blocked-tmp-name-cp2": lambda lab: blocked_checkpoint_path(lab, ".tmp-step-0000004"),
+        "read-only-run-folder": read_only_run_folder,
         "disk-full-init": lambda lab: disk_full(lab, "the initial model (init/)"),
         "disk-full-checkpoint-cp2": lambda lab: disk_full(lab, "a checkpoint (cp=2)"),
         "disk-full-metrics": lambda lab: disk_full(lab, "a metrics append"),

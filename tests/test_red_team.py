@@ -27,6 +27,8 @@ IN_THE_SUITE = [
     "rank-killed-cp2",
     "rank-stuck-cp2",
     "launcher-killed-cp2",
+    "blocked-checkpoint-cp2",
+    "read-only-run-folder",
     "disk-full-init",
     "disk-full-checkpoint-cp2",
     "disk-full-metrics",

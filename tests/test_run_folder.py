@@ -344,3 +344,22 @@ def test_second_signal_ends_the_run_at_once(fly: Path, tmp_path: Path, cp: int) 
     assert err.strip().splitlines()[-1].startswith("genomelm train: interrupted by SIGTERM: ended at once")
     assert "Traceback" not in err
     _wait_until_gone(process)
+
+
+@pytest.mark.parametrize("name", ["step-0000004", ".tmp-step-0000004"])
+def test_a_file_where_a_checkpoint_goes_is_refused_before_the_first_step(
+    fly: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A file named like a checkpoint the run will write (or like its temporary folder) is found at the start,
+    named, and refused (exit 2) before any step is trained, not when the step is saved."""
+    checkpoints = tmp_path / "runs" / "r" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / name).write_text("not a checkpoint")
+    from genomelm.commands.train import main as train_main
+
+    assert train_main(settings(fly, tmp_path, steps=4)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"genomelm train: {checkpoints / name} is a file where the run writes ")
+    assert "move it out of" in line
+    assert not (tmp_path / "runs" / "r" / "metrics.jsonl").exists()
+    assert (checkpoints / name).read_text() == "not a checkpoint"

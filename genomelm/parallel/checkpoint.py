@@ -340,10 +340,31 @@ class Checkpointer:
     def clean_interrupted_writes(self) -> list[Path]:
         """Remove the temporary folders of writes a kill interrupted; returns what was removed. Call it on one
         process, before any save."""
-        removed = list(self.root.glob(f"{TMP_PREFIX}*")) if self.root.is_dir() else []
+        found = self.root.glob(f"{TMP_PREFIX}*") if self.root.is_dir() else []
+        removed = [path for path in found if path.is_dir()]  # a file of such a name is not ours: `blocked`
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
         return removed
+
+    def blocked(self, after: int, last: int) -> list[tuple[Path, str]]:
+        """What stands where a run at step `after` would write its checkpoints up to step `last` (any step in
+        between: a stop saves the step it stopped after), as (path, what it blocks): `checkpoints` itself, a
+        `step-N` or a `.tmp-` name that is not a folder (a kill leaves folders, which are replaced or
+        removed; nothing here writes a file of those names)."""
+        if self.root.exists() and not self.root.is_dir():
+            return [(self.root, "the checkpoints folder")]
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.iterdir()):
+            step = step_of(path)
+            if path.is_dir():
+                continue
+            if step is not None and after < step <= last:
+                found.append((path, f"the checkpoint of step {step}"))
+            elif path.name.startswith(TMP_PREFIX):
+                found.append((path, "a checkpoint's temporary folder"))
+        return found
 
     def prune(self, keep: int) -> list[Path]:
         """Remove all but the newest `keep` complete checkpoints (none with keep 0); returns them."""

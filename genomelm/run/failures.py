@@ -18,6 +18,7 @@ the command line (or GENOMELM_DEBUG=1) prints the whole traceback as well.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -111,6 +112,7 @@ def write_details(path: Path, text: str) -> Path | None:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder refuses the removal too
+            tmp.unlink(missing_ok=True)
         return None
     return path

@@ -20,15 +20,39 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import warnings
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
+from typing import NoReturn
 
 import psutil
 
 LOCK_FILE = ".lock"
+
+
+class RunFolderUnwritable(ValueError):
+    """The run folder (or a folder in it) cannot be written; the message names it and the fix."""
+
+
+def check_writable(folder: Path) -> None:
+    """Raise `RunFolderUnwritable` naming `folder` when a file cannot be made in it (os.access answers for
+    the permission bits alone: a read-only mount, or root, needs a real try)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        unwritable(folder, exc)
+
+
+def unwritable(folder: Path, exc: OSError) -> NoReturn:
+    """Raise `RunFolderUnwritable` for `folder`, which refused a write with `exc`."""
+    raise RunFolderUnwritable(
+        f"the run folder {folder} cannot be written ({exc.strerror or type(exc).__name__}): make it "
+        "writable, or give the run another place: runs_dir=<folder> or run=<name>"
+    ) from exc
 
 
 class RunLocked(RuntimeError):
@@ -56,6 +80,13 @@ def _alive(pid: int, started: float = 0.0) -> bool:
         return False
     except psutil.AccessDenied:  # a process of another user: it runs
         return True
+
+
+def _nearest_folder(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (the one that refused the new folder)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def _live_processes(holder: dict) -> list[int]:
@@ -91,7 +122,10 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock, or take over a stale one; RunLocked when a live run holds it."""
         self.created_folder = not self.run_dir.exists()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            unwritable(_nearest_folder(self.run_dir), exc)
         self.record = self.owner | {
             "started": datetime.now(UTC).isoformat(timespec="seconds"),
             "pid_started": self.started,
@@ -103,6 +137,8 @@ class RunLock:
             except FileExistsError:
                 self._refuse_or_clear()
                 continue
+            except OSError as exc:  # a read-only mount, a folder of another user
+                unwritable(self.run_dir, exc)
             with os.fdopen(handle, "w") as out:
                 json.dump(self.record, out)
             return

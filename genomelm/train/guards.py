@@ -4,7 +4,9 @@
   (`allow_random_init=true`);
 - the data's token ids must be the model's: the tokenizer in a checkpoint folder, or the vocabulary size and
   padding id of a preset;
-- a resumed run must be the same run: model, window length, data and vocabulary.
+- a resumed run must be the same run: model, window length, data and vocabulary;
+- the run folder must take what the run writes (`check_run_folder`): a file standing where a checkpoint goes,
+  or a folder that cannot be written, is refused before the first step instead of when the step is saved.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 from genomelm.data.vocab import Vocabulary, tokenizer_vocabulary
 from genomelm.model import GlmForCausalLM, ModelConfig
+from genomelm.parallel.checkpoint import Checkpointer
+from genomelm.run.lock import check_writable
 
 RANDOM_INIT_LIMIT = 1e9  # parameters above which a random initialisation is refused without allow_random_init
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -21,6 +25,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 class RunMismatch(ValueError):
     """A run setting that contradicts the model, the data or the checkpoint being resumed."""
+
+
+class RunFolderBlocked(ValueError):
+    """The run folder cannot take what the run will write; the message names the path and the fix."""
+
+
+def check_run_folder(checkpointer: Checkpointer, start_step: int, last_step: int) -> None:
+    """Refuse a run whose checkpoints of steps after `start_step` up to `last_step` could not be written: a
+    file in their way (`Checkpointer.blocked`) or a run or checkpoints folder this process cannot write to."""
+    blocked = checkpointer.blocked(start_step, last_step)
+    if blocked:
+        path, what = blocked[0]
+        more = f" (and {len(blocked) - 1} more such entries)" if len(blocked) > 1 else ""
+        raise RunFolderBlocked(
+            f"{path} is a file where the run writes {what}{more}: move it out of {path.parent} (or remove "
+            "it) and run again"
+        )
+    for folder in (checkpointer.run_dir, checkpointer.root):
+        if folder.is_dir():
+            check_writable(folder)
 
 
 def parameter_count(config: ModelConfig) -> int:

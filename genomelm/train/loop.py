@@ -51,7 +51,14 @@ from genomelm.train.balance import (
 )
 from genomelm.train.faults import inject_fault
 from genomelm.train.feed import TrainingData, Window
-from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
+from genomelm.train.guards import (
+    RunMismatch,
+    check_random_init,
+    check_resume,
+    check_run_folder,
+    check_vocabulary,
+    run_identity,
+)
 from genomelm.train.heldout import HeldoutEval
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.optimizer import make_optimizer, store_weights
@@ -183,6 +190,7 @@ def build_run(config: TrainConfig) -> Run:
     dims.check(model_config.n_routed_experts if MOE in model_config.mlp_layer_types else None)
     identity = run_identity(config, data.manifest)
     resume_from, state = resume_state(config, checkpointer, identity, parallel)
+    check_run_folder(checkpointer, state["step"] if state is not None else 0, config.optim.steps)
     placed = placed_by_load(config, model_config, state, parallel)
     model = build_model(config, model_config, device, parallel, resume_from, checkpointer, placed)
     runner = LayerRunner.for_memory(config.memory)
