@@ -387,6 +387,31 @@ def blocked_checkpoint_path(lab: Lab, name: str) -> Row:
     return row
 
 
+def resumed_as_one_process(lab: Lab) -> Row:
+    row = Row("a dp=2 ep=2 run resumed as one process")
+    folder = lab.folder("resumed-as-one")
+    run, full = folder / "runs" / "r", folder / "runs" / "full"
+    assert run_to_end(lab, folder, lab.train(folder, dp=2, ep=2, run="full", steps=4))[0] == 0
+    assert run_to_end(lab, folder, lab.train(folder, dp=2, ep=2))[0] == 0
+    code, command = run_to_end(lab, folder, lab.train(folder, steps=4))
+    common_checks(row, command, code, "trained r: steps 2..4", 0)
+    row.disk = listing(run)
+    said = command.err_path.read_text()
+    row.expect("2 windows per optimizer step as before; grad_accum=1 -> 2" in said, "no line says the change")
+    losses = [losses_of(path)[2:] for path in (run, full)]
+    row.expect(
+        all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(*losses, strict=True)) and len(losses[0]) == 2,
+        f"steps 3-4 left the uninterrupted run's losses: {losses}",
+    )
+    return row
+
+
+def losses_of(run: Path) -> list[float]:
+    import json
+
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def read_only_run_folder(lab: Lab) -> Row:
     row = Row("a read-only run folder (a tmpfs remounted read-only)")
     folder = lab.folder("read-only")
@@ -526,6 +551,7 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "blocked-checkpoint-cp2": lambda lab: blocked_checkpoint_path(lab, "step-0000004"),
         "blocked-tmp-name-cp2": lambda lab: blocked_checkpoint_path(lab, ".tmp-step-0000004"),
         "read-only-run-folder": read_only_run_folder,
+        "resumed-as-one-process": resumed_as_one_process,
         "disk-full-init": lambda lab: disk_full(lab, "the initial model (init/)"),
         "disk-full-checkpoint-cp2": lambda lab: disk_full(lab, "a checkpoint (cp=2)"),
         "disk-full-metrics": lambda lab: disk_full(lab, "a metrics append"),

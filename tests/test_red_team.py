@@ -29,6 +29,7 @@ IN_THE_SUITE = [
     "launcher-killed-cp2",
     "blocked-checkpoint-cp2",
     "read-only-run-folder",
+    "resumed-as-one-process",
     "disk-full-init",
     "disk-full-checkpoint-cp2",
     "disk-full-metrics",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from genomelm.train.guards import (
     check_run_folder,
     check_vocabulary,
     run_identity,
+    same_step,
 )
 from genomelm.train.heldout import HeldoutEval
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
@@ -191,6 +193,10 @@ def build_run(config: TrainConfig) -> Run:
     identity = run_identity(config, data.manifest)
     resume_from, state = resume_state(config, checkpointer, identity, parallel)
     check_run_folder(checkpointer, state["step"] if state is not None else 0, config.optim.steps)
+    if state is not None:
+        config, changed = same_step(config, state.get("config"), resume_from)
+        if changed and (parallel is None or parallel.is_output_rank):
+            warnings.warn(changed, stacklevel=1)
     placed = placed_by_load(config, model_config, state, parallel)
     model = build_model(config, model_config, device, parallel, resume_from, checkpointer, placed)
     runner = LayerRunner.for_memory(config.memory)
@@ -335,7 +341,7 @@ def resume_state(
     if parallel is not None and not checkpointer.is_sharded(resume_from):
         raise RunMismatch(
             f"{resume_from} is a one-process checkpoint; resume it with one process (dp=1 cp=1 "
-            "ep=1), or start this run afresh with resume=never"
+            "ep=1), or start a new run beside it: resume=never run=<new name>"
         )
     return resume_from, state
 
