@@ -406,6 +406,28 @@ def resumed_as_one_process(lab: Lab) -> Row:
     return row
 
 
+def eval_during_training(lab: Lab) -> Row:
+    row = Row("genomelm eval on a run that trains and prunes every step (keep_checkpoints=1)")
+    folder = lab.folder("eval-live")
+    run = folder / "runs" / "r"
+    (folder / "trainer").mkdir()
+    settings = {"steps": 100000, "save_every": 1, "keep_checkpoints": 1}
+    trainer = Command(lab.train(folder, **settings), folder / "trainer")
+    trainer.wait_until(lambda: len(rows_of(run / "metrics.jsonl")) >= 2)
+    args = [*lab.train(folder), f"results_dir={folder / 'results'}", "bucket=256"]
+    args[0] = "eval"
+    code, command = run_to_end(lab, folder, args)
+    holds = sorted(p.name for p in (run / "checkpoints" / ".holds").glob("*"))
+    trainer.signal_group(signal.SIGTERM)
+    stopped = trainer.finish()
+    common_checks(row, command, code, "figure: ", 0)
+    row.disk = listing(run) + f"; holds left: {holds or 'none'}"
+    row.expect(stopped == 143, f"the training run then ended {stopped}, not 143 (stopped)")
+    row.expect(not holds, "eval left its hold")
+    row.expect(len(rows_of(run / "metrics.jsonl")) > 2, "the run did not train on while eval ran")
+    return row
+
+
 def losses_of(run: Path) -> list[float]:
     import json
 
@@ -552,6 +574,7 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "blocked-tmp-name-cp2": lambda lab: blocked_checkpoint_path(lab, ".tmp-step-0000004"),
         "read-only-run-folder": read_only_run_folder,
         "resumed-as-one-process": resumed_as_one_process,
+        "eval-during-training": eval_during_training,
         "disk-full-init": lambda lab: disk_full(lab, "the initial model (init/)"),
         "disk-full-checkpoint-cp2": lambda lab: disk_full(lab, "a checkpoint (cp=2)"),
         "disk-full-metrics": lambda lab: disk_full(lab, "a metrics append"),

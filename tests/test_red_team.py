@@ -30,6 +30,7 @@ IN_THE_SUITE = [
     "blocked-checkpoint-cp2",
     "read-only-run-folder",
     "resumed-as-one-process",
+    "eval-during-training",
     "disk-full-init",
     "disk-full-checkpoint-cp2",
     "disk-full-metrics",

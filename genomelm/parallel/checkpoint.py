@@ -5,6 +5,7 @@
       step-0000200/                the newest complete one (`latest`); `save` prunes to the newest `keep`
       .tmp-step-0000300[-<pid>]/   a write in progress, or one a kill left behind (`clean_interrupted_writes`)
       step-0000300.damaged/        a checkpoint a resume found damaged and set aside (`latest_verified`)
+      .holds/step-0000200.<host>.<pid>   a reader's hold: pruning leaves that checkpoint (`checkpoint_holds`)
 
 A step folder holds one of two layouts (`save` and `load` take either):
 - one process (`save` without a mesh): `model/`, the model in Hugging Face layout (`genomelm.model.load_model`
@@ -22,6 +23,9 @@ A step folder holds one of two layouts (`save` and `load` take either):
   (`load_sharded_model`), and after the last step the run may add `model/`, the Hugging Face layout
   (`genomelm.parallel.export`, setting `export_final`).
 A step folder is complete when it holds `trainer.pt` and `model/config.json` or `state/.metadata`.
+
+A reader of a live run (`genomelm eval` while the run trains) holds the checkpoint it reads, which `prune`
+leaves until the hold is gone (`genomelm.parallel.checkpoint_holds`).
 
 Every write goes to a temporary `.tmp-step-*` folder (one process: suffixed with its pid; sharded: one name,
 which every rank writes into), whose files are fsynced before it is renamed into place, so a kill -9 at any
@@ -58,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from genomelm.data.errors import space_checked
 from genomelm.model.checkpoint import CONFIG_FILE, hf_config_dict, save_model
 
+from .checkpoint_holds import held
 from .expert import ExpertShard, expert_shard
 from .expert_rows import ExpertRows, expert_rows, placed_experts
 from .mesh import Mesh
@@ -367,11 +372,21 @@ class Checkpointer:
         return found
 
     def prune(self, keep: int) -> list[Path]:
-        """Remove all but the newest `keep` complete checkpoints (none with keep 0); returns them."""
-        old = self.complete()[:-keep] if keep > 0 else []
-        for path in old:
-            shutil.rmtree(path, ignore_errors=True)
-        return old
+        """Remove all but the newest `keep` complete checkpoints (none with keep 0), leaving those a reader
+        holds (`genomelm.parallel.checkpoint_holds`); returns what it removed. Each is renamed aside first and
+        its holds looked at again: a reader holds before it looks the checkpoint up, so one sees the other."""
+        removed = []
+        for path in self.complete()[:-keep] if keep > 0 else []:
+            if held(path):
+                continue
+            aside = path.with_name(f"{TMP_PREFIX}pruned-{path.name}")
+            os.rename(path, aside)
+            if held(path):
+                os.rename(aside, path)
+                continue
+            shutil.rmtree(aside, ignore_errors=True)
+            removed.append(path)
+        return removed
 
     def _publish(self, tmp: Path, final: Path, keep: int) -> None:
         """fsync every file of `tmp`, rename it to `final` (replacing a checkpoint of the same step: a step

@@ -17,6 +17,7 @@ from torch import Tensor
 from genomelm.model import ModelConfig
 from genomelm.model.config import is_preset
 from genomelm.parallel.checkpoint import Checkpointer, is_sharded, verify_checkpoint
+from genomelm.parallel.checkpoint_holds import hold
 from genomelm.run.config import TrainConfig
 
 
@@ -46,10 +47,27 @@ def base_model_path(config: TrainConfig) -> str:
 def model_pair(config: TrainConfig, before: str | None = None, after: str | None = None) -> tuple[str, str]:
     """The before/after models: explicit ones, else the run's base model and its newest checkpoint: the step
     folder of a sharded one (read directly; its ranks verify it as they read it), the Hugging Face copy of a
-    one-process one."""
+    one-process one. That checkpoint is held for the life of this process (`Checkpointer.hold`), so a run
+    that still trains does not prune it while it is scored."""
     if after is None:
-        after = str(_newest_intact_model(Checkpointer(config.run_dir)))
+        after = str(_held_newest_model(Checkpointer(config.run_dir)))
     return (base_model_path(config) if before is None else before), after
+
+
+def _held_newest_model(checkpointer: Checkpointer, tries: int = 5) -> Path:
+    """`_newest_intact_model`, held (`genomelm.parallel.checkpoint_holds`): chosen again if a run saving
+    meanwhile pruned it before the hold was taken."""
+    for _attempt in range(tries):
+        chosen = _newest_intact_model(checkpointer)
+        step_dir = chosen if is_sharded(chosen) else chosen.parent
+        taken = hold(step_dir)
+        if step_dir in checkpointer.complete():  # not pruned before the hold was taken
+            return chosen
+        taken.unlink(missing_ok=True)
+    raise ModelChoiceError(
+        f"the checkpoints of {checkpointer.run_dir} were pruned as fast as one was chosen: run again, or "
+        "pass --after PATH"
+    )
 
 
 def _newest_intact_model(checkpointer: Checkpointer) -> Path:
