@@ -173,3 +173,12 @@ def test_a_resume_keeps_the_windows_per_step_or_refuses_and_says_what_changed() 
     ) as refused:
         same_step(TrainConfig().replace(dp=4), saved, step)
     assert "resume=never run=<new name>" in str(refused.value)
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "run.yaml"
+    bad.write_text("optim:\n  lr: 1e-4\n  betas: [0.9, 0.95\nrun: x\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}:4:4: not valid YAML \(.*line 3\)"):
+        TrainConfig.from_args([str(bad)])
+    with pytest.raises(ValueError, match=r"override 'betas=\[0.9': its value is not valid YAML"):
+        TrainConfig.from_args(["betas=[0.9"])
