@@ -155,5 +155,14 @@ class MetricsLog:
 
 
 def read_expert_load(path: Path) -> dict[int, list[float]]:
-    """The per-layer load of an `expert_load.json`, by MoE layer index."""
-    return {int(k): v for k, v in json.loads(Path(path).read_text())["counts"].items()}
+    """The per-layer load of an `expert_load.json`, by MoE layer index; a ValueError naming the file when it
+    is not one (torn or edited)."""
+    try:
+        counts = json.loads(Path(path).read_text())["counts"]
+        return {int(k): list(v) for k, v in counts.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"{path} is not a routed-load file ({type(exc).__name__}: {str(exc)[:120]}): remove it (the "
+            "run's next checkpoint writes it again), or give the imbalance: imbalance=<busiest/mean, e.g. "
+            "1.5>"
+        ) from None
