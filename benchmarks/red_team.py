@@ -159,10 +159,10 @@ class Lab:
         return ["train", *(f"{key}={value}" for key, value in values.items())]
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, heldout: str = f"{RECORD}:200001-201024") -> None:
     subprocess.run(
         [sys.executable, "-m", "genomelm.cli", "data", "--fasta", FLY, "--genome", "fly", "--seq", "512"]
-        + ["--train", f"{RECORD}:1-4096", "--heldout", f"{RECORD}:200001-201024", "--out", out]
+        + ["--train", f"{RECORD}:1-4096", "--heldout", heldout, "--out", out]
         + ["--no-progress"],
         cwd=ROOT,
         check=True,
@@ -428,6 +428,26 @@ def eval_during_training(lab: Lab) -> Row:
     return row
 
 
+def sigterm_to_eval(lab: Lab) -> Row:
+    row = Row("SIGTERM to genomelm eval in one process, while it scores")
+    folder = lab.folder("eval-sigterm")
+    data = folder / "fly-long-heldout"  # 64 held-out windows: scoring takes long enough to be signalled
+    prepare(data, heldout=f"{RECORD}:200001-232768")
+    assert run_to_end(lab, folder, lab.train(folder, data=data))[0] == 0
+    args = [*lab.train(folder, data=data), f"results_dir={folder / 'results'}", "bucket=256"]
+    args[0] = "eval"
+    command = Command(args, folder)
+    command.wait_until(lambda: "window 2/" in command.out_path.read_text(errors="replace"))
+    command.signal_group(signal.SIGTERM)
+    code = command.finish()
+    common_checks(row, command, code, "", 143)
+    row.last_line = command.err_path.read_text().strip().splitlines()[-1]  # a failure's line, on stderr
+    row.expect(row.last_line.startswith("genomelm eval: interrupted by SIGTERM"), "no line says it stopped")
+    row.disk = listing(folder / "results" / "r")
+    row.expect(not (folder / "results" / "r").exists(), "results were written")
+    return row
+
+
 def losses_of(run: Path) -> list[float]:
     import json
 
@@ -575,6 +595,7 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "read-only-run-folder": read_only_run_folder,
         "resumed-as-one-process": resumed_as_one_process,
         "eval-during-training": eval_during_training,
+        "eval-sigterm-one-process": sigterm_to_eval,
         "disk-full-init": lambda lab: disk_full(lab, "the initial model (init/)"),
         "disk-full-checkpoint-cp2": lambda lab: disk_full(lab, "a checkpoint (cp=2)"),
         "disk-full-metrics": lambda lab: disk_full(lab, "a metrics append"),

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from genomelm.data.augment import crop_length
 from genomelm.model.config import MOE, is_preset
-from genomelm.parallel.launch import launch
+from genomelm.parallel.launch import STOP_SIGNALS, Interrupted, launch
 from genomelm.parallel.layout import ContextLayout
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.run.config import TrainConfig
@@ -106,7 +109,8 @@ def on_ranks(
         return result
     ranks = config.parallel.world
     if ranks == 1:
-        return fn(config, *args)
+        with _interrupted_by_signals() if signals is None else contextlib.nullcontext():
+            return fn(config, *args)
     device = run_device().type
     if device == "cuda" and torch.cuda.device_count() < ranks:
         raise ValueError(
@@ -124,6 +128,26 @@ def on_ranks(
         on_signal=signals.request if signals is not None else None,
         on_started=lock.add_processes if lock is not None else None,
     )[0]
+
+
+@contextlib.contextmanager
+def _interrupted_by_signals() -> Iterator[None]:
+    """In the one process of a run without a stop request (scoring): SIGTERM or SIGINT raises `Interrupted`
+    where the main thread is, so the command ends with its one line and 128 + the signal, as a launch
+    does."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def on_rank_zero(config: TrainConfig, make: Callable[[], Any]) -> Any:
