@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -60,11 +61,17 @@ class Row:
 class Command:
     """`python -m genomelm.cli ARGS` started in its own session (its pid is its process group's id)."""
 
-    def __init__(self, args: list[str], workdir: Path, environment: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        workdir: Path,
+        environment: dict[str, str] | None = None,
+        program: list[str] | None = None,
+    ) -> None:
         self.out_path, self.err_path = workdir / "stdout.txt", workdir / "stderr.txt"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "genomelm.cli", *map(str, args)],
+                [*(program or [sys.executable]), "-m", "genomelm.cli", *map(str, args)],
                 cwd=ROOT,
                 stdout=out,
                 stderr=err,
@@ -448,6 +455,58 @@ def sigterm_to_eval(lab: Lab) -> Row:
     return row
 
 
+def torchrun_rank_signalled(lab: Lab, signum: int, rank: int) -> Row:
+    name = signal.Signals(signum).name
+    row = Row(f"{name} to rank {rank} of a torchrun launch (cp=2, launcher=env)")
+    folder = lab.folder(f"torchrun-{name.lower()}-rank{rank}")
+    run, logs = folder / "runs" / "r", folder / "logs"
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
+    torchrun += ["--log-dir", str(logs), "--redirects", "3", "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1"]
+    args = [*lab.train(folder, cp=2, steps=1000, save_every=1000), "launcher=env"]
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    command = Command(args, folder, program=[*torchrun], environment=clean)
+    command.wait_until(lambda: len(rows_of(run / "metrics.jsonl")) >= 2)
+    ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(command.process.pid).children()}
+    ranks[rank].send_signal(signum)
+    row.code = command.finish()
+    row.processes = command.leftovers()
+    row.disk = listing(run)
+    lines = {r: _rank_lines(logs, r) for r in (0, 1)}
+    report = command.err_path.read_text(errors="replace")  # torchrun's report of its workers
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", report)]
+    row.expect(row.code == 1, f"torchrun exited {row.code}, not 1 (its report of failed workers)")
+    row.expect(row.processes == "none", f"processes left: {row.processes}")
+    row.expect(
+        not any("Traceback" in _rank_log(logs, r, "stderr") for r in (0, 1)), "a rank printed a traceback"
+    )
+    if signum == signal.SIGKILL:
+        other = 1 - rank
+        row.last_line = lines[other]
+        row.expect(
+            f"rank {other} of 2 lost another rank of its group" in row.last_line, "the loss is not said"
+        )
+    else:
+        row.last_line = lines[0]
+        row.expect(
+            row.last_line.startswith(f"stopped by {name} after step"), "rank 0 does not say it stopped"
+        )
+        row.expect(sorted(codes) == [128 + signum] * 2, f"the ranks exited {codes}, not {128 + signum} each")
+    row.last_line = f"[ranks exited {sorted(codes)}] {row.last_line}"
+    return row
+
+
+def _rank_log(logs: Path, rank: int, stream: str) -> str:
+    found = sorted(logs.glob(f"*/attempt_*/{rank}/{stream}.log"))
+    return found[-1].read_text(errors="replace") if found else ""
+
+
+def _rank_lines(logs: Path, rank: int) -> str:
+    """A torchrun rank's last line of ours: a failure's on stderr, else its stdout's."""
+    err = [line for line in _rank_log(logs, rank, "stderr").splitlines() if line.startswith("genomelm ")]
+    out = [line.strip() for line in _rank_log(logs, rank, "stdout").splitlines() if line.strip()]
+    return (err or out or [""])[-1]
+
+
 def losses_of(run: Path) -> list[float]:
     import json
 
@@ -596,6 +655,9 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "resumed-as-one-process": resumed_as_one_process,
         "eval-during-training": eval_during_training,
         "eval-sigterm-one-process": sigterm_to_eval,
+        "torchrun-sigkill-rank1": lambda lab: torchrun_rank_signalled(lab, signal.SIGKILL, 1),
+        "torchrun-sigkill-rank0": lambda lab: torchrun_rank_signalled(lab, signal.SIGKILL, 0),
+        "torchrun-sigusr1-rank1": lambda lab: torchrun_rank_signalled(lab, signal.SIGUSR1, 1),
         "disk-full-init": lambda lab: disk_full(lab, "the initial model (init/)"),
         "disk-full-checkpoint-cp2": lambda lab: disk_full(lab, "a checkpoint (cp=2)"),
         "disk-full-metrics": lambda lab: disk_full(lab, "a metrics append"),
