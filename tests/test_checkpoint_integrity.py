@@ -76,6 +76,9 @@ def test_a_truncated_newest_checkpoint_is_skipped_and_eval_falls_back(fly: Path,
     flip(weights, 64, 16)
     with pytest.warns(UserWarning, match=f"damaged, using {first} instead.*{weights.name}"):
         assert model_pair(config)[1] == str(first / "model")
+    # model= naming another architecture than the run's is refused, not silently replaced by the run's own
+    with pytest.raises(ValueError, match="model=demo is not the model run r trained .* --before PATH"):
+        model_pair(config.replace(model="demo"))
 
 
 def _sharded_summary(config: TrainConfig) -> dict:

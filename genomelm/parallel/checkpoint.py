@@ -322,12 +322,13 @@ class Checkpointer:
                 "run=<new name>"
             )
         for step_dir, problems in damaged:
-            warnings.warn(
-                f"{step_dir} is damaged, falling back to the checkpoint before it"
-                + (f" (set aside as {step_dir.name}{DAMAGED_SUFFIX})" if set_aside else "")
-                + f": {'; '.join(problems)}",
-                stacklevel=2,
-            )
+            if share[0] == 0:  # every rank found the same (`gather`): one says it
+                warnings.warn(
+                    f"{step_dir} is damaged, falling back to the checkpoint before it"
+                    + (f" (set aside as {step_dir.name}{DAMAGED_SUFFIX})" if set_aside else "")
+                    + f": {'; '.join(problems)}",
+                    stacklevel=2,
+                )
             if set_aside:
                 os.rename(step_dir, _free_name(step_dir.with_name(step_dir.name + DAMAGED_SUFFIX)))
         return chosen

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -51,7 +52,26 @@ def model_pair(config: TrainConfig, before: str | None = None, after: str | None
     that still trains does not prune it while it is scored."""
     if after is None:
         after = str(_held_newest_model(Checkpointer(config.run_dir)))
+        if is_preset(config.model) or Path(config.model, "config.json").exists():
+            _check_run_model(config, after)
     return (base_model_path(config) if before is None else before), after
+
+
+def _check_run_model(config: TrainConfig, checkpoint: str) -> None:
+    """Refuse `model=` naming another architecture than the run's newest checkpoint `checkpoint` has: the
+    pair is the run's own models, so a different `model=` would be ignored without a word."""
+    wanted, found = model_config_of(config.model), model_config_of(checkpoint)
+    if _architecture(wanted) != _architecture(found):
+        raise ModelChoiceError(
+            f"model={config.model} is not the model run {config.run} trained ({checkpoint} is another "
+            "architecture): the before/after pair is the run's own models, so leave model= as the run had "
+            "it, or score other models with --before PATH --after PATH"
+        )
+
+
+def _architecture(config: ModelConfig) -> dict:
+    """A model config's fields, less the Hugging Face file's extras (which a saved copy adds)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
 
 
 def _held_newest_model(checkpointer: Checkpointer, tries: int = 5) -> Path:
