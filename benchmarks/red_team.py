@@ -375,7 +375,7 @@ def launcher_killed(lab: Lab) -> Row:
     row.expect(f"steps {saved[-1] if saved else '?'}..{end}" in row.last_line, "it did not continue")
     row.expect(rows_of(run / "metrics.jsonl") == list(range(1, end + 1)), "metrics rows doubled or missing")
     row.expect(not again.tracebacks() and not command.tracebacks(), "a traceback was printed")
-    row.disk = listing(run)
+    row.disk = f"{listing(run)}; the killed run's processes gone {gone_s:.1f} s after the kill"
     return row
 
 
