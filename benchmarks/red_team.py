@@ -379,6 +379,32 @@ def launcher_killed(lab: Lab) -> Row:
     return row
 
 
+def eval_launcher_killed(lab: Lab) -> Row:
+    row = Row("kill -9 of a genomelm eval launcher while its ranks score (cp=2)")
+    folder = lab.folder("eval-launcher-killed")
+    data = folder / "fly-long-heldout"  # 64 held-out windows: scoring takes long enough to be killed
+    prepare(data, heldout=f"{RECORD}:200001-232768")
+    assert run_to_end(lab, folder, lab.train(folder, data=data, cp=2))[0] == 0
+    args = [*lab.train(folder, data=data, cp=2), f"results_dir={folder / 'results'}", "bucket=256"]
+    args[0] = "eval"
+    command = Command(args, folder)
+    command.wait_until(lambda: "window 2/" in command.out_path.read_text(errors="replace"))
+    os.kill(command.process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    row.code = command.process.wait()
+    row.processes = command.leftovers(grace_s=15.0)
+    gone_s = time.monotonic() - killed
+    row.last_line = command.err_path.read_text(errors="replace").strip().splitlines()[-1]
+    row.expect(row.processes == "none", f"processes left: {row.processes}")
+    row.expect(gone_s < 10.0, f"its ranks ran on for {gone_s:.0f} s")
+    row.expect("its launcher (pid" in row.last_line, "no rank said its launcher was gone")
+    row.expect(not (folder / "results" / "r").exists(), "results were written")
+    holds = list((folder / "runs" / "r" / "checkpoints" / ".holds").glob("*"))
+    row.disk = f"results: {'none' if not (folder / 'results').exists() else 'written'}; holds: {len(holds)}"
+    row.disk += f" (of a dead process); gone {gone_s:.1f} s after the kill"
+    return row
+
+
 def blocked_checkpoint_path(lab: Lab, name: str) -> Row:
     row = Row(f"a file named checkpoints/{name} in a run resumed to step 4 (cp=2)")
     folder = lab.folder(f"blocked-{name.strip('.')}")
@@ -649,6 +675,7 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "rank-killed-cp2": rank_killed,
         "rank-stuck-cp2": rank_stuck,
         "launcher-killed-cp2": launcher_killed,
+        "eval-launcher-killed-cp2": eval_launcher_killed,
         "blocked-checkpoint-cp2": lambda lab: blocked_checkpoint_path(lab, "step-0000004"),
         "blocked-tmp-name-cp2": lambda lab: blocked_checkpoint_path(lab, ".tmp-step-0000004"),
         "read-only-run-folder": read_only_run_folder,

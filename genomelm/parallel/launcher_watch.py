@@ -1,11 +1,12 @@
-"""A rank never outlives its launcher: `watch_launcher(pid, pipe_fd)` in every rank of a local launch (and of
-a torchrun or srun launch, on the process that started the rank).
+"""A rank never outlives its launcher: `watch_launcher(pid, pipe_fd)` in every rank of a local launch, and in
+every rank torchrun started (watching torchrun: `genomelm.run.env_launch`).
 
 Once the launcher is gone (killed outright: SIGKILL, the OOM killer, a node agent), `launcher_lost()` turns
 true; the training loop looks at its next step boundary (`check_launcher`) and stops there without saving,
-and a rank still running ORPHAN_GRACE_S later (scoring, or stuck in a collective with a rank that already
-stopped) exits at once. Nothing is written over: a checkpoint cut short stays a `.tmp-` folder the next run
-removes, and the next run continues from the newest complete checkpoint, dropping the metrics rows after it.
+and a rank still running ORPHAN_GRACE_S later (stuck in a collective with a rank that already stopped)
+exits; a rank that stops at no step boundaries (scoring: nothing to save) exits at once. Nothing is written
+over: a checkpoint cut short stays a `.tmp-` folder the next run removes, and the next run continues from
+the newest complete checkpoint, dropping the metrics rows after it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ EXIT_ORPHANED = 1  # the status of a rank that ended because its launcher was go
 
 # set by `watch_launcher`'s thread once this rank's launcher is gone: its pid
 _lost_launcher: list[int] = []
+# set once a loop looks at step boundaries (`check_launcher`): only such a rank waits for one
+_stepping: list[bool] = []
 
 
 class LauncherLost(RuntimeError):
@@ -46,6 +49,7 @@ def launcher_lost() -> bool:
 
 def check_launcher() -> None:
     """Raise `LauncherLost` in a rank whose launcher is gone (at a step boundary: nothing is saved after)."""
+    _stepping[:] = [True]
     if _lost_launcher:
         raise LauncherLost(_lost_launcher[0])
 
@@ -53,8 +57,9 @@ def check_launcher() -> None:
 def watch_launcher(pid: int, pipe_fd: int | None = None, grace_s: float = ORPHAN_GRACE_S) -> threading.Thread:
     """Watch launcher `pid` from a daemon thread, every ORPHAN_POLL_S: once the pipe whose write end is
     `pipe_fd` has no reader (the launcher's fds close as it dies, before it is reaped) or `pid` is gone or a
-    zombie, `launcher_lost()` turns true, one line goes to stderr, and after `grace_s` the process exits
-    (EXIT_ORPHANED) if it still runs. A thread rather than PR_SET_PDEATHSIG: a local rank's parent is the
+    zombie, `launcher_lost()` turns true, one line goes to stderr, and the process exits (EXIT_ORPHANED): at
+    once when nothing here stops at step boundaries (scoring: nothing to save), else after `grace_s` if it
+    still runs. A thread rather than PR_SET_PDEATHSIG: a local rank's parent is the
     forkserver, which lives as long as its ranks do, and this works where prctl does not exist."""
     watched = os.dup(pipe_fd) if pipe_fd is not None else None  # the rank closes its own when it reports
 
@@ -68,7 +73,8 @@ def watch_launcher(pid: int, pipe_fd: int | None = None, grace_s: float = ORPHAN
             flush=True,
         )
         _lost_launcher.append(pid)
-        time.sleep(grace_s)
+        if _stepping:  # a training loop: its next step boundary, or the grace's end
+            time.sleep(grace_s)
         os._exit(EXIT_ORPHANED)
 
     thread = threading.Thread(target=watch, name="watch-launcher", daemon=True)
