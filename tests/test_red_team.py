@@ -30,6 +30,7 @@ IN_THE_SUITE = [
     "blocked-checkpoint-cp2",
     "read-only-run-folder",
     "resumed-as-one-process",
+    "eval-launcher-killed-cp2",
     "eval-during-training",
     "eval-sigterm-one-process",
     "torchrun-sigkill-rank1",

@@ -222,9 +222,16 @@ def test_torn_metrics_line_is_skipped_and_repaired_on_resume(fly: Path, tmp_path
         out.write('{"step": 3, "loss": 2.0')
     with pytest.warns(UserWarning, match="torn last line"):
         assert [row["step"] for row in read_metrics(metrics)] == [1, 2]
-    with pytest.warns(UserWarning, match="torn last line"):
+    with pytest.warns(UserWarning, match="torn last line .* row of step 3: its step runs again"):
         train(config.replace(steps=3), progress=False)
     assert [row["step"] for row in read_metrics(metrics)] == [1, 2, 3]
+    # the torn row of a step the resume does not run again keeps what was written of it
+    rows = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(rows[:-1]) + "\n" + rows[-1][: rows[-1].index(', "', 20) + 5])
+    with pytest.warns(UserWarning, match="row of step 3: kept its fields before the tear, marked torn"):
+        train(config.replace(steps=3), progress=False)
+    last = read_metrics(metrics)[-1]
+    assert last["step"] == 3 and last["torn"] and last["loss"] == json.loads(rows[-1])["loss"]
     metrics.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ValueError, match="metrics.jsonl, line 2: not a metrics row"):
         read_metrics(metrics)
