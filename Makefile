@@ -18,6 +18,10 @@ STAMP := $(VENV)/.installed
 # pinned: `ruff format --check` must agree with the formatter every developer runs
 RUFF_VERSION := 0.17.6
 
+# torch's OpenMP threads spin while they wait; on a shared or busy machine they starve each other (a 1.2 s demo
+# step took 40 s on 2 busy cores): every target's threads sleep instead (set OMP_WAIT_POLICY=ACTIVE to override)
+export OMP_WAIT_POLICY ?= PASSIVE
+
 GENOME ?= hg38
 SEQ ?= 512k
 SEQ_NAME := $(shell echo $(SEQ) | tr A-Z a-z)

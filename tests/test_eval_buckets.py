@@ -13,9 +13,12 @@ import torch
 from genomelm.commands.eval import main
 from genomelm.data.vocab import BUILTIN, N
 from genomelm.data.windows import Window
-from genomelm.eval.buckets import bucketed_loss, compare
+from genomelm.eval.buckets import bucket_sums, bucketed_loss
 from genomelm.eval.evaluate import EvalError, HeldoutSet, check_bucket, evaluate_sets, write_outputs
-from genomelm.eval.report import format_table
+from genomelm.eval.paired import WindowSums, summarise
+from genomelm.eval.report import jsonable
+from genomelm.eval.table import LEGEND, format_table
+from genomelm.eval.window_table import recompute
 from genomelm.run.config import TrainConfig
 from genomelm.run.models import ModelChoiceError, model_pair
 from genomelm.run.scoring import pick_windows, score_windows
@@ -35,12 +38,13 @@ def _check(row: dict, prefix: str, loss: float, se: float, tokens: int, windows:
 def test_bucketed_loss_hand_computed() -> None:
     rows = bucketed_loss(LOSS, VALID, SOFT, bucket=2)
     assert [(r["start"], r["end"]) for r in rows] == [(0, 2), (2, 4), (4, 5)]
-    # bucket 0: window means 1.5 (1, 2) and 3; s.e. of two means = |a - b| / 2; the loss 6 is not valid
-    _check(rows[0], "", 2.0, 0.75, 3, 2)
-    _check(rows[0], "repeat_", 2.5, 0.5, 2, 2)
+    # bucket 0: sums 3 (1 + 2) and 3 over 2 and 1 tokens (the loss 6 is not valid), mean R = 6 / 3 = 2;
+    # residuals y - R x = -1, +1 over the total 3: s.e.^2 = 2 / 1 * ((1/3)^2 + (1/3)^2) = 4/9
+    _check(rows[0], "", 2.0, 2 / 3, 3, 2)
+    _check(rows[0], "repeat_", 2.5, 0.5, 2, 2)  # one token each: the s.e. of the two values' mean
     _check(rows[0], "unmasked_", 1.0, NAN, 1, 1)  # one window: no s.e.
-    # bucket 1: token-weighted mean 13/3, window means 3 and 5; the invalid loss 4 is excluded
-    _check(rows[1], "", 13 / 3, 1.0, 3, 2)
+    # bucket 1: sums 3 and 10 over 1 and 2 tokens, mean 13/3; residuals -4/3, +4/3 over 3: s.e. 8/9
+    _check(rows[1], "", 13 / 3, 8 / 9, 3, 2)
     _check(rows[1], "repeat_", 6.0, 3.0, 2, 2)
     _check(rows[1], "unmasked_", 1.0, NAN, 1, 1)
     # uneven last bucket of one position: only window 0 has a valid, unmasked token
@@ -49,12 +53,14 @@ def test_bucketed_loss_hand_computed() -> None:
     _check(rows[2], "unmasked_", 5.0, NAN, 1, 1)
 
 
-def test_standard_error_uses_window_means_with_ddof_1() -> None:
-    # window means 1, 2, 6 (window 2 has two tokens 5 and 7): std (ddof=1) sqrt(7), s.e. sqrt(7 / 3)
+def test_standard_error_is_the_token_weighted_means_own() -> None:
+    # windows of 1, 1 and 2 tokens (sums 1, 2, 12): the token-weighted mean 15/4, not the mean of window
+    # means 3; residuals y - R x = -2.75, -1.75, +4.5 over the total 4 tokens, times n / (n - 1) = 3/2
     loss = np.array([[1, 0], [2, 0], [5, 7]], dtype=np.float32)
     valid = np.array([[1, 0], [1, 0], [1, 1]], dtype=bool)
     (row,) = bucketed_loss(loss, valid, np.zeros_like(valid), bucket=2)
-    _check(row, "", 15 / 4, math.sqrt(7 / 3), 4, 3)
+    se = math.sqrt(3 / 2 * (2.75**2 + 1.75**2 + 4.5**2) / 4**2)
+    _check(row, "", 15 / 4, se, 4, 3)
 
 
 def test_bucketed_loss_rejects_bad_shapes_and_buckets() -> None:
@@ -66,22 +72,31 @@ def test_bucketed_loss_rejects_bad_shapes_and_buckets() -> None:
         bucketed_loss(LOSS, VALID[:1], SOFT, bucket=2)
 
 
-def test_compare_relative_change_per_bucket_and_overall() -> None:
-    before = bucketed_loss(LOSS, VALID, SOFT, bucket=2)
-    after = bucketed_loss(LOSS / 2, VALID, SOFT, bucket=2)
-    after[2] = {**after[2], "loss": 7.5}  # bucket 2 worse: 5 -> 7.5
-    out = compare(before, after)
+def test_summarise_changes_per_bucket_and_overall() -> None:
+    after_loss = LOSS / 2
+    after_loss[:, 4] = LOSS[:, 4] * 1.5  # bucket 2 worse: 5 -> 7.5
+    before = bucket_sums(LOSS, VALID, SOFT, bucket=2)
+    out = summarise(WindowSums(before, bucket_sums(after_loss, VALID, SOFT, bucket=2)))
     assert [b["change"] for b in out["buckets"]] == pytest.approx([-0.5, -0.5, 0.5])
+    assert out["buckets"][0]["change_nats"] == pytest.approx(-1.0)  # mean 2 -> 1
     assert math.isnan(out["buckets"][2]["repeat_change"])  # no repeat tokens there
-    assert out["buckets"][0]["before"] is before[0] and out["buckets"][0]["after"] is after[0]
+    assert out["buckets"][2]["intervals"]["change"]["note"] == "1 window with tokens"
+    # every window halves in buckets 0 and 1: the paired interval has no width and excludes 0
+    interval = out["buckets"][0]["intervals"]["change"]
+    assert interval["low"] == pytest.approx(-0.5) and interval["high"] == pytest.approx(-0.5)
+    assert interval["excludes_zero"] and interval["windows"] == 2
     o = out["overall"]
     # token-weighted over buckets = mean over all 7 valid tokens
     assert o["loss_before"] == pytest.approx(LOSS[VALID].mean())
-    assert o["loss_after"] == pytest.approx((3 * 1.0 + 3 * 13 / 6 + 7.5) / 7)
+    assert o["loss_after"] == pytest.approx(after_loss[VALID].mean())
     assert o["change"] == pytest.approx(o["loss_after"] / o["loss_before"] - 1)
     assert o["tokens"] == 7 and o["repeat_tokens"] == 4 and o["unmasked_tokens"] == 3
+    late = out["contrast"]["late_minus_early"]
+    assert late["value"] == pytest.approx(1.0) and late["note"] == ""  # +50% minus -50%
     with pytest.raises(ValueError, match="different buckets"):
-        compare(before, bucketed_loss(LOSS, VALID, SOFT, bucket=3))
+        WindowSums(before, bucket_sums(LOSS, VALID, SOFT, bucket=3))
+    with pytest.raises(ValueError, match="different tokens"):
+        WindowSums(before, bucket_sums(LOSS, ~VALID, SOFT, bucket=2))
 
 
 class EmaUnigram(torch.nn.Module):
@@ -234,9 +249,38 @@ def test_writers_json_csv_png_and_table(tmp_path, capsys) -> None:
         assert float(row["after_se"]) == pytest.approx(bucket["after"]["se"])
         assert float(row["change"]) == pytest.approx(bucket["change"])
         assert int(row["after_repeat_tokens"]) == bucket["after"]["repeat_tokens"]
+        interval = bucket["intervals"]["change"]
+        assert float(row["change_low"]) == pytest.approx(interval["low"])
+        assert interval["low"] < float(row["change"]) < interval["high"]
+        assert row["change_excludes_zero"] == str(interval["excludes_zero"])
+        assert float(row["repeat_change_nats"]) == pytest.approx(bucket["repeat_change_nats"])
 
     assert (tmp_path / "loss_by_position.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_table(saved).splitlines()
     assert table[0].split()[:4] == ["bucket", "context", "(kb)", "tokens"]
     assert [line.split()[0] for line in table[2:5]] == ["0", "1", "2"] and table[6].split()[0] == "all"
     assert any(line.startswith("context cut") for line in table)
+    assert table[8] == LEGEND and "±" in table[2]
+    bucket_2 = saved["buckets"][2]["intervals"]["change"]
+    assert table[4].split("%")[0].endswith(f"± {50 * (bucket_2['high'] - bucket_2['low']):.2f}")
+    assert any(line.startswith("late vs early: bucket 2's change minus bucket 0's") for line in table)
+
+
+def test_every_number_recomputed_from_windows_csv(tmp_path, capsys) -> None:
+    run_synthetic_eval(tmp_path, seq=10, bucket=4)
+    saved = json.loads((tmp_path / "buckets.json").read_text())
+    (recomputed,) = recompute(tmp_path / "windows.csv").values()
+    for part in ("buckets", "overall", "context_cut", "contrast"):
+        assert jsonable(recomputed[part]) == saved[part], part  # exact: the file keeps every float's digits
+    assert saved["context_cut"]["intervals"]["change_full"]["windows"] == 4
+    with open(tmp_path / "windows.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 4 * 3  # windows x buckets
+    assert [(r["window"], r["record"], r["start"], r["end"]) for r in rows[:3]] == [
+        ("0", "chrT", "0", "10")
+    ] * 3
+    assert rows[2]["before_cut_sum"] != "" and rows[1]["before_cut_sum"] == ""  # the cut: last bucket only
+    broken = tmp_path / "broken.csv"
+    broken.write_text("window,record\n0,chrT\n")
+    with pytest.raises(ValueError, match="broken.csv: not a genomelm windows file"):
+        recompute(broken)

@@ -20,7 +20,9 @@ from genomelm.eval.evaluate import (
     load_heldout,
     write_outputs,
 )
-from genomelm.eval.report import format_table, result_sets
+from genomelm.eval.report import jsonable, result_sets
+from genomelm.eval.table import format_table
+from genomelm.eval.window_table import recompute
 from genomelm.run.config import TrainConfig
 
 
@@ -65,6 +67,11 @@ def test_several_sets_side_by_side_each_as_alone(tmp_path: Path, capsys) -> None
     assert [(r["heldout"], r["bucket"]) for r in rows] == expected
     assert float(rows[4]["after_loss"]) == pytest.approx(saved["sets"][1]["buckets"][1]["after"]["loss"])
     assert paths["figure"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recomputed = recompute(paths["windows"])
+    assert list(recomputed) == ["fly", "human"]
+    for one in saved["sets"]:
+        assert jsonable(recomputed[one["name"]]["buckets"]) == one["buckets"]
+        assert jsonable(recomputed[one["name"]]["contrast"]) == one["contrast"]
     table = format_table(saved).splitlines()
     assert "fly" in table[0] and "human" in table[0]
     assert table[1].replace("|", "").split() == ["before", "after", "change"] * 2

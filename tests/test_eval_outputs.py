@@ -23,7 +23,7 @@ from genomelm.eval.probe import run_probe, write_probe_outputs
 from genomelm.eval.report import WriteError, file_system, write_error, write_result_set
 from genomelm.run.config import TrainConfig
 
-EVAL_FILES = ("buckets.json", "buckets.csv", "loss_by_position.png")
+EVAL_FILES = ("buckets.json", "buckets.csv", "windows.csv", "loss_by_position.png")
 PROBE_FILES = ("copy_probe.json", "copy_probe.csv", "copy_probe.png")
 FLY = read_records(DMEL)[DMEL_RECORD]
 

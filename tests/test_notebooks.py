@@ -121,7 +121,8 @@ def test_loss_by_position_notebook(tmp_path) -> None:
     text = "".join(outputs(nb, "text"))
     assert "run demo, 6 windows of 128 tokens, 8 buckets of 16" in text
     assert "checkpoints/step-0000004/model" in text and "context cut" in text
-    assert len(outputs(nb, "png")) == 2
+    assert "recomputed from windows.csv (equal to buckets.json)" in text and "± :" in text
+    assert len(outputs(nb, "png")) == 3
 
 
 @pytest.mark.usefixtures("notebook_env")
@@ -131,7 +132,8 @@ def test_loss_by_position_notebook_several_heldout_sets(tmp_path, monkeypatch, t
     text = "".join(outputs(nb, "text"))
     assert "[data]: run demo, 4 windows of 128 tokens" in text and "[human]: run demo, 4 windows" in text
     assert "human: 4 windows" in text  # the side-by-side table
-    assert len(outputs(nb, "png")) == 2
+    assert text.count("(equal to buckets.json)") == 2
+    assert len(outputs(nb, "png")) == 3
 
 
 @pytest.mark.usefixtures("notebook_env")

@@ -20,11 +20,17 @@ from genomelm.eval.buckets import bucketed_loss
 from genomelm.eval.evaluate import load_heldout
 from genomelm.model import load_model
 from genomelm.run.config import TrainConfig
-from genomelm.run.metrics import HELDOUT_LOSS, heldout_bucket_key, heldout_buckets, read_metrics
+from genomelm.run.metrics import (
+    HELDOUT_LOSS,
+    heldout_bucket_key,
+    heldout_buckets,
+    heldout_se_key,
+    read_metrics,
+)
 from genomelm.run.scoring import ScoringRun, load_scoring_model, score_windows
 from genomelm.train import heldout as heldout_module
 from genomelm.train.guards import RunMismatch
-from genomelm.train.heldout import HeldoutEval, bucket_means
+from genomelm.train.heldout import HeldoutEval, bucket_means, paired_change
 from genomelm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,11 +93,18 @@ def test_logged_buckets_equal_scoring_the_checkpoint_of_that_step(runs, fly) -> 
         assert heldout_buckets(logged) == [
             (b["start"], b["end"], pytest.approx(b["loss"], rel=1e-6)) for b in expected
         ]
+        for b in expected:
+            assert logged[heldout_se_key(b["start"], b["end"])] == pytest.approx(b["se"], rel=1e-4)
         tokens = sum(b["tokens"] for b in expected)
         overall = sum(b["loss"] * b["tokens"] for b in expected) / tokens
         assert logged[HELDOUT_LOSS] == pytest.approx(overall, rel=1e-6)
         assert logged["heldout/tokens"] == tokens and logged["heldout/windows"] == 2
     assert rows[4][HELDOUT_LOSS] != pytest.approx(rows[2][HELDOUT_LOSS], rel=1e-4)  # another model
+    # the paired change since step 2: on the same tokens, the ratio of the two losses
+    assert "heldout/change" not in rows[2] and rows[4]["heldout/change_from_step"] == 2
+    change = rows[4][HELDOUT_LOSS] / rows[2][HELDOUT_LOSS] - 1
+    assert rows[4]["heldout/change"] == pytest.approx(change, rel=1e-9)
+    assert rows[4]["heldout/change_low"] < rows[4]["heldout/change"] < rows[4]["heldout/change_high"]
 
 
 def test_wandb_gets_a_series_per_bucket_and_the_figure(runs) -> None:
@@ -101,6 +114,7 @@ def test_wandb_gets_a_series_per_bucket_and_the_figure(runs) -> None:
     history = next(offline.glob("*.wandb")).read_bytes()
     for start in range(0, 512, BUCKET):
         assert heldout_bucket_key(start, start + BUCKET).encode() in history
+        assert heldout_se_key(start, start + BUCKET).encode() in history
 
 
 def test_training_curves_notebook_draws_heldout_buckets(runs, tmp_path, monkeypatch) -> None:
@@ -154,7 +168,7 @@ def test_heldout_eval_restores_every_rng_and_training_mode(fly, tmp_path, monkey
     seeded_model()
     expected = (torch.rand(4), np.random.rand(4), random.random())
     model = seeded_model()
-    record = heldout.run(model)
+    record = heldout.run(model, 1)
     assert model.training
     drawn = (torch.rand(4), np.random.rand(4), random.random())
     assert torch.equal(drawn[0], expected[0]) and np.array_equal(drawn[1], expected[1])
@@ -167,14 +181,17 @@ def test_bucket_means_equal_bucketed_loss() -> None:
     loss = rng.exponential(1.4, (5, 70)).astype(np.float32)
     valid = rng.random((5, 70)) > 0.2
     valid[:, 32:48] = False  # a bucket without tokens
-    bounds, means, overall = bucket_means(loss, valid, 16)  # 5 buckets, the last of 6 positions
+    result = bucket_means(loss, valid, 16)  # 5 buckets, the last of 6 positions
     rows = bucketed_loss(loss, valid, np.zeros_like(valid), 16)
-    assert (
-        bounds == [(r["start"], r["end"]) for r in rows] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
-    )
-    np.testing.assert_allclose(means, [r["loss"] for r in rows], rtol=1e-12)
-    assert np.isnan(means[2])
-    assert overall == pytest.approx(float(loss[valid].astype(np.float64).mean()), rel=1e-12)
+    bounds = [(r["start"], r["end"]) for r in rows]
+    assert result.bounds == bounds == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
+    np.testing.assert_allclose([e.value for e in result.buckets], [r["loss"] for r in rows], rtol=1e-12)
+    np.testing.assert_allclose([e.se for e in result.buckets], [r["se"] for r in rows], rtol=1e-12)
+    assert np.isnan(result.buckets[2].value)
+    assert result.overall.value == pytest.approx(float(loss[valid].astype(np.float64).mean()), rel=1e-12)
+    # a later evaluation 10% lower on every window: the paired change is -10% with an interval of no width
+    change = paired_change(result, bucket_means(loss * 0.9, valid, 16))
+    assert (change.value, change.low, change.high) == pytest.approx((-0.1, -0.1, -0.1))
 
 
 @pytest.mark.slow

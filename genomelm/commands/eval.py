@@ -9,7 +9,7 @@ import sys
 
 from genomelm.commands.scoring import parse_run_args, print_written, run_scoring
 from genomelm.eval.evaluate import check_bucket, evaluate_config, write_outputs
-from genomelm.eval.report import format_table
+from genomelm.eval.table import format_table
 from genomelm.run.config import TrainConfig
 from genomelm.run.failures import report_failure
 from genomelm.run.models import model_pair

@@ -58,9 +58,10 @@ def check_scoring(config: TrainConfig) -> None:
 
 
 def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -> int:
-    """Print the result table, `write()` the result's files, then print where its JSON, CSV and figure went:
-    0. When the write fails (WriteError: disk full, no permission) the table is printed all the same and the
-    error as one line `prog: ...` on stderr: 1. Under launcher=env only rank 0 writes (the others: 0)."""
+    """Print the result table, `write()` the result's files, then print where its JSON, CSV, per-window file
+    (eval's) and figure went: 0. When the write fails (WriteError: disk full, no permission) the table is
+    printed all the same and the error as one line `prog: ...` on stderr: 1. Under launcher=env only rank 0
+    writes (the others: 0)."""
     if not is_output_rank():
         return 0
     print()
@@ -70,5 +71,7 @@ def print_written(prog: str, table: str, write: Callable[[], dict[str, Path]]) -
     except WriteError as exc:
         return report_failure(prog, exc)
     print(f"\nwrote {paths['json']} and {paths['csv']}")
+    if "windows" in paths:
+        print(f"per window: {paths['windows']}")
     print(f"figure: {paths['figure']}")
     return 0

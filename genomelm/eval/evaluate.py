@@ -17,15 +17,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Subset
 
 from genomelm.data import WindowDataset
 from genomelm.data.augment import check_compatible
 from genomelm.data.windows import Window
-from genomelm.eval.buckets import bucketed_loss, compare, relative_change
+from genomelm.eval.buckets import bucket_sums
+from genomelm.eval.paired import WindowSums, summarise
 from genomelm.eval.plot import save_figure
 from genomelm.eval.report import write_csv, write_json, write_result_set
+from genomelm.eval.window_table import FILE as WINDOWS_FILE
+from genomelm.eval.window_table import window_rows, write_windows_csv
 from genomelm.run.config import TrainConfig
 from genomelm.run.launchers import check_mesh
 from genomelm.run.scoring import (
@@ -59,25 +63,14 @@ def check_bucket(bucket: int, seq: int) -> int:
     return -(-seq // bucket)
 
 
-def context_cut_summary(before: Scores, after: Scores, bucket: int) -> dict:
-    """Loss of the last bucket with full context vs context cut to the preceding bucket, per model."""
-    start = before.cut_start
-    valid, softmask = before.valid[:, start:], before.softmask[:, start:]
-    width = valid.shape[1]
-    out: dict = {"start": start, "end": start + width, "context": bucket}
-    for name, scores in (("before", before), ("after", after)):
-        full = bucketed_loss(scores.loss[:, start:], valid, softmask, width)[0]
-        cut = bucketed_loss(scores.cut_loss, valid, softmask, width)[0]
-        out[name] = {
-            "full": full["loss"],
-            "full_se": full["se"],
-            "cut": cut["loss"],
-            "cut_se": cut["se"],
-            "cut_change": relative_change(full["loss"], cut["loss"]),
-        }
-    out["change_full"] = relative_change(out["before"]["full"], out["after"]["full"])
-    out["change_cut"] = relative_change(out["before"]["cut"], out["after"]["cut"])
-    return out
+def window_sums(before: Scores, after: Scores, bucket: int) -> WindowSums:
+    """The per-window totals of one held-out set scored by both models (the context cut's when scored)."""
+    pair = [bucket_sums(s.loss, s.valid, s.softmask, bucket) for s in (before, after)]
+    if before.cut_loss is None or after.cut_loss is None:
+        return WindowSums(*pair)
+    valid = before.valid[:, before.cut_start :]
+    cut = [np.where(valid, s.cut_loss.astype(np.float64), 0.0).sum(axis=1) for s in (before, after)]
+    return WindowSums(*pair, *cut, cut_context=bucket)
 
 
 @dataclass
@@ -144,8 +137,9 @@ def evaluate_sets(
     """Score every set's windows with `load(before)` and then `load(after)` (each model loaded once); `share`:
     the dp replicas splitting the windows.
 
-    One set gives the single-folder result (settings, buckets, overall, context_cut, provenance); several give
-    {"settings", "sets": [{"name", **single-folder result}, ...], "provenance"}.
+    One set gives the single-folder result (settings, buckets, overall, context_cut, contrast, provenance,
+    and the per-window rows of `windows.csv` under "window_rows"); several give {"settings", "sets": [{"name",
+    **single-folder result}, ...], "provenance"}.
     """
     if not sets or any(not len(s.windows) for s in sets):
         raise EvalError("no held-out windows to score")
@@ -184,8 +178,7 @@ def evaluate_sets(
     settings = {"run": config.run, "seq": seq, "bucket": config.eval.bucket, "buckets": n_buckets}
     results = []
     for heldout in sets:
-        pair = scores[heldout.name, "before"], scores[heldout.name, "after"]
-        rows = [bucketed_loss(s.loss, s.valid, s.softmask, config.eval.bucket) for s in pair]
+        sums = window_sums(scores[heldout.name, "before"], scores[heldout.name, "after"], config.eval.bucket)
         results.append(
             {
                 "settings": {
@@ -194,9 +187,9 @@ def evaluate_sets(
                     "eval_windows": config.eval.eval_windows,
                     "context_cut": context_cut,
                 },
-                **compare(*rows),
-                "context_cut": context_cut_summary(*pair, config.eval.bucket) if context_cut else None,
+                **summarise(sums),
                 "provenance": {**models, **heldout.provenance, "timestamp": timestamp},
+                "window_rows": window_rows(sums, heldout.provenance.get("windows")),
             }
         )
     if len(sets) == 1:
@@ -214,21 +207,24 @@ def evaluate_sets(
 
 
 def write_outputs(result: dict, folder: Path) -> dict[str, Path]:
-    """Write buckets.json, buckets.csv and loss_by_position.png into `folder` (created if needed) as one set,
-    `write_result_set`'s set "buckets": readers see the previous three files or the new three, never a mix,
-    and a failure (WriteError for a full disk) leaves the previous ones. The probe's files are not touched."""
+    """Write buckets.json, buckets.csv, windows.csv and loss_by_position.png into `folder` (created if needed)
+    as one set, `write_result_set`'s set "buckets": readers see the previous files or the new ones, never a
+    mix, and a failure (WriteError for a full disk) leaves the previous ones. The probe's files are not
+    touched."""
     paths = write_result_set(
         folder,
         "buckets",
         {
             "buckets.json": lambda path: write_json(result, path),
             "buckets.csv": lambda path: write_csv(result, path),
+            WINDOWS_FILE: lambda path: write_windows_csv(result, path),
             "loss_by_position.png": lambda path: save_figure(result, path),
         },
     )
     return {
         "json": paths["buckets.json"],
         "csv": paths["buckets.csv"],
+        "windows": paths[WINDOWS_FILE],
         "figure": paths["loss_by_position.png"],
     }
 

@@ -21,8 +21,19 @@ def context_kb(buckets: list[dict]) -> np.ndarray:
     return np.array([(b["start"] + b["end"]) / 2 / 1000 for b in buckets])
 
 
+def interval_bars(intervals: list[dict], scale: float = 100.0) -> tuple[np.ndarray, np.ndarray]:
+    """Values [K] and asymmetric error bars [2, K] of `Estimate.as_dict()`s, scaled (100: in %); a bar is 0
+    where the interval is n/a."""
+    value = np.array([np.nan if i["value"] is None else i["value"] for i in intervals], dtype=float)
+    low = np.array([np.nan if i["low"] is None else i["low"] for i in intervals], dtype=float)
+    high = np.array([np.nan if i["high"] is None else i["high"] for i in intervals], dtype=float)
+    bars = np.nan_to_num(np.stack([value - low, high - value]))
+    return scale * value, scale * bars
+
+
 def draw(result: dict, axes: tuple[Axes, Axes]) -> None:
-    """Draw a `buckets.json` result on two axes: loss +- s.e. before/after, and the change in %."""
+    """Draw a `buckets.json` result on two axes: loss +- s.e. before/after, and the change in % with its
+    paired 95% interval per bucket and overall."""
     buckets = result["buckets"]
     x = context_kb(buckets)
     widths = np.array([0.8 * (b["end"] - b["start"]) / 1000 for b in buckets])
@@ -37,17 +48,28 @@ def draw(result: dict, axes: tuple[Axes, Axes]) -> None:
     loss_ax.set_ylabel("held-out loss (nats/base)")
     loss_ax.set_title("loss by position (error bars: s.e. across windows)")
     loss_ax.legend()
-    change = np.array([np.nan if b["change"] is None else 100 * b["change"] for b in buckets], dtype=float)
+    change, bars = interval_bars([b["intervals"]["change"] for b in buckets])
     colours = ["tab:green" if c < 0 else "tab:red" for c in np.nan_to_num(change)]
-    change_ax.bar(x, np.nan_to_num(change), width=widths, color=colours)
-    overall = result["overall"]["change"]
-    if overall is not None:
-        change_ax.axhline(100 * overall, color="black", ls="--", lw=1, label=f"overall {100 * overall:+.2f}%")
+    change_ax.bar(x, np.nan_to_num(change), width=widths, color=colours, yerr=bars, capsize=3, ecolor="black")
+    overall = result["overall"]["intervals"]["change"]
+    if overall["value"] is not None:
+        value, (below, above) = interval_bars([overall])
+        label = f"overall {value[0]:+.2f}%"
+        change_ax.axhline(value[0], color="black", ls="--", lw=1, label=label)
+        if overall["low"] is not None:
+            band = (value[0] - below[0], value[0] + above[0])
+            change_ax.axhspan(
+                *band,
+                color="black",
+                alpha=0.12,
+                lw=0,
+                label=f"95% interval {band[0]:+.2f} to {band[1]:+.2f}%",
+            )
         change_ax.legend()
     change_ax.axhline(0, color="black", lw=0.5)
     change_ax.set_xlabel("context (kb, bucket midpoint)")
     change_ax.set_ylabel("relative change after vs before (%)")
-    change_ax.set_title("(after - before) / before per bucket")
+    change_ax.set_title("(after - before) / before, paired 95% intervals")
 
 
 def draw_sets(result: dict, figure: Figure) -> None:

@@ -1,10 +1,11 @@
-"""Writers of an evaluation result: `buckets.json`, `buckets.csv` and the printed bucket table.
+"""Writers of an evaluation result: `buckets.json`, `buckets.csv`, and the result sets they are written in.
 
-A result is the dict `genomelm.commands.eval.evaluate_sets` builds; for one held-out folder: settings, buckets
-(from `buckets.compare`), overall, context_cut, provenance. With several folders (`heldout=dirA,dirB`) it
+A result is the dict `genomelm.eval.evaluate.evaluate_sets` builds; for one held-out folder: settings,
+buckets, overall, context_cut, contrast (from `genomelm.eval.paired`), provenance, and the per-window rows
+that `genomelm.eval.window_table` writes to windows.csv. With several folders (`heldout=dirA,dirB`) it
 is {settings, sets: [{name, **one-folder result}, ...], provenance}; `result_sets` gives the per-folder
 results of either form. NaN (no tokens, fewer than 2 windows) is written as JSON null and as an empty CSV
-cell.
+cell. The printed table is `genomelm.eval.table.format_table`.
 
 `write_result_set` writes the files of one result (eval's, the probe's) as a set: a reader sees either the
 whole previous set or the whole new one, and a failed write (disk full) leaves the previous set as it was.
@@ -218,8 +219,17 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def without_window_rows(result: dict) -> dict:
+    """`result` without its per-window rows ("window_rows", one or per set): those go to windows.csv."""
+    out = {k: v for k, v in result.items() if k != "window_rows"}
+    if "sets" in out:
+        out["sets"] = [without_window_rows(one) for one in out["sets"]]
+    return out
+
+
 def write_json(result: dict, path: Path) -> Path:
-    return write_atomic(path, json.dumps(jsonable(result), indent=2, allow_nan=False) + "\n")
+    text = json.dumps(jsonable(without_window_rows(result)), indent=2, allow_nan=False)
+    return write_atomic(path, text + "\n")
 
 
 def result_sets(result: dict) -> list[tuple[str, dict]]:
@@ -229,13 +239,23 @@ def result_sets(result: dict) -> list[tuple[str, dict]]:
     return [(Path(str(result["provenance"].get("data_dir", "heldout"))).name, result)]
 
 
+# the paired intervals' columns of each change in buckets.csv: <change>_<field> (<change>_se, ...)
+INTERVAL_FIELDS = ("se", "low", "high", "windows", "excludes_zero")
+
+
 def csv_columns(several: bool = False) -> list[str]:
     """One CSV row per bucket (and held-out folder, first column `heldout`, when there are several): its
-    positions, each model's statistics, and the relative changes."""
+    positions, each model's statistics, the relative changes and, after those, the changes in nats and every
+    change's paired interval."""
     columns = (["heldout"] if several else []) + ["bucket", "start", "end"]
     for prefix in SUBSETS:
         columns += [f"{model}_{prefix}{stat}" for model in ("before", "after") for stat in STATS]
         columns.append(f"{prefix}change")
+    for prefix in SUBSETS:
+        for change in (f"{prefix}change", f"{prefix}change_nats"):
+            columns += ([change] if change.endswith("nats") else []) + [
+                f"{change}_{field}" for field in INTERVAL_FIELDS
+            ]
     return columns
 
 
@@ -252,96 +272,12 @@ def write_csv(result: dict, path: Path) -> Path:
                 for model in ("before", "after"):
                     row.update({f"{model}_{prefix}{stat}": bucket[model][prefix + stat] for stat in STATS})
                 row[f"{prefix}change"] = bucket[prefix + "change"]
+                row[f"{prefix}change_nats"] = bucket[prefix + "change_nats"]
+            for change, interval in bucket["intervals"].items():
+                row.update({f"{change}_{field}": interval[field] for field in INTERVAL_FIELDS})
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
     return write_atomic(path, out.getvalue())
 
 
 def format_number(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
-def _pct(value: float | None) -> str:
-    return format_number(None if value is None else 100 * value, "+.2f") + ("%" if value is not None else "")
-
-
-def format_table(result: dict) -> str:
-    """Fixed-width text table: one line per bucket, the overall line, and the context-cut numbers; for several
-    held-out folders, their buckets side by side (`format_side_by_side`)."""
-    if "sets" in result:
-        return format_side_by_side(result)
-    header = (
-        f"{'bucket':>6} {'context (kb)':>15} {'tokens':>11} {'before':>8} {'s.e.':>7} "
-        f"{'after':>8} {'s.e.':>7} {'change':>8} {'repeat':>8} {'unmasked':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for i, b in enumerate(result["buckets"]):
-        span = f"{b['start'] / 1000:.1f}-{b['end'] / 1000:.1f}"
-        before, after = b["before"], b["after"]
-        lines.append(
-            f"{i:>6} {span:>15} {after['tokens']:>11} {format_number(before['loss'], '.4f'):>8} "
-            f"{format_number(before['se'], '.4f'):>7} {format_number(after['loss'], '.4f'):>8} "
-            f"{format_number(after['se'], '.4f'):>7} {_pct(b['change']):>8} {_pct(b['repeat_change']):>8} "
-            f"{_pct(b['unmasked_change']):>8}"
-        )
-    o = result["overall"]
-    lines.append("-" * len(header))
-    lines.append(
-        f"{'all':>6} {'':>15} {o['tokens']:>11} {format_number(o['loss_before'], '.4f'):>8} {'':>7} "
-        f"{format_number(o['loss_after'], '.4f'):>8} {'':>7} {_pct(o['change']):>8} "
-        f"{_pct(o['repeat_change']):>8} {_pct(o['unmasked_change']):>8}"
-    )
-    cut = result.get("context_cut")
-    if cut:
-        lines.append("")
-        lines.append(
-            f"context cut: positions {cut['start']}-{cut['end']} scored with only the preceding "
-            f"{cut['context']} tokens as context"
-        )
-        for model in ("before", "after"):
-            full, cut_loss = format_number(cut[model]["full"], ".4f"), format_number(cut[model]["cut"], ".4f")
-            lines.append(
-                f"  {model:<6} full context {full}  cut {cut_loss}  ({_pct(cut[model]['cut_change'])})"
-            )
-        lines.append(
-            f"  change after vs before: full context {_pct(cut['change_full'])}, "
-            f"cut context {_pct(cut['change_cut'])}"
-        )
-    return "\n".join(lines)
-
-
-def _side_cell(before: float | None, after: float | None, change: float | None) -> str:
-    return f" | {format_number(before, '.4f'):>8} {format_number(after, '.4f'):>8} {_pct(change):>8}"
-
-
-def format_side_by_side(result: dict) -> str:
-    """Several held-out folders: one line per bucket with each folder's loss before and after and the change,
-    the overall line, and each folder's context-cut numbers."""
-    sets = result_sets(result)
-    head = f"{'bucket':>6} {'context (kb)':>15}"
-    width = len(_side_cell(0.0, 0.0, 0.0)) - 3  # the three columns of one folder
-    lines = [head + "".join(f" | {name[-width:]:^{width}}" for name, _ in sets)]
-    lines.append(" " * len(head) + f" | {'before':>8} {'after':>8} {'change':>8}" * len(sets))
-    lines.append("-" * len(lines[0]))
-    for i, bucket in enumerate(sets[0][1]["buckets"]):
-        span = f"{bucket['start'] / 1000:.1f}-{bucket['end'] / 1000:.1f}"
-        rows = [one["buckets"][i] for _, one in sets]
-        cells = [_side_cell(row["before"]["loss"], row["after"]["loss"], row["change"]) for row in rows]
-        lines.append(f"{i:>6} {span:>15}" + "".join(cells))
-    lines.append("-" * len(lines[0]))
-    overall = [one["overall"] for _, one in sets]
-    cells = [_side_cell(o["loss_before"], o["loss_after"], o["change"]) for o in overall]
-    lines.append(f"{'all':>6} {'':>15}" + "".join(cells))
-    lines.append("")
-    for name, one in sets:
-        lines.append(
-            f"{name}: {one['settings']['windows']} windows, {one['overall']['tokens']:,} tokens, "
-            f"from {one['provenance']['data_dir']}"
-        )
-        cut = one.get("context_cut")
-        if cut:
-            lines.append(
-                f"  context cut (positions {cut['start']}-{cut['end']} with {cut['context']} tokens "
-                f"of context): change after vs before {_pct(cut['change_full'])} with full context, "
-                f"{_pct(cut['change_cut'])} cut"
-            )
-    return "\n".join(lines)

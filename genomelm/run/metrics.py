@@ -2,8 +2,9 @@
 
 A step that evaluated the held-out windows (`eval_every`) also holds `heldout/loss` (nats/base over every
 valid token) and one `heldout/bucket_<start>_<end>` per position bucket (positions [start, end) of the
-window); on W&B each is a series, and the row's loss-by-position figure is the image
-`heldout/loss_by_position`.
+window), each with its standard error across windows (`..._se`), and from the second evaluation on the paired
+change since the previous one (`heldout/change`, `_low`, `_high`); on W&B each is a series, and the row's
+loss-by-position figure (error bars: standard errors) is the image `heldout/loss_by_position`.
 """
 
 from __future__ import annotations
@@ -90,22 +91,29 @@ def heldout_bucket_key(start: int, end: int) -> str:
     return f"heldout/bucket_{start}_{end}"
 
 
+def heldout_se_key(start: int, end: int) -> str:
+    """The metrics key of the standard error (across windows) of the held-out loss of [start, end)."""
+    return f"{heldout_bucket_key(start, end)}_se"
+
+
 def heldout_buckets(record: dict[str, Any]) -> list[tuple[int, int, float]]:
     """(start, end, loss) of each held-out bucket of a metrics row, by position; [] for a row without."""
     found = [(_BUCKET_KEY.fullmatch(key), value) for key, value in record.items()]
     return sorted((int(m[1]), int(m[2]), float(value)) for m, value in found if m is not None)
 
 
-def loss_by_position_image(buckets: list[tuple[int, int, float]], step: int) -> np.ndarray:
-    """The held-out loss per bucket (`heldout_buckets`) of step `step` against the bucket's midpoint (kb of
-    context), drawn small: RGBA uint8 [H, W, 4] (no pyplot, so nothing global to close)."""
+def loss_by_position_image(buckets: list[tuple[int, int, float]], se: list[float], step: int) -> np.ndarray:
+    """The held-out loss per bucket (`heldout_buckets`) of step `step`, with error bars of its standard
+    errors `se` (NaN: none), against the bucket's midpoint (kb of context), drawn small: RGBA uint8 [H, W, 4]
+    (no pyplot, so nothing global to close)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # only with W&B on
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(5, 3), dpi=80, layout="constrained")
     canvas = FigureCanvasAgg(figure)
     axes = figure.subplots()
-    axes.plot([(s + e) / 2000 for s, e, _ in buckets], [loss for *_, loss in buckets], marker="o", ms=3)
+    midpoints, losses = [(s + e) / 2000 for s, e, _ in buckets], [loss for *_, loss in buckets]
+    axes.errorbar(midpoints, losses, yerr=np.nan_to_num(np.asarray(se, float)), marker="o", ms=3, capsize=2)
     axes.set(
         xlabel="context (kb, bucket midpoint)",
         ylabel="held-out loss (nats/base)",
@@ -175,7 +183,8 @@ class MetricsLog:
             if buckets:
                 import wandb
 
-                image = loss_by_position_image(buckets, record["step"])
+                se = [record.get(heldout_se_key(s, e), float("nan")) for s, e, _ in buckets]
+                image = loss_by_position_image(buckets, se, record["step"])
                 flat["heldout/loss_by_position"] = wandb.Image(image)
             self.wandb_run.log(flat, step=record["step"])
 

@@ -25,31 +25,62 @@ from genomelm.parallel.checkpoint import rng_state, set_rng_state
 from genomelm.parallel.expert import received_tokens
 from genomelm.parallel.training import ContextParallelScorer, ContextRun, ParallelRun
 from genomelm.run.config import TrainConfig
-from genomelm.run.metrics import HELDOUT_LOSS, device_peak_gb, heldout_bucket_key
+from genomelm.run.metrics import HELDOUT_LOSS, device_peak_gb, heldout_bucket_key, heldout_se_key
 from genomelm.run.precision import autocast_for
 from genomelm.run.scoring import WindowShare, pick_windows, score_windows
+from genomelm.run.uncertainty import Estimate, Ratio, ratio_estimate
 from genomelm.train.guards import RunMismatch
 
 
-def bucket_means(
-    loss: np.ndarray, valid: np.ndarray, bucket: int
-) -> tuple[list[tuple[int, int]], np.ndarray, float]:
-    """Token-weighted mean loss per position bucket and over all positions.
+@dataclass
+class HeldoutLoss:
+    """One held-out evaluation: the buckets' [start, end) positions, the token-weighted mean loss per bucket
+    and over every valid token with their standard errors across windows (`genomelm.run.uncertainty`; as
+    `genomelm.eval.buckets.bucketed_loss` computes them), and each window's loss sum and valid tokens over
+    all positions (float [W], int [W]), what a later evaluation's paired change is computed from."""
+
+    bounds: list[tuple[int, int]]
+    buckets: list[Estimate]
+    overall: Estimate
+    window_sums: np.ndarray
+    window_tokens: np.ndarray
+
+
+def bucket_means(loss: np.ndarray, valid: np.ndarray, bucket: int) -> HeldoutLoss:
+    """The held-out loss per position bucket and over all positions.
 
     loss: float [W, S] nats per position (any value where not valid); valid: bool [W, S]; bucket: positions
-    per bucket (the last holds the remaining S mod bucket). Returns the buckets' [start, end) positions, their
-    means [n_buckets] (NaN for a bucket without valid tokens) and the mean over every valid token, as
-    `genomelm.eval.buckets.bucketed_loss` computes its "loss" (float64 sums).
+    per bucket (the last holds the remaining S mod bucket). A bucket without valid tokens is NaN.
     """
     width = loss.shape[1]
     starts = np.arange(0, width, bucket)
     bounds = [(int(s), int(min(s + bucket, width))) for s in starts]
-    sums = np.add.reduceat(np.where(valid, loss.astype(np.float64), 0.0), starts, axis=1).sum(axis=0)
-    counts = np.add.reduceat(valid.astype(np.int64), starts, axis=1).sum(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        means = sums / counts
-    overall = float(sums.sum() / counts.sum()) if counts.sum() else float("nan")
-    return bounds, means, overall
+    sums = np.add.reduceat(np.where(valid, loss.astype(np.float64), 0.0), starts, axis=1)
+    counts = np.add.reduceat(valid.astype(np.int64), starts, axis=1)
+    buckets = [ratio_estimate(Ratio.of(sums[:, i], counts[:, i], counts[:, i])) for i in range(len(bounds))]
+    window_sums, window_tokens = sums.sum(axis=1), counts.sum(axis=1)
+    overall = ratio_estimate(Ratio.of(window_sums, window_tokens, window_tokens))
+    return HeldoutLoss(bounds, buckets, overall, window_sums, window_tokens)
+
+
+def paired_change(earlier: HeldoutLoss, later: HeldoutLoss) -> Estimate:
+    """The relative change of the loss over all tokens from `earlier` to `later` (the same windows), with
+    its 95% interval paired by window."""
+    return ratio_estimate(Ratio.of(later.window_sums, earlier.window_sums, later.window_tokens), offset=-1.0)
+
+
+def heldout_line(step: int, record: dict) -> str:
+    """The progress line of a step's held-out evaluation: the loss with its standard error, and the paired
+    change since the previous evaluation with its 95% interval."""
+    line = (
+        f"step {step}: held-out loss {record[HELDOUT_LOSS]:.4f} (s.e. {record[HELDOUT_LOSS + '_se']:.4f}; "
+        f"{record['heldout/windows']} windows, {record['heldout/eval_s']:.1f} s)"
+    )
+    if "heldout/change" in record:
+        low, high = 100 * record["heldout/change_low"], 100 * record["heldout/change_high"]
+        since, change = record["heldout/change_from_step"], 100 * record["heldout/change"]
+        line += f"; change since step {since} {change:+.2f}% (95% interval {low:+.2f} to {high:+.2f})"
+    return line
 
 
 @dataclass
@@ -65,6 +96,7 @@ class HeldoutEval:
     device: torch.device
     share: WindowShare
     context: ContextRun | None
+    previous: tuple[int, HeldoutLoss] | None = None  # (step, result) of this process's last evaluation
 
     @classmethod
     def for_run(
@@ -108,11 +140,14 @@ class HeldoutEval:
         """Whether to evaluate after optimizer step `step` (1-based: steps done)."""
         return step % self.every == 0
 
-    def run(self, model: nn.Module) -> dict[str, float | int]:
-        """Score the windows with `model` (in training mode on return, every RNG as it was); the metrics
-        row's held-out part, the same on every rank: the loss per bucket (nats/base) under
-        `heldout_bucket_key(start, end)`, over all buckets under `HELDOUT_LOSS`, the windows, the valid
-        tokens, the seconds it took and its peak device memory (GB)."""
+    def run(self, model: nn.Module, step: int) -> dict[str, float | int]:
+        """Score the windows with `model` after optimizer step `step` (in training mode on return, every RNG
+        as it was); the metrics row's held-out part, the same on every rank: the loss per bucket (nats/base)
+        under `heldout_bucket_key(start, end)` and its standard error across windows under
+        `heldout_se_key(start, end)`, over all buckets under `HELDOUT_LOSS` (and `HELDOUT_LOSS`_se), the
+        relative change since this process's previous evaluation (step `heldout/change_from_step`) with its
+        paired 95% interval (`heldout/change`, `_low`, `_high`; absent on a run's or a resume's first), the
+        windows, the valid tokens, the seconds it took and its peak device memory (GB)."""
         state = rng_state()
         started = time.perf_counter()
         scorer = ContextParallelScorer(model, self.context) if self.context is not None else model
@@ -128,9 +163,23 @@ class HeldoutEval:
             model.train()
             set_rng_state(state)
         received_tokens(model)  # under expert parallelism: the held-out rows are no training step's
-        bounds, means, overall = bucket_means(scores.loss, scores.valid, self.bucket)
-        record: dict[str, float | int] = {HELDOUT_LOSS: overall}
-        record |= {heldout_bucket_key(s, e): float(m) for (s, e), m in zip(bounds, means, strict=True)}
+        result = bucket_means(scores.loss, scores.valid, self.bucket)
+        record: dict[str, float | int] = {
+            HELDOUT_LOSS: result.overall.value,
+            f"{HELDOUT_LOSS}_se": result.overall.se,
+        }
+        for (start, end), estimate in zip(result.bounds, result.buckets, strict=True):
+            record[heldout_bucket_key(start, end)] = estimate.value
+            record[heldout_se_key(start, end)] = estimate.se
+        if self.previous is not None:
+            change = paired_change(self.previous[1], result)
+            record |= {
+                "heldout/change": change.value,
+                "heldout/change_low": change.low,
+                "heldout/change_high": change.high,
+                "heldout/change_from_step": self.previous[0],
+            }
+        self.previous = step, result
         record |= {
             "heldout/windows": len(self.windows),
             "heldout/tokens": int(scores.valid.sum()),

@@ -61,7 +61,7 @@ from genomelm.train.guards import (
     run_identity,
     same_step,
 )
-from genomelm.train.heldout import HeldoutEval
+from genomelm.train.heldout import HeldoutEval, heldout_line
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.optimizer import make_optimizer, store_weights
 from genomelm.train.step import StepOutcome, TrainStep, lr_factor
@@ -137,10 +137,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
         for step in bar if "stopped" not in run.summary else ():
             record = train_one_step(run, step)
             if progress and HELDOUT_LOSS in record:
-                tqdm.write(
-                    f"step {step + 1}: held-out loss {record[HELDOUT_LOSS]:.4f} "
-                    f"({record['heldout/windows']} windows, {record['heldout/eval_s']:.1f} s)"
-                )
+                tqdm.write(heldout_line(step + 1, record))
             bar.set_postfix(
                 loss=f"{record['loss']:.4f}",
                 tok_s=f"{record['tokens_per_s']:.0f}",
@@ -389,7 +386,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         # the step's gradients are spent (the next step starts by dropping them): free their memory for the
         # forward passes now
         run.optimizer.zero_grad(set_to_none=True)
-        record |= run.heldout.run(run.model)
+        record |= run.heldout.run(run.model, step + 1)
     if run.log is not None and ((step + 1) % config.log.log_every == 0 or not outcome.finite or evaluated):
         run.log.log(record)
     run.summary["losses"].append(outcome.loss)
