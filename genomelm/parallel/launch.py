@@ -26,9 +26,15 @@ Failures end the whole launch instead of hanging it:
 A rank never outlives its launcher: the ranks are the forkserver's children, not the launcher's, and the
 forkserver and the resource tracker live as long as the ranks do, so a launcher killed outright would leave
 them all running. Each rank watches the launcher from a thread (`genomelm.parallel.launcher_watch`): once it
-is gone, training stops at its next step boundary without saving, any rank still running a few seconds later
-exits, and none reports. `on_started(pids)` gives the caller every process of the launch (ranks, forkserver,
-resource tracker), which the run folder's lock records (`genomelm.run.lock`).
+is gone, training stops at its next step boundary without saving, scoring at once, and none reports; the
+forkserver dies with the launcher (`rank_signals`). `on_started(pids)` gives the caller every process of the
+launch (ranks, forkserver, resource tracker), which the run folder's lock records (`genomelm.run.lock`).
+
+Signals: the ranks and the forkserver they fork from ignore SIGINT and SIGTERM (`rank_signals`), so a signal
+to the whole process group acts once, through the launching process. There, while the launch runs (start-up
+included), the first SIGTERM or SIGINT goes to `on_signal` (the caller turns it into a request its ranks act
+on, `genomelm.run.stop`) and the launch goes on collecting their reports; without `on_signal`, or on a
+second signal, the ranks are killed and `Interrupted` is raised.
 """
 
 from __future__ import annotations
