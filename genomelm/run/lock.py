@@ -189,8 +189,12 @@ class RunLock:
         known = {entry[0] for entry in self.record["processes"]}
         self.record["processes"] += [process_entry(pid) for pid in pids if pid not in known]
         tmp = self.path.with_name(f"{LOCK_FILE}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.record))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(self.record))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a full disk: the lock still names the launcher (enough while it runs)
+            tmp.unlink(missing_ok=True)
+            warnings.warn(f"{self.path}: could not record the run's processes ({exc.strerror})", stacklevel=2)
 
     def release(self) -> None:
         """Remove the lock if this process holds it, and the run folder if the lock created it and it is
