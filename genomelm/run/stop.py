@@ -151,8 +151,9 @@ class RankStopSignals:
     --signal=USR1@<s>` sends before the time limit) records the run's stop request in this process, and
     `StopCheck`'s all-reduce tells the other ranks. A repeat is the same request (under Slurm a task gets one
     from Slurm and one from torchrun): the launcher owns the deadline (torchrun's --shutdown-timeout, Slurm's
-    KillWait) and ends a rank that misses it with SIGKILL. After a stop the signals stay ignored: every rank
-    then exits with the stop code (138 after SIGUSR1), also one torchrun signals once another has exited."""
+    KillWait) and ends a rank that misses it with SIGKILL. After a stop or a failure the signals stay ignored:
+    every rank then exits with the stop code (138 after SIGUSR1) or its failure's line, also one that torchrun
+    signals once another rank has exited."""
 
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -167,11 +168,11 @@ class RankStopSignals:
         return self
 
     def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
-        stopped = self.run_dir in _received_here
+        ending = self.run_dir in _received_here or error is not None
         for sig, handler in self._previous.items():
-            # a stopped run ends with its stop code: the launcher's next signal (torchrun sends SIGTERM to
-            # the ranks still running once one has exited) must not cut that short
-            signal.signal(sig, signal.SIG_IGN if stopped else handler)
+            # a stopped or failed run ends with its line and its status: the launcher's next signal (torchrun
+            # sends SIGTERM to the ranks still running once one has exited) must not cut that short
+            signal.signal(sig, signal.SIG_IGN if ending else handler)
         _received_here.pop(self.run_dir, None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
