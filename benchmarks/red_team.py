@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -60,11 +61,17 @@ class Row:
 class Command:
     """`python -m genomelm.cli ARGS` started in its own session (its pid is its process group's id)."""
 
-    def __init__(self, args: list[str], workdir: Path, environment: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        workdir: Path,
+        environment: dict[str, str] | None = None,
+        program: list[str] | None = None,
+    ) -> None:
         self.out_path, self.err_path = workdir / "stdout.txt", workdir / "stderr.txt"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "genomelm.cli", *map(str, args)],
+                [*(program or [sys.executable]), "-m", "genomelm.cli", *map(str, args)],
                 cwd=ROOT,
                 stdout=out,
                 stderr=err,
@@ -159,10 +166,10 @@ class Lab:
         return ["train", *(f"{key}={value}" for key, value in values.items())]
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, heldout: str = f"{RECORD}:200001-201024") -> None:
     subprocess.run(
         [sys.executable, "-m", "genomelm.cli", "data", "--fasta", FLY, "--genome", "fly", "--seq", "512"]
-        + ["--train", f"{RECORD}:1-4096", "--heldout", f"{RECORD}:200001-201024", "--out", out]
+        + ["--train", f"{RECORD}:1-4096", "--heldout", heldout, "--out", out]
         + ["--no-progress"],
         cwd=ROOT,
         check=True,
@@ -345,6 +352,210 @@ def rank_stuck(lab: Lab) -> Row:
     return row
 
 
+def launcher_killed(lab: Lab) -> Row:
+    row = Row("kill -9 of the launcher mid-run (cp=2), then the same command again")
+    folder = lab.folder("launcher-killed")
+    run = folder / "runs" / "r"
+    (folder / "killed").mkdir()
+    command = Command(lab.train(folder, cp=2, steps=1000, save_every=2), folder / "killed")
+    command.wait_until(lambda: len(rows_of(run / "metrics.jsonl")) >= 3)
+    os.kill(command.process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    row.code = command.process.wait()
+    row.processes = command.leftovers(grace_s=15.0)
+    gone_s = time.monotonic() - killed
+    row.expect(row.processes == "none", f"processes left: {row.processes}")
+    row.expect(gone_s < 10.0, f"its processes ran on for {gone_s:.0f} s")
+    saved = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    row.expect(bool(saved), "no checkpoint to continue from")
+    end = max(rows_of(run / "metrics.jsonl")) + 2
+    code, again = run_to_end(lab, folder, lab.train(folder, cp=2, steps=end, save_every=2))
+    row.last_line = again.last_line()
+    row.expect(code == 0, f"the same command again: exit status {code}")
+    row.expect(f"steps {saved[-1] if saved else '?'}..{end}" in row.last_line, "it did not continue")
+    row.expect(rows_of(run / "metrics.jsonl") == list(range(1, end + 1)), "metrics rows doubled or missing")
+    row.expect(not again.tracebacks() and not command.tracebacks(), "a traceback was printed")
+    row.disk = f"{listing(run)}; the killed run's processes gone {gone_s:.1f} s after the kill"
+    return row
+
+
+def eval_launcher_killed(lab: Lab) -> Row:
+    row = Row("kill -9 of a genomelm eval launcher while its ranks score (cp=2)")
+    folder = lab.folder("eval-launcher-killed")
+    data = folder / "fly-long-heldout"  # 64 held-out windows: scoring takes long enough to be killed
+    prepare(data, heldout=f"{RECORD}:200001-232768")
+    assert run_to_end(lab, folder, lab.train(folder, data=data, cp=2))[0] == 0
+    args = [*lab.train(folder, data=data, cp=2), f"results_dir={folder / 'results'}", "bucket=256"]
+    args[0] = "eval"
+    command = Command(args, folder)
+    command.wait_until(lambda: "window 2/" in command.out_path.read_text(errors="replace"))
+    os.kill(command.process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    row.code = command.process.wait()
+    row.processes = command.leftovers(grace_s=15.0)
+    gone_s = time.monotonic() - killed
+    row.last_line = command.err_path.read_text(errors="replace").strip().splitlines()[-1]
+    row.expect(row.processes == "none", f"processes left: {row.processes}")
+    row.expect(gone_s < 10.0, f"its ranks ran on for {gone_s:.0f} s")
+    row.expect("its launcher (pid" in row.last_line, "no rank said its launcher was gone")
+    row.expect(not (folder / "results" / "r").exists(), "results were written")
+    holds = list((folder / "runs" / "r" / "checkpoints" / ".holds").glob("*"))
+    row.disk = f"results: {'none' if not (folder / 'results').exists() else 'written'}; holds: {len(holds)}"
+    row.disk += f" (of a dead process); gone {gone_s:.1f} s after the kill"
+    return row
+
+
+def blocked_checkpoint_path(lab: Lab, name: str) -> Row:
+    row = Row(f"a file named checkpoints/{name} in a run resumed to step 4 (cp=2)")
+    folder = lab.folder(f"blocked-{name.strip('.')}")
+    run = folder / "runs" / "r"
+    assert run_to_end(lab, folder, lab.train(folder, cp=2))[0] == 0
+    blocker = run / "checkpoints" / name
+    blocker.write_text("not a checkpoint")
+    code, command = run_to_end(lab, folder, lab.train(folder, cp=2, steps=4))
+    common_checks(row, command, code, f"{blocker} is a file where the run writes", 2)
+    row.disk = listing(run)
+    row.expect(rows_of(run / "metrics.jsonl") == [1, 2], "it trained steps it could not save")
+    row.expect(blocker.read_text() == "not a checkpoint", "the file was changed")
+    return row
+
+
+def resumed_as_one_process(lab: Lab) -> Row:
+    row = Row("a dp=2 ep=2 run resumed as one process")
+    folder = lab.folder("resumed-as-one")
+    run, full = folder / "runs" / "r", folder / "runs" / "full"
+    assert run_to_end(lab, folder, lab.train(folder, dp=2, ep=2, run="full", steps=4))[0] == 0
+    assert run_to_end(lab, folder, lab.train(folder, dp=2, ep=2))[0] == 0
+    code, command = run_to_end(lab, folder, lab.train(folder, steps=4))
+    common_checks(row, command, code, "trained r: steps 2..4", 0)
+    row.disk = listing(run)
+    said = command.err_path.read_text()
+    row.expect("2 windows per optimizer step as before; grad_accum=1 -> 2" in said, "no line says the change")
+    losses = [losses_of(path)[2:] for path in (run, full)]
+    row.expect(
+        all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(*losses, strict=True)) and len(losses[0]) == 2,
+        f"steps 3-4 left the uninterrupted run's losses: {losses}",
+    )
+    return row
+
+
+def eval_during_training(lab: Lab) -> Row:
+    row = Row("genomelm eval on a run that trains and prunes every step (keep_checkpoints=1)")
+    folder = lab.folder("eval-live")
+    run = folder / "runs" / "r"
+    (folder / "trainer").mkdir()
+    settings = {"steps": 100000, "save_every": 1, "keep_checkpoints": 1}
+    trainer = Command(lab.train(folder, **settings), folder / "trainer")
+    trainer.wait_until(lambda: len(rows_of(run / "metrics.jsonl")) >= 2)
+    args = [*lab.train(folder), f"results_dir={folder / 'results'}", "bucket=256"]
+    args[0] = "eval"
+    code, command = run_to_end(lab, folder, args)
+    holds = sorted(p.name for p in (run / "checkpoints" / ".holds").glob("*"))
+    trainer.signal_group(signal.SIGTERM)
+    stopped = trainer.finish()
+    common_checks(row, command, code, "figure: ", 0)
+    row.disk = listing(run) + f"; holds left: {holds or 'none'}"
+    row.expect(stopped == 143, f"the training run then ended {stopped}, not 143 (stopped)")
+    row.expect(not holds, "eval left its hold")
+    row.expect(len(rows_of(run / "metrics.jsonl")) > 2, "the run did not train on while eval ran")
+    return row
+
+
+def sigterm_to_eval(lab: Lab) -> Row:
+    row = Row("SIGTERM to genomelm eval in one process, while it scores")
+    folder = lab.folder("eval-sigterm")
+    data = folder / "fly-long-heldout"  # 64 held-out windows: scoring takes long enough to be signalled
+    prepare(data, heldout=f"{RECORD}:200001-232768")
+    assert run_to_end(lab, folder, lab.train(folder, data=data))[0] == 0
+    args = [*lab.train(folder, data=data), f"results_dir={folder / 'results'}", "bucket=256"]
+    args[0] = "eval"
+    command = Command(args, folder)
+    command.wait_until(lambda: "window 2/" in command.out_path.read_text(errors="replace"))
+    command.signal_group(signal.SIGTERM)
+    code = command.finish()
+    common_checks(row, command, code, "", 143)
+    row.last_line = command.err_path.read_text().strip().splitlines()[-1]  # a failure's line, on stderr
+    row.expect(row.last_line.startswith("genomelm eval: interrupted by SIGTERM"), "no line says it stopped")
+    row.disk = listing(folder / "results" / "r")
+    row.expect(not (folder / "results" / "r").exists(), "results were written")
+    return row
+
+
+def torchrun_rank_signalled(lab: Lab, signum: int, rank: int) -> Row:
+    name = signal.Signals(signum).name
+    row = Row(f"{name} to rank {rank} of a torchrun launch (cp=2, launcher=env)")
+    folder = lab.folder(f"torchrun-{name.lower()}-rank{rank}")
+    run, logs = folder / "runs" / "r", folder / "logs"
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
+    torchrun += ["--log-dir", str(logs), "--redirects", "3", "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1"]
+    args = [*lab.train(folder, cp=2, steps=1000, save_every=1000), "launcher=env"]
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    command = Command(args, folder, program=[*torchrun], environment=clean)
+    command.wait_until(lambda: len(rows_of(run / "metrics.jsonl")) >= 2)
+    ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(command.process.pid).children()}
+    ranks[rank].send_signal(signum)
+    row.code = command.finish()
+    row.processes = command.leftovers()
+    row.disk = listing(run)
+    lines = {r: _rank_lines(logs, r) for r in (0, 1)}
+    report = command.err_path.read_text(errors="replace")  # torchrun's report of its workers
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", report)]
+    row.expect(row.code == 1, f"torchrun exited {row.code}, not 1 (its report of failed workers)")
+    row.expect(row.processes == "none", f"processes left: {row.processes}")
+    row.expect(
+        not any("Traceback" in _rank_log(logs, r, "stderr") for r in (0, 1)), "a rank printed a traceback"
+    )
+    if signum == signal.SIGKILL:
+        other = 1 - rank
+        row.last_line = lines[other]
+        row.expect(
+            f"rank {other} of 2 lost another rank of its group" in row.last_line, "the loss is not said"
+        )
+    else:
+        row.last_line = lines[0]
+        row.expect(
+            row.last_line.startswith(f"stopped by {name} after step"), "rank 0 does not say it stopped"
+        )
+        row.expect(sorted(codes) == [128 + signum] * 2, f"the ranks exited {codes}, not {128 + signum} each")
+    row.last_line = f"[ranks exited {sorted(codes)}] {row.last_line}"
+    return row
+
+
+def _rank_log(logs: Path, rank: int, stream: str) -> str:
+    found = sorted(logs.glob(f"*/attempt_*/{rank}/{stream}.log"))
+    return found[-1].read_text(errors="replace") if found else ""
+
+
+def _rank_lines(logs: Path, rank: int) -> str:
+    """A torchrun rank's last line of ours: a failure's on stderr, else its stdout's."""
+    err = [line for line in _rank_log(logs, rank, "stderr").splitlines() if line.startswith("genomelm ")]
+    out = [line.strip() for line in _rank_log(logs, rank, "stdout").splitlines() if line.strip()]
+    return (err or out or [""])[-1]
+
+
+def losses_of(run: Path) -> list[float]:
+    import json
+
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_only_run_folder(lab: Lab) -> Row:
+    row = Row("a read-only run folder (a tmpfs remounted read-only)")
+    folder = lab.folder("read-only")
+    runs = folder / "runs"
+    try:
+        with tmpfs(runs, "16m"):
+            assert run_to_end(lab, folder, lab.train(folder))[0] == 0
+            subprocess.run(["mount", "-o", "remount,ro", str(runs)], check=True)
+            code, command = run_to_end(lab, folder, lab.train(folder, steps=4))
+            common_checks(row, command, code, f"the run folder {runs / 'r'} cannot be written", 2)
+            row.disk = listing(runs / "r")
+            row.expect(rows_of(runs / "r" / "metrics.jsonl") == [1, 2], "metrics.jsonl changed")
+    except PermissionError as exc:
+        row.skipped = f"needs a tmpfs mount: {exc}"
+    return row
+
+
 @contextmanager
 def tmpfs(folder: Path, size: str):
     """`folder` as a tmpfs of `size` (root only; PermissionError otherwise)."""
@@ -463,6 +674,17 @@ def faults() -> dict[str, Callable[[Lab], Row]]:
         "damaged-data-cp2": damaged_data,
         "rank-killed-cp2": rank_killed,
         "rank-stuck-cp2": rank_stuck,
+        "launcher-killed-cp2": launcher_killed,
+        "eval-launcher-killed-cp2": eval_launcher_killed,
+        "blocked-checkpoint-cp2": lambda lab: blocked_checkpoint_path(lab, "step-0000004"),
+        "blocked-tmp-name-cp2": lambda lab: blocked_checkpoint_path(lab, ".tmp-step-0000004"),
+        "read-only-run-folder": read_only_run_folder,
+        "resumed-as-one-process": resumed_as_one_process,
+        "eval-during-training": eval_during_training,
+        "eval-sigterm-one-process": sigterm_to_eval,
+        "torchrun-sigkill-rank1": lambda lab: torchrun_rank_signalled(lab, signal.SIGKILL, 1),
+        "torchrun-sigkill-rank0": lambda lab: torchrun_rank_signalled(lab, signal.SIGKILL, 0),
+        "torchrun-sigusr1-rank1": lambda lab: torchrun_rank_signalled(lab, signal.SIGUSR1, 1),
         "disk-full-init": lambda lab: disk_full(lab, "the initial model (init/)"),
         "disk-full-checkpoint-cp2": lambda lab: disk_full(lab, "a checkpoint (cp=2)"),
         "disk-full-metrics": lambda lab: disk_full(lab, "a metrics append"),

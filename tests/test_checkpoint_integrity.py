@@ -3,6 +3,9 @@ eval verify them and fall back to the checkpoint before a damaged one, naming th
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +76,9 @@ def test_a_truncated_newest_checkpoint_is_skipped_and_eval_falls_back(fly: Path,
     flip(weights, 64, 16)
     with pytest.warns(UserWarning, match=f"damaged, using {first} instead.*{weights.name}"):
         assert model_pair(config)[1] == str(first / "model")
+    # model= naming another architecture than the run's is refused, not silently replaced by the run's own
+    with pytest.raises(ValueError, match="model=demo is not the model run r trained .* --before PATH"):
+        model_pair(config.replace(model="demo"))
 
 
 def _sharded_summary(config: TrainConfig) -> dict:
@@ -165,3 +171,25 @@ def test_a_full_disk_is_recognised_in_every_form_it_takes() -> None:
     assert out_of_space(wrapped)
     assert not out_of_space(CheckpointException("save failed", {0: _wrap_exception(ValueError("shape"))}))
     assert not out_of_space(OSError(13, "Permission denied"))
+
+
+def test_pruning_leaves_a_checkpoint_a_live_reader_holds(tmp_path: Path) -> None:
+    """`genomelm eval` on a run that trains holds the checkpoint it scores: pruning leaves it while the holder
+    runs and removes it at a later save once the holder is gone (a hold a kill left counts no more)."""
+    from genomelm.parallel.checkpoint_holds import hold
+
+    checkpointer = Checkpointer(tmp_path / "run")
+    for step in (2, 4, 6):
+        model = checkpointer.step_dir(step) / "model"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text("{}")
+        (model.parent / "trainer.pt").write_bytes(b"")
+    taken = hold(checkpointer.step_dir(2))
+    assert checkpointer.prune(1) == [checkpointer.step_dir(4)]
+    assert [p.name for p in checkpointer.complete()] == ["step-0000002", "step-0000006"]
+    record = json.loads(taken.read_text())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    taken.write_text(json.dumps(record | {"pid": gone.pid}))  # as a killed reader leaves it
+    assert checkpointer.prune(1) == [checkpointer.step_dir(2)]
+    assert not list(checkpointer.root.glob(".tmp-*"))

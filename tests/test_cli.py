@@ -88,3 +88,18 @@ def test_a_machines_failure_keeps_its_details_in_the_run_folder(tmp_path: Path, 
     assert "--- rank 1 ---" in (tmp_path / FAILURE_FILE).read_text()
     assert report_failure("genomelm train", ValueError("lr=-1"), tmp_path, hint="give lr >= 0") == 2
     assert capsys.readouterr().err == "genomelm train: lr=-1; give lr >= 0\n"
+
+
+def test_a_collective_that_lost_its_peer_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun or srun a rank whose peer was killed sees gloo's (or NCCL's) error: one line naming this
+    rank and what happened, the machine's exit status, no "internal error"."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    error = RuntimeError(
+        "[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4327: Connection reset by "
+        "peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    line = one_line(error)
+    assert line.startswith("rank 0 of 2 lost another rank of its group (killed, out of memory or crashed")
+    assert "internal error" not in line and "Connection reset by peer" in line
+    assert exit_code(error) == 1

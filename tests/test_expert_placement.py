@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,12 @@ def test_exact_moments_come_back_for_every_parameter_whose_experts_stayed() -> N
     static = exact_moments(Quantised(), world)
     load_exact_moments(optimizer, static, world)
     assert optimizer.loaded == Quantised().exact_state()
+
+
+def test_a_torn_expert_load_file_is_named(tmp_path: Path) -> None:
+    from genomelm.run.metrics import read_expert_load
+
+    logged = tmp_path / "expert_load.json"
+    logged.write_text('{"through_step": 4, "counts": {"1": [8, 0')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(logged))} is not a routed-load file .*remove it"):
+        read_expert_load(logged)

@@ -101,14 +101,22 @@ def test_a_layout_that_does_not_match_the_mesh_is_refused_before_any_rendezvous(
 
 
 def test_each_stop_signal_is_the_one_request_on_a_rank(tmp_path: Path) -> None:
-    previous = signal.getsignal(signal.SIGUSR1)
+    handled = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    before = {sig: signal.getsignal(sig) for sig in handled}
     with RankStopSignals(tmp_path):
         assert stop_requested(tmp_path) is None
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)  # a repeat (torchrun's copy) is the same request
         assert stop_requested(tmp_path) == "SIGUSR1"
         assert not (tmp_path / ".stop").exists()  # each rank got the signal itself: no file to relay it
-    assert stop_requested(tmp_path) is None and signal.getsignal(signal.SIGUSR1) == previous
+    # stopped: the signals stay ignored until the process exits with its stop code
+    assert stop_requested(tmp_path) is None
+    assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in handled)
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    with RankStopSignals(tmp_path):
+        pass
+    assert all(signal.getsignal(sig) == before[sig] for sig in handled)  # nothing received: put back
     assert stop_exit_code("SIGUSR1") == 138 and stop_exit_code("SIGTERM") == 143
 
 

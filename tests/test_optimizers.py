@@ -84,7 +84,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, windows) -> None
     train(config(tmp_path, windows, "adamw", steps=3), progress=False)
     with pytest.raises(RunMismatch, match="optimizer: 'adamw' then, 'adamw8bit' now") as refused:
         train(config(tmp_path, windows, "adamw8bit", steps=6), progress=False)
-    assert "resume=never to start this one over" in str(refused.value)
+    assert "resume=never run=<new name>" in str(refused.value)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,16 @@ ranks turned into failures that name the rank, signals (gloo, 2 or 3 processes).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from genomelm.data.integrity import DamagedFolder
 from genomelm.parallel import LaunchError, LaunchTimeout, is_output_rank, launch
 from genomelm.parallel.launch import REAP_GRACE_S, STUCK_GRACE_S, Interrupted, StuckRank
+from genomelm.parallel.launcher_watch import ORPHAN_GRACE_S
 
 TIMEOUT_S = 60.0
 COLLECTIVE_TIMEOUT_S = 5.0
@@ -215,3 +220,35 @@ def test_a_signal_ends_a_launch_at_once_and_a_callback_turns_the_first_into_a_re
     with pytest.raises(Interrupted, match="interrupted by SIGTERM"):
         launch(_sleep_long, 2, timeout_s=TIMEOUT_S, on_signal=asked.append)
     assert asked == [signal.SIGINT]
+
+
+_KILLED_LAUNCHER = """
+import json, sys, time
+from genomelm.parallel import launch
+launch(time.sleep, 2, 600.0, on_started=lambda pids: print(json.dumps(pids), flush=True))
+"""
+
+
+def test_a_launcher_killed_outright_leaves_no_process_behind() -> None:
+    """kill -9 of the launcher: its ranks (here in a sleep, far from any step boundary) see it gone and exit
+    within ORPHAN_GRACE_S; the forkserver and the resource tracker follow once no rank holds their pipes."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_LAUNCHER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    pids = json.loads(launcher.stdout.readline())
+    assert len(pids) == 4  # two ranks, the forkserver, the resource tracker
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    launcher.kill()
+    launcher.wait()  # reaped at once here; the ranks also see an unreaped (zombie) launcher as gone
+    give_up = time.monotonic() + ORPHAN_GRACE_S + 10.0
+    while (alive := [pid for pid in pids if _runs(pid)]) and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert not alive
+    assert "its launcher (pid" in launcher.stderr.read()
+
+
+def _runs(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

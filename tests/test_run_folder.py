@@ -55,6 +55,37 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path: Path) -
         RunLock(run_dir).acquire()
 
 
+def test_the_lock_is_taken_over_only_when_no_process_of_the_run_lives(tmp_path: Path) -> None:
+    """A launcher killed outright leaves its ranks for a few seconds (they stop at their next step): the
+    lock names them and is refused until none runs. A recorded pid now used by another process (another
+    start time) is not the run's."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with RunLock(run_dir) as lock:
+            lock.add_processes([rank.pid])
+            held = json.loads((run_dir / LOCK_FILE).read_text())
+        held["pid"] = gone.pid
+        (run_dir / LOCK_FILE).write_text(json.dumps(held))
+        with pytest.raises(RunLocked, match=f"still in use by pid {rank.pid} of the run pid {gone.pid}"):
+            RunLock(run_dir).acquire()
+        held["processes"] = [[rank.pid, held["processes"][0][1] - 100.0]]  # the pid, another process
+        (run_dir / LOCK_FILE).write_text(json.dumps(held))
+        with pytest.warns(UserWarning, match=f"taking over the lock of pid {gone.pid}"), RunLock(run_dir):
+            pass
+        (run_dir / LOCK_FILE).write_text(json.dumps(held | {"processes": [[rank.pid, 0.0]]}))
+        rank.kill()
+        rank.wait()
+        with pytest.warns(UserWarning, match="which no longer runs"), RunLock(run_dir):
+            pass
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_node(tmp_path: Path, monkeypatch) -> None:
     """Slurm ends every process of a job before it requeues it; the job runs again under its id, usually on
     other nodes, and must not be refused by the lock its earlier run left."""
@@ -191,9 +222,16 @@ def test_torn_metrics_line_is_skipped_and_repaired_on_resume(fly: Path, tmp_path
         out.write('{"step": 3, "loss": 2.0')
     with pytest.warns(UserWarning, match="torn last line"):
         assert [row["step"] for row in read_metrics(metrics)] == [1, 2]
-    with pytest.warns(UserWarning, match="torn last line"):
+    with pytest.warns(UserWarning, match="torn last line .* row of step 3: its step runs again"):
         train(config.replace(steps=3), progress=False)
     assert [row["step"] for row in read_metrics(metrics)] == [1, 2, 3]
+    # the torn row of a step the resume does not run again keeps what was written of it
+    rows = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(rows[:-1]) + "\n" + rows[-1][: rows[-1].index(', "', 20) + 5])
+    with pytest.warns(UserWarning, match="row of step 3: kept its fields before the tear, marked torn"):
+        train(config.replace(steps=3), progress=False)
+    last = read_metrics(metrics)[-1]
+    assert last["step"] == 3 and last["torn"] and last["loss"] == json.loads(rows[-1])["loss"]
     metrics.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ValueError, match="metrics.jsonl, line 2: not a metrics row"):
         read_metrics(metrics)
@@ -313,3 +351,22 @@ def test_second_signal_ends_the_run_at_once(fly: Path, tmp_path: Path, cp: int) 
     assert err.strip().splitlines()[-1].startswith("genomelm train: interrupted by SIGTERM: ended at once")
     assert "Traceback" not in err
     _wait_until_gone(process)
+
+
+@pytest.mark.parametrize("name", ["step-0000004", ".tmp-step-0000004"])
+def test_a_file_where_a_checkpoint_goes_is_refused_before_the_first_step(
+    fly: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A file named like a checkpoint the run will write (or like its temporary folder) is found at the start,
+    named, and refused (exit 2) before any step is trained, not when the step is saved."""
+    checkpoints = tmp_path / "runs" / "r" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / name).write_text("not a checkpoint")
+    from genomelm.commands.train import main as train_main
+
+    assert train_main(settings(fly, tmp_path, steps=4)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"genomelm train: {checkpoints / name} is a file where the run writes ")
+    assert "move it out of" in line
+    assert not (tmp_path / "runs" / "r" / "metrics.jsonl").exists()
+    assert (checkpoints / name).read_text() == "not a checkpoint"

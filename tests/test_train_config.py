@@ -144,3 +144,41 @@ def test_settings_doc_lists_every_setting() -> None:
     rows = {name: group for group, name in re.findall(r"^\| (\S+) \| `(\w+)` \|", doc, flags=re.M)}
     expected = {name: group or "(top)" for name, group in setting_names().items()}
     assert rows == expected
+
+
+def test_a_resume_keeps_the_windows_per_step_or_refuses_and_says_what_changed() -> None:
+    """A dp=2 ep=2 run resumed as one process trains two windows per step as before (grad_accum raised, with
+    a line); a dp that cannot keep them is refused with the choices; a cp or ep change says it is exact."""
+    from genomelm.train.guards import RunMismatch, same_step
+
+    saved = TrainConfig().replace(dp=2, ep=2, grad_accum=1).to_dict()
+    step = Path("step-0000004")
+    resumed, line = same_step(TrainConfig(), saved, step)
+    assert resumed.optim.grad_accum == 2
+    assert line is not None
+    assert (
+        "(dp=2 cp=1 ep=2 -> dp=1 cp=1 ep=1): 2 windows per optimizer step as before; grad_accum=1 -> 2"
+        in line
+    )
+    assert same_step(TrainConfig().replace(dp=2, ep=2), saved, step) == (
+        TrainConfig().replace(dp=2, ep=2),
+        None,
+    )
+    resharded, line = same_step(TrainConfig().replace(dp=2, cp=2, ep=4), saved, step)
+    assert (
+        resharded.optim.grad_accum == 1 and "dp=2 cp=2 ep=4): 2 windows per optimizer step as before," in line
+    )
+    with pytest.raises(
+        RunMismatch, match=r"trained 2 windows per optimizer step .* dp=4 cannot keep"
+    ) as refused:
+        same_step(TrainConfig().replace(dp=4), saved, step)
+    assert "resume=never run=<new name>" in str(refused.value)
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "run.yaml"
+    bad.write_text("optim:\n  lr: 1e-4\n  betas: [0.9, 0.95\nrun: x\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}:4:4: not valid YAML \(.*line 3\)"):
+        TrainConfig.from_args([str(bad)])
+    with pytest.raises(ValueError, match=r"override 'betas=\[0.9': its value is not valid YAML"):
+        TrainConfig.from_args(["betas=[0.9"])

@@ -101,9 +101,9 @@ def launch_training(config: TrainConfig) -> dict:
             join_group(config)
             with held_by_rank_zero(config.run_dir, first=planned):
                 return on_ranks(train_on_rank, config)
-    with RunLock(config.run_dir), StopSignals(config.run_dir) as signals:
+    with RunLock(config.run_dir) as lock, StopSignals(config.run_dir) as signals:
         _plan(config)
-        return on_ranks(train_on_rank, config, signals=signals)
+        return on_ranks(train_on_rank, config, signals=signals, lock=lock)
 
 
 def _plan(config: TrainConfig) -> None:

@@ -5,6 +5,7 @@
       step-0000200/                the newest complete one (`latest`); `save` prunes to the newest `keep`
       .tmp-step-0000300[-<pid>]/   a write in progress, or one a kill left behind (`clean_interrupted_writes`)
       step-0000300.damaged/        a checkpoint a resume found damaged and set aside (`latest_verified`)
+      .holds/step-0000200.<host>.<pid>   a reader's hold: pruning leaves that checkpoint (`checkpoint_holds`)
 
 A step folder holds one of two layouts (`save` and `load` take either):
 - one process (`save` without a mesh): `model/`, the model in Hugging Face layout (`genomelm.model.load_model`
@@ -22,6 +23,9 @@ A step folder holds one of two layouts (`save` and `load` take either):
   (`load_sharded_model`), and after the last step the run may add `model/`, the Hugging Face layout
   (`genomelm.parallel.export`, setting `export_final`).
 A step folder is complete when it holds `trainer.pt` and `model/config.json` or `state/.metadata`.
+
+A reader of a live run (`genomelm eval` while the run trains) holds the checkpoint it reads, which `prune`
+leaves until the hold is gone (`genomelm.parallel.checkpoint_holds`).
 
 Every write goes to a temporary `.tmp-step-*` folder (one process: suffixed with its pid; sharded: one name,
 which every rank writes into), whose files are fsynced before it is renamed into place, so a kill -9 at any
@@ -58,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from genomelm.data.errors import space_checked
 from genomelm.model.checkpoint import CONFIG_FILE, hf_config_dict, save_model
 
+from .checkpoint_holds import held
 from .expert import ExpertShard, expert_shard
 from .expert_rows import ExpertRows, expert_rows, placed_experts
 from .mesh import Mesh
@@ -317,12 +322,13 @@ class Checkpointer:
                 "run=<new name>"
             )
         for step_dir, problems in damaged:
-            warnings.warn(
-                f"{step_dir} is damaged, falling back to the checkpoint before it"
-                + (f" (set aside as {step_dir.name}{DAMAGED_SUFFIX})" if set_aside else "")
-                + f": {'; '.join(problems)}",
-                stacklevel=2,
-            )
+            if share[0] == 0:  # every rank found the same (`gather`): one says it
+                warnings.warn(
+                    f"{step_dir} is damaged, falling back to the checkpoint before it"
+                    + (f" (set aside as {step_dir.name}{DAMAGED_SUFFIX})" if set_aside else "")
+                    + f": {'; '.join(problems)}",
+                    stacklevel=2,
+                )
             if set_aside:
                 os.rename(step_dir, _free_name(step_dir.with_name(step_dir.name + DAMAGED_SUFFIX)))
         return chosen
@@ -340,17 +346,48 @@ class Checkpointer:
     def clean_interrupted_writes(self) -> list[Path]:
         """Remove the temporary folders of writes a kill interrupted; returns what was removed. Call it on one
         process, before any save."""
-        removed = list(self.root.glob(f"{TMP_PREFIX}*")) if self.root.is_dir() else []
+        found = self.root.glob(f"{TMP_PREFIX}*") if self.root.is_dir() else []
+        removed = [path for path in found if path.is_dir()]  # a file of such a name is not ours: `blocked`
         for path in removed:
             shutil.rmtree(path, ignore_errors=True)
         return removed
 
+    def blocked(self, after: int, last: int) -> list[tuple[Path, str]]:
+        """What stands where a run at step `after` would write its checkpoints up to step `last` (any step in
+        between: a stop saves the step it stopped after), as (path, what it blocks): `checkpoints` itself, a
+        `step-N` or a `.tmp-` name that is not a folder (a kill leaves folders, which are replaced or
+        removed; nothing here writes a file of those names)."""
+        if self.root.exists() and not self.root.is_dir():
+            return [(self.root, "the checkpoints folder")]
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.iterdir()):
+            step = step_of(path)
+            if path.is_dir():
+                continue
+            if step is not None and after < step <= last:
+                found.append((path, f"the checkpoint of step {step}"))
+            elif path.name.startswith(TMP_PREFIX):
+                found.append((path, "a checkpoint's temporary folder"))
+        return found
+
     def prune(self, keep: int) -> list[Path]:
-        """Remove all but the newest `keep` complete checkpoints (none with keep 0); returns them."""
-        old = self.complete()[:-keep] if keep > 0 else []
-        for path in old:
-            shutil.rmtree(path, ignore_errors=True)
-        return old
+        """Remove all but the newest `keep` complete checkpoints (none with keep 0), leaving those a reader
+        holds (`genomelm.parallel.checkpoint_holds`); returns what it removed. Each is renamed aside first and
+        its holds looked at again: a reader holds before it looks the checkpoint up, so one sees the other."""
+        removed = []
+        for path in self.complete()[:-keep] if keep > 0 else []:
+            if held(path):
+                continue
+            aside = path.with_name(f"{TMP_PREFIX}pruned-{path.name}")
+            os.rename(path, aside)
+            if held(path):
+                os.rename(aside, path)
+                continue
+            shutil.rmtree(aside, ignore_errors=True)
+            removed.append(path)
+        return removed
 
     def _publish(self, tmp: Path, final: Path, keep: int) -> None:
         """fsync every file of `tmp`, rename it to `final` (replacing a checkpoint of the same step: a step

@@ -23,6 +23,13 @@ Failures end the whole launch instead of hanging it:
 - ranks still running after `timeout_s`: each dumps the Python stacks of all its threads (faulthandler on
   SIGUSR1), all are stopped, and `LaunchTimeout` carries the stacks in its message.
 
+A rank never outlives its launcher: the ranks are the forkserver's children, not the launcher's, and the
+forkserver and the resource tracker live as long as the ranks do, so a launcher killed outright would leave
+them all running. Each rank watches the launcher from a thread (`genomelm.parallel.launcher_watch`): once it
+is gone, training stops at its next step boundary without saving, scoring at once, and none reports; the
+forkserver dies with the launcher (`rank_signals`). `on_started(pids)` gives the caller every process of the
+launch (ranks, forkserver, resource tracker), which the run folder's lock records (`genomelm.run.lock`).
+
 Signals: the ranks and the forkserver they fork from ignore SIGINT and SIGTERM (`rank_signals`), so a signal
 to the whole process group acts once, through the launching process. There, while the launch runs (start-up
 included), the first SIGTERM or SIGINT goes to `on_signal` (the caller turns it into a request its ranks act
@@ -58,6 +65,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from genomelm.parallel.launcher_watch import EXIT_ORPHANED, launcher_lost, watch_launcher
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RANK_SIGNALS_MODULE = "genomelm.parallel.rank_signals"  # named, never imported here: its import ignores them
@@ -136,12 +145,15 @@ def launch(
     timeout_s: float | None = None,
     collective_timeout_s: float | None = None,
     on_signal: Callable[[int], None] | None = None,
+    on_started: Callable[[list[int]], None] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` local ranks ("cpu": gloo; "cuda": NCCL, rank r on GPU r) and return the
     results in rank order. `timeout_s`: the whole launch's limit (start-up included); None waits forever.
     `collective_timeout_s`: the process group's timeout; None: `timeout_s` plus COLLECTIVE_TIMEOUT_MARGIN_S
     (a hang is then reported by the launch timeout, with the stacks), or torch's default without one.
-    `on_signal(signum)`: what the first SIGTERM or SIGINT to this process does (see the module docstring)."""
+    `on_signal(signum)`: what the first SIGTERM or SIGINT to this process does (see the module docstring).
+    `on_started(pids)`: called once every rank runs, with the pids of the ranks, the forkserver and the
+    resource tracker."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if device not in ("cpu", "cuda"):
@@ -157,7 +169,7 @@ def launch(
     # rank imports next (`genomelm.parallel.rank_preload`); each rank forks from it
     context.set_forkserver_preload([RANK_SIGNALS_MODULE, __name__, RANK_PRELOAD_MODULE])
     port = _free_port()
-    caller = (dict(os.environ), os.getcwd(), warnings.formatwarning)
+    caller = (dict(os.environ), os.getcwd(), warnings.formatwarning, os.getpid())
     ranks: list[_Rank] = []
     with tempfile.TemporaryDirectory(prefix="genomelm-launch-") as folder:
         with _signals_during_launch(ranks, on_signal) as starting:
@@ -186,6 +198,8 @@ def launch(
                     writer.close()  # the child holds the only write end: its exit closes the pipe
                     ranks.append(_Rank(rank, process, reader, stack_path))
                 starting.done()
+                if on_started is not None:
+                    on_started([r.process.pid for r in ranks] + _helper_pids())
                 results = _collect(ranks, fn, timeout_s, collective_timeout_s)
             except BaseException:
                 _kill([r.process for r in ranks])
@@ -205,6 +219,15 @@ def _start_forkserver() -> None:
         multiprocessing.forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _helper_pids() -> list[int]:
+    """The pids of this process's forkserver and resource tracker (multiprocessing keeps them in private
+    attributes: no public call names them)."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    pids = [getattr(server, "_forkserver_pid", None), getattr(tracker, "_pid", None)]
+    return [pid for pid in pids if isinstance(pid, int)]
 
 
 class _StartUp:
@@ -494,13 +517,14 @@ def _run_rank(
     collective_timeout_s: float | None,
     stack_path: str,
     writer: Connection,
-    caller: tuple[dict[str, str], str, Callable[..., str]],
+    caller: tuple[dict[str, str], str, Callable[..., str], int],
 ) -> None:
     """One rank: SIGINT and SIGTERM ignored, the caller's environment, folder and warning format plus the
-    rank's variables, stack dumps on SIGUSR1, process group, fn(*args), then one report to the parent."""
+    rank's variables, the launcher watched (`watch_launcher`), stack dumps on SIGUSR1, process group,
+    fn(*args), then one report to the parent (none when the launcher is gone: the rank just exits)."""
     for sig in STOP_SIGNALS:  # as the forkserver set them (`rank_signals`), also for one started elsewhere
         signal.signal(sig, signal.SIG_IGN)
-    environment, folder, warnings.formatwarning = caller
+    environment, folder, warnings.formatwarning, launcher = caller
     os.environ.clear()
     os.environ.update(environment)
     os.chdir(folder)
@@ -516,6 +540,7 @@ def _run_rank(
     # tracker (a "leaked semaphore" warning at exit); a rank's bars never share a terminal line with another
     # process's, so a thread lock is enough
     tqdm.set_lock(threading.RLock())
+    watch_launcher(launcher, writer.fileno())
     stack_file = open(stack_path, "w")  # noqa: SIM115 - faulthandler writes to it until the process ends
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
@@ -530,7 +555,12 @@ def _run_rank(
         payload = pickle.dumps(report)
     except BaseException as exc:  # noqa: BLE001 - anything is reported to the parent, which re-raises it
         payload = pickle.dumps(("error", _pickled_or_none(exc), traceback.format_exc()))
-    writer.send_bytes(payload)
+    try:
+        if launcher_lost():  # nobody to report to
+            raise BrokenPipeError
+        writer.send_bytes(payload)
+    except BrokenPipeError:  # the launcher is gone (it died after the check): end without a word
+        os._exit(EXIT_ORPHANED)
     writer.close()
     if dist.is_initialized():
         dist.destroy_process_group()

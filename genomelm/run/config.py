@@ -457,7 +457,7 @@ class TrainConfig:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not key=value (for example steps=10)")
             key, value = item.split("=", 1)
-            settings[_flat_key(key.strip(), None)] = yaml.safe_load(value) if value else ""
+            settings[_flat_key(key.strip(), None)] = _yaml_value(item, value) if value else ""
         coerced = {key: _coerce(key, value, _DEFAULTS[key]) for key, value in settings.items()}
         config = cls().replace(**coerced)
         return config.validate() if check else config
@@ -496,6 +496,15 @@ _OPTIONAL = {  # settings that take null / none
 }
 
 
+def _yaml_value(item: str, value: str) -> Any:
+    """An override's value as a YAML scalar (or list); a ValueError naming the override if it is not YAML."""
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"override {item!r}: its value is not valid YAML ({problem})") from None
+
+
 def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
     """A run config file's settings by flat name; a relative path missing from the working directory is
     looked up among the shipped configs (`configs/train/demo.yaml` after a wheel install)."""
@@ -504,7 +513,16 @@ def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
         raise FileNotFoundError(
             f"no run config at {path}; the presets are in configs/train/ (clusters: configs/cluster/)"
         )
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None and start.line != getattr(mark, "line", None):
+            problem += f", {context} at line {start.line + 1}"
+        raise ValueError(f"{where}: not valid YAML ({problem}); fix the file there") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a run config is a mapping of settings (key: value)")
     return _flat_settings(raw, groups, path)

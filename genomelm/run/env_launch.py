@@ -16,7 +16,8 @@ Ranks other than 0 print nothing on stdout; their errors still reach stderr.
 group of its own). `held_by_rank_zero(run_dir, first)`: rank 0 holds the run folder's lock (`RunLock`, on the
 file system every node shares) for the block, after clearing a stop request an earlier run left and calling
 `first` (the plan check's outcome); what it raises there, every rank raises. Signals:
-`genomelm.run.stop.RankStopSignals`.
+`genomelm.run.stop.RankStopSignals`. A rank torchrun started watches it (`watch_launcher`): killed outright,
+its ranks stop at their next step without saving.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from genomelm.parallel.launcher_watch import watch_launcher
 from genomelm.run.config import TrainConfig
 from genomelm.run.lock import RunLock
 from genomelm.run.models import run_device
@@ -182,6 +184,8 @@ def join_group(config: TrainConfig) -> RankLayout:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // layout.local_world))
         dist.init_process_group("gloo", timeout=timeout)
     atexit.register(_leave_group)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's agent started this rank: it never outlives it
+        watch_launcher(os.getppid())
     _joined = layout
     return layout
 

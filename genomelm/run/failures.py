@@ -18,6 +18,7 @@ the command line (or GENOMELM_DEBUG=1) prints the whole traceback as well.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -33,6 +34,12 @@ DEBUG_ENV = "GENOMELM_DEBUG"
 FAILURE_FILE = "failure.txt"  # in the run folder: the last failure's details
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, DataError)
 _RANK_NOTE = re.compile(r"raised on (?:Ray Train worker )?rank (\d+)(?: of (\d+))?")
+# a collective's error when a peer rank is gone (gloo: "Connection reset/closed by peer", a broken pipe;
+# NCCL: "remote process exited", an aborted communicator)
+LOST_PEER = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited|communicator was aborted",
+    re.IGNORECASE,
+)
 
 
 def exit_code(exc: BaseException) -> int:
@@ -48,9 +55,19 @@ def debug_enabled() -> bool:
 
 
 def is_expected(exc: BaseException) -> bool:
-    """Whether `exc` is a failure the program reports as such (not a bug): it says its exit status, or it is
-    the user's input or the operating system's error."""
-    return isinstance(getattr(exc, "exit_code", None), int) or isinstance(exc, (*INPUT_ERRORS, OSError))
+    """Whether `exc` is a failure the program reports as such (not a bug): it says its exit status, it is the
+    user's input or the operating system's error, or a collective's error because a peer rank is gone."""
+    return (
+        isinstance(getattr(exc, "exit_code", None), int)
+        or isinstance(exc, (*INPUT_ERRORS, OSError))
+        or lost_peer(exc)
+    )
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` is a collective's error because another rank of the group ended (killed, out of memory,
+    crashed), as a rank of a torchrun or srun launch sees it."""
+    return bool(LOST_PEER.search(str(exc)))
 
 
 def one_line(exc: BaseException) -> str:
@@ -58,6 +75,14 @@ def one_line(exc: BaseException) -> str:
     what to do."""
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
+    if lost_peer(exc) and not isinstance(getattr(exc, "exit_code", None), int):
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        where = f"rank {rank} of {world}" if rank is not None and world else "this rank"
+        text = (
+            f"{where} lost another rank of its group (killed, out of memory or crashed: the launcher's "
+            "report and that rank's log say which); the same command continues from the newest checkpoint "
+            f"[{text[:160]}]"
+        )
     for note in getattr(exc, "__notes__", ()):
         found = _RANK_NOTE.search(note)
         if found is not None:
@@ -111,6 +136,7 @@ def write_details(path: Path, text: str) -> Path | None:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder refuses the removal too
+            tmp.unlink(missing_ok=True)
         return None
     return path

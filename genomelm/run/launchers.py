@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -27,11 +30,12 @@ import torch.distributed as dist
 
 from genomelm.data.augment import crop_length
 from genomelm.model.config import MOE, is_preset
-from genomelm.parallel.launch import launch
+from genomelm.parallel.launch import STOP_SIGNALS, Interrupted, launch
 from genomelm.parallel.layout import ContextLayout
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.run.config import TrainConfig
 from genomelm.run.env_launch import from_rank_zero, join_group
+from genomelm.run.lock import RunLock
 from genomelm.run.models import model_config_of, run_device
 from genomelm.run.ray_launch import run_with_ray
 from genomelm.run.stop import StopSignals
@@ -86,12 +90,16 @@ def check_mesh(config: TrainConfig, lengths: Sequence[int]) -> None:
 
 
 def on_ranks(
-    fn: Callable[..., Any], config: TrainConfig, *args: Any, signals: StopSignals | None = None
+    fn: Callable[..., Any],
+    config: TrainConfig,
+    *args: Any,
+    signals: StopSignals | None = None,
+    lock: RunLock | None = None,
 ) -> Any:
     """`fn(config, *args)` on the run's mesh (see the module docstring); rank 0's result. `fn` is a
     module-level function (the ranks receive it pickled). `signals`: the lock holder's (training), which turn
     the first signal into the run's stop request; without them a signal ends the ranks at once
-    (`Interrupted`)."""
+    (`Interrupted`). `lock`: the run folder's, which records the local launch's processes once they run."""
     if config.parallel.launcher == "ray":
         return run_with_ray(_on_rank, config, fn, *args, signals=signals)
     if config.parallel.launcher == "env":
@@ -101,7 +109,8 @@ def on_ranks(
         return result
     ranks = config.parallel.world
     if ranks == 1:
-        return fn(config, *args)
+        with _interrupted_by_signals() if signals is None else contextlib.nullcontext():
+            return fn(config, *args)
     device = run_device().type
     if device == "cuda" and torch.cuda.device_count() < ranks:
         raise ValueError(
@@ -117,7 +126,28 @@ def on_ranks(
         device=device,
         collective_timeout_s=config.parallel.collective_timeout_s,
         on_signal=signals.request if signals is not None else None,
+        on_started=lock.add_processes if lock is not None else None,
     )[0]
+
+
+@contextlib.contextmanager
+def _interrupted_by_signals() -> Iterator[None]:
+    """In the one process of a run without a stop request (scoring): SIGTERM or SIGINT raises `Interrupted`
+    where the main thread is, so the command ends with its one line and 128 + the signal, as a launch
+    does."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def on_rank_zero(config: TrainConfig, make: Callable[[], Any]) -> Any:

@@ -51,9 +51,11 @@ def device_peak_gb() -> float:
     return peak
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path, salvage: bool = False) -> list[dict[str, Any]]:
     """The rows of a `metrics.jsonl`. A torn last line (a write cut short: disk full, a kill) is skipped with
-    a warning naming the file; a damaged line before the last is an error naming the file and line."""
+    a warning naming the file, or with `salvage` kept without one as the fields written before the tear,
+    marked `"torn": true` (`salvaged_row`; skipped when not even its step was written); a damaged line
+    before the last is an error naming the file and line."""
     lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
     rows = []
     for number, line in enumerate(lines, start=1):
@@ -64,10 +66,26 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                 raise ValueError(
                     f"{path}, line {number}: not a metrics row ({exc}); remove the line"
                 ) from None
-            warnings.warn(
-                f"{path}: skipped its torn last line (a write cut short): {line[:60]!r}", stacklevel=2
-            )
+            salvaged = salvaged_row(line) if salvage else None
+            if salvaged is not None:
+                rows.append(salvaged)
+            elif not salvage:
+                warnings.warn(
+                    f"{path}: skipped its torn last line (a write cut short): {line[:60]!r}", stacklevel=2
+                )
     return rows
+
+
+def salvaged_row(line: str) -> dict[str, Any] | None:
+    """The fields of a torn row (one `json.dumps` cut short) up to the last whole one, with `"torn": True`;
+    None when its step is not among them."""
+    for match in reversed(list(re.finditer(r', "', line))):
+        try:
+            row = json.loads(line[: match.start()] + "}")
+        except ValueError:
+            continue
+        return row | {"torn": True} if isinstance(row, dict) and "step" in row else None
+    return None
 
 
 def heldout_bucket_key(start: int, end: int) -> str:
@@ -111,7 +129,8 @@ class MetricsLog:
     """Appends one JSON object per step to `runs/<run>/metrics.jsonl` and mirrors it to wandb.
 
     The file is never deleted: a run that continues from step N keeps the rows up to N and drops those of the
-    steps it will run again (and a torn last line), rewritten through a temporary file. A full disk on an
+    steps it will run again, rewritten through a temporary file; a torn last row of a step up to N (not run
+    again) keeps the fields written before the tear, marked torn. A full disk on an
     append stops the run with `DiskFull` (its last checkpoint intact)."""
 
     def __init__(self, config: TrainConfig, resumed_step: int) -> None:
@@ -119,7 +138,18 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_run_settings(config)  # runs/<run>/config.yaml: the settings the run (re)starts with
         if self.path.exists():
-            kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= resumed_step]
+            rows = read_metrics(self.path, salvage=True)
+            kept = [row for row in rows if row.get("step", 0) <= resumed_step]
+            for row in (row for row in rows if row.get("torn")):
+                # a step not run again keeps what was written of its row
+                what = "its step runs again"
+                if row in kept:
+                    what = "kept its fields before the tear, marked torn"
+                warnings.warn(
+                    f"{self.path}: the torn last line (a write cut short) is the row of step {row['step']}: "
+                    f"{what}",
+                    stacklevel=2,
+                )
             text = "".join(json.dumps(row) + "\n" for row in kept)
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             with space_checked(self.path, len(text), "the metrics kept on resume", SPACE_ADVICE):
@@ -159,5 +189,14 @@ class MetricsLog:
 
 
 def read_expert_load(path: Path) -> dict[int, list[float]]:
-    """The per-layer load of an `expert_load.json`, by MoE layer index."""
-    return {int(k): v for k, v in json.loads(Path(path).read_text())["counts"].items()}
+    """The per-layer load of an `expert_load.json`, by MoE layer index; a ValueError naming the file when it
+    is not one (torn or edited)."""
+    try:
+        counts = json.loads(Path(path).read_text())["counts"]
+        return {int(k): list(v) for k, v in counts.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"{path} is not a routed-load file ({type(exc).__name__}: {str(exc)[:120]}): remove it (the "
+            "run's next checkpoint writes it again), or give the imbalance: imbalance=<busiest/mean, e.g. "
+            "1.5>"
+        ) from None

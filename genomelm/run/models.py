@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import Tensor
 from genomelm.model import ModelConfig
 from genomelm.model.config import is_preset
 from genomelm.parallel.checkpoint import Checkpointer, is_sharded, verify_checkpoint
+from genomelm.parallel.checkpoint_holds import hold
 from genomelm.run.config import TrainConfig
 
 
@@ -46,10 +48,46 @@ def base_model_path(config: TrainConfig) -> str:
 def model_pair(config: TrainConfig, before: str | None = None, after: str | None = None) -> tuple[str, str]:
     """The before/after models: explicit ones, else the run's base model and its newest checkpoint: the step
     folder of a sharded one (read directly; its ranks verify it as they read it), the Hugging Face copy of a
-    one-process one."""
+    one-process one. That checkpoint is held for the life of this process (`Checkpointer.hold`), so a run
+    that still trains does not prune it while it is scored."""
     if after is None:
-        after = str(_newest_intact_model(Checkpointer(config.run_dir)))
+        after = str(_held_newest_model(Checkpointer(config.run_dir)))
+        if is_preset(config.model) or Path(config.model, "config.json").exists():
+            _check_run_model(config, after)
     return (base_model_path(config) if before is None else before), after
+
+
+def _check_run_model(config: TrainConfig, checkpoint: str) -> None:
+    """Refuse `model=` naming another architecture than the run's newest checkpoint `checkpoint` has: the
+    pair is the run's own models, so a different `model=` would be ignored without a word."""
+    wanted, found = model_config_of(config.model), model_config_of(checkpoint)
+    if _architecture(wanted) != _architecture(found):
+        raise ModelChoiceError(
+            f"model={config.model} is not the model run {config.run} trained ({checkpoint} is another "
+            "architecture): the before/after pair is the run's own models, so leave model= as the run had "
+            "it, or score other models with --before PATH --after PATH"
+        )
+
+
+def _architecture(config: ModelConfig) -> dict:
+    """A model config's fields, less the Hugging Face file's extras (which a saved copy adds)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
+
+
+def _held_newest_model(checkpointer: Checkpointer, tries: int = 5) -> Path:
+    """`_newest_intact_model`, held (`genomelm.parallel.checkpoint_holds`): chosen again if a run saving
+    meanwhile pruned it before the hold was taken."""
+    for _attempt in range(tries):
+        chosen = _newest_intact_model(checkpointer)
+        step_dir = chosen if is_sharded(chosen) else chosen.parent
+        taken = hold(step_dir)
+        if step_dir in checkpointer.complete():  # not pruned before the hold was taken
+            return chosen
+        taken.unlink(missing_ok=True)
+    raise ModelChoiceError(
+        f"the checkpoints of {checkpointer.run_dir} were pruned as fast as one was chosen: run again, or "
+        "pass --after PATH"
+    )
 
 
 def _newest_intact_model(checkpointer: Checkpointer) -> Path:

@@ -130,15 +130,17 @@ class StopCheck:
 
     def agreed(self, device: torch.device) -> bool:
         """Whether any rank saw a stop request (the same answer on every rank; one all-reduce under a
-        launcher, on `device`)."""
+        launcher, on `device`, of the signal's number, so a rank that did not see it reports the same
+        signal and exits with the same status)."""
         if self.received is None:
             self.received = stop_requested(self.run_dir)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.received is not None
-        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
+        seen = 0 if self.received is None else stop_exit_code(self.received) - 128
+        flag = torch.tensor([float(seen)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0 and self.received is None:  # another rank saw it first
-            self.received = stop_requested(self.run_dir) or "a stop request"
+            self.received = signal.Signals(int(flag.item())).name
         return bool(flag.item() > 0)
 
 
@@ -149,7 +151,9 @@ class RankStopSignals:
     --signal=USR1@<s>` sends before the time limit) records the run's stop request in this process, and
     `StopCheck`'s all-reduce tells the other ranks. A repeat is the same request (under Slurm a task gets one
     from Slurm and one from torchrun): the launcher owns the deadline (torchrun's --shutdown-timeout, Slurm's
-    KillWait) and ends a rank that misses it with SIGKILL."""
+    KillWait) and ends a rank that misses it with SIGKILL. After a stop or a failure the signals stay ignored:
+    every rank then exits with the stop code (138 after SIGUSR1) or its failure's line, also one that torchrun
+    signals once another rank has exited."""
 
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -164,8 +168,11 @@ class RankStopSignals:
         return self
 
     def __exit__(self, kind: type | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        ending = self.run_dir in _received_here or error is not None
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # a stopped or failed run ends with its line and its status: the launcher's next signal (torchrun
+            # sends SIGTERM to the ranks still running once one has exited) must not cut that short
+            signal.signal(sig, signal.SIG_IGN if ending else handler)
         _received_here.pop(self.run_dir, None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

@@ -4,7 +4,11 @@
   (`allow_random_init=true`);
 - the data's token ids must be the model's: the tokenizer in a checkpoint folder, or the vocabulary size and
   padding id of a preset;
-- a resumed run must be the same run: model, window length, data and vocabulary.
+- a resumed run must be the same run: model, window length, data and vocabulary; and its steps must mean the
+  same (`same_step`): as many windows per optimizer step (dp x grad_accum), kept by raising or lowering
+  grad_accum when the dp changed, refused when no grad_accum can keep it;
+- the run folder must take what the run writes (`check_run_folder`): a file standing where a checkpoint goes,
+  or a folder that cannot be written, is refused before the first step instead of when the step is saved.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 
 from genomelm.data.vocab import Vocabulary, tokenizer_vocabulary
 from genomelm.model import GlmForCausalLM, ModelConfig
+from genomelm.parallel.checkpoint import Checkpointer
+from genomelm.run.lock import check_writable
 
 RANDOM_INIT_LIMIT = 1e9  # parameters above which a random initialisation is refused without allow_random_init
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -21,6 +27,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 class RunMismatch(ValueError):
     """A run setting that contradicts the model, the data or the checkpoint being resumed."""
+
+
+class RunFolderBlocked(ValueError):
+    """The run folder cannot take what the run will write; the message names the path and the fix."""
+
+
+def check_run_folder(checkpointer: Checkpointer, start_step: int, last_step: int) -> None:
+    """Refuse a run whose checkpoints of steps after `start_step` up to `last_step` could not be written: a
+    file in their way (`Checkpointer.blocked`) or a run or checkpoints folder this process cannot write to."""
+    blocked = checkpointer.blocked(start_step, last_step)
+    if blocked:
+        path, what = blocked[0]
+        more = f" (and {len(blocked) - 1} more such entries)" if len(blocked) > 1 else ""
+        raise RunFolderBlocked(
+            f"{path} is a file where the run writes {what}{more}: move it out of {path.parent} (or remove "
+            "it) and run again"
+        )
+    for folder in (checkpointer.run_dir, checkpointer.root):
+        if folder.is_dir():
+            check_writable(folder)
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -108,5 +134,42 @@ def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], checkpoi
     if differ:
         raise RunMismatch(
             f"resume=auto found {checkpoint}, written by a different run ({'; '.join(differ)}). Continue "
-            "with the original settings, start a new run (run=<name>), or resume=never to start this one over"
+            "with the original settings, or start a new run beside it: resume=never run=<new name>"
         )
+
+
+def same_step(config: Any, saved: dict[str, Any] | None, checkpoint: Path) -> tuple[Any, str | None]:
+    """`config` resuming `checkpoint` (whose trainer state stored the settings `saved`) with as many windows
+    per optimizer step (dp x grad_accum) as the run had: grad_accum changed to keep them when dp changed; and
+    a line saying what changed of the layout (dp, cp, ep) and that the step means the same, None when nothing
+    did. `RunMismatch` when the new dp does not divide the windows per step."""
+    if saved is None:
+        return config, None
+    parallel, optim = saved.get("parallel", {}), saved.get("optim", {})
+    then = {name: int(parallel.get(name, 1)) for name in ("dp", "cp", "ep")}
+    now = {name: int(getattr(config.parallel, name)) for name in ("dp", "cp", "ep")}
+    windows = then["dp"] * int(optim.get("grad_accum", 1))
+    accum = config.optim.grad_accum
+    if now["dp"] * accum != windows:
+        if windows % now["dp"]:
+            raise RunMismatch(
+                f"{checkpoint} trained {windows} windows per optimizer step (dp={then['dp']} x grad_accum="
+                f"{windows // then['dp']}), which dp={now['dp']} cannot keep: resume with a dp that divides "
+                f"{windows} (grad_accum then follows), or start a new run beside it: resume=never "
+                "run=<new name>"
+            )
+        config = config.replace(grad_accum=windows // now["dp"])
+    if then == now and config.optim.grad_accum == accum:
+        return config, None
+    layout = (
+        " ".join(f"{k}={v}" for k, v in then.items()) + " -> " + " ".join(f"{k}={v}" for k, v in now.items())
+    )
+    kept = (
+        f"; grad_accum={accum} -> {config.optim.grad_accum} to keep them"
+        if config.optim.grad_accum != accum
+        else ""
+    )
+    return config, (
+        f"resuming {checkpoint.name} at another layout ({layout}): {windows} windows per optimizer step as "
+        f"before{kept}, so each step means the same (sums may differ in their last bits)"
+    )

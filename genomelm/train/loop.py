@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from genomelm.model.config import MOE, is_preset
 from genomelm.parallel.checkpoint import Checkpointer, write_checksums
 from genomelm.parallel.expert_slots import placements_by_module
 from genomelm.parallel.export import export_checkpoint_collective
+from genomelm.parallel.launcher_watch import check_launcher
 from genomelm.parallel.mesh import ParallelDims
 from genomelm.parallel.rank_loading import load_rank_shard
 from genomelm.parallel.training import ParallelRun
@@ -50,7 +52,15 @@ from genomelm.train.balance import (
 )
 from genomelm.train.faults import inject_fault
 from genomelm.train.feed import TrainingData, Window
-from genomelm.train.guards import RunMismatch, check_random_init, check_resume, check_vocabulary, run_identity
+from genomelm.train.guards import (
+    RunMismatch,
+    check_random_init,
+    check_resume,
+    check_run_folder,
+    check_vocabulary,
+    run_identity,
+    same_step,
+)
 from genomelm.train.heldout import HeldoutEval, heldout_line
 from genomelm.train.memory import LayerRunner, set_chunk_recompute
 from genomelm.train.optimizer import make_optimizer, store_weights
@@ -133,6 +143,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict[str, Any]:
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 mem_gb=f"{max(record['peak_device_mem_gb'], record['host_peak_rss_gb']):.1f}",
             )
+            check_launcher()  # a rank whose launcher is gone stops here, saving nothing
             saved = (step + 1) % config.checkpoint.save_every == 0 or step + 1 == config.optim.steps
             if saved:
                 save(run, step + 1)
@@ -178,6 +189,11 @@ def build_run(config: TrainConfig) -> Run:
     dims.check(model_config.n_routed_experts if MOE in model_config.mlp_layer_types else None)
     identity = run_identity(config, data.manifest)
     resume_from, state = resume_state(config, checkpointer, identity, parallel)
+    check_run_folder(checkpointer, state["step"] if state is not None else 0, config.optim.steps)
+    if state is not None:
+        config, changed = same_step(config, state.get("config"), resume_from)
+        if changed and (parallel is None or parallel.is_output_rank):
+            warnings.warn(changed, stacklevel=1)
     placed = placed_by_load(config, model_config, state, parallel)
     model = build_model(config, model_config, device, parallel, resume_from, checkpointer, placed)
     runner = LayerRunner.for_memory(config.memory)
@@ -324,7 +340,7 @@ def resume_state(
     if parallel is not None and not checkpointer.is_sharded(resume_from):
         raise RunMismatch(
             f"{resume_from} is a one-process checkpoint; resume it with one process (dp=1 cp=1 "
-            "ep=1), or start this run afresh with resume=never"
+            "ep=1), or start a new run beside it: resume=never run=<new name>"
         )
     return resume_from, state
 
