@@ -379,6 +379,11 @@ def launcher_killed(lab: Lab) -> Row:
     return row
 
 
+def windows_scored(out: str) -> int:
+    """The most windows the progress bar of a scoring command's stdout has counted (tqdm's "| n/total [")."""
+    return max((int(n) for n in re.findall(r"\| (\d+)/\d+ \[", out)), default=0)
+
+
 def eval_launcher_killed(lab: Lab) -> Row:
     row = Row("kill -9 of a genomelm eval launcher while its ranks score (cp=2)")
     folder = lab.folder("eval-launcher-killed")
@@ -388,7 +393,7 @@ def eval_launcher_killed(lab: Lab) -> Row:
     args = [*lab.train(folder, data=data, cp=2), f"results_dir={folder / 'results'}", "bucket=256"]
     args[0] = "eval"
     command = Command(args, folder)
-    command.wait_until(lambda: "window 2/" in command.out_path.read_text(errors="replace"))
+    command.wait_until(lambda: windows_scored(command.out_path.read_text(errors="replace")) >= 2)
     os.kill(command.process.pid, signal.SIGKILL)
     killed = time.monotonic()
     row.code = command.process.wait()
@@ -470,7 +475,7 @@ def sigterm_to_eval(lab: Lab) -> Row:
     args = [*lab.train(folder, data=data), f"results_dir={folder / 'results'}", "bucket=256"]
     args[0] = "eval"
     command = Command(args, folder)
-    command.wait_until(lambda: "window 2/" in command.out_path.read_text(errors="replace"))
+    command.wait_until(lambda: windows_scored(command.out_path.read_text(errors="replace")) >= 2)
     command.signal_group(signal.SIGTERM)
     code = command.finish()
     common_checks(row, command, code, "", 143)

@@ -133,7 +133,7 @@ def test_eval_every_without_heldout_windows_stops_before_training(fly, tmp_path,
         WindowDataset, "__len__", lambda self: 0 if self.split == "heldout" else real_len(self)
     )
     settings = run_settings(fly, tmp_path / "runs", eval_every=2)
-    with pytest.raises(RunMismatch, match=f"{fly} has none.*--heldout.*eval_every=0"):
+    with pytest.raises(RunMismatch, match=f"{fly} has none.*heldout=.*eval_every=0"):
         train(TrainConfig.load(None, settings), progress=False)
     assert not (tmp_path / "runs").exists()  # no model was built, nothing written
     assert train_main(settings) == 2

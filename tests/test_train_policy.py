@@ -164,7 +164,7 @@ def test_resume_refuses_a_different_run(tmp_path, windows) -> None:
     train(settings(tmp_path, windows, steps=2, save_every=2), progress=False)
     other = tmp_path / "other-model"
     save_model(load_model("tiny"), other)
-    with pytest.raises(RunMismatch, match=r"model: 'tiny' then, '.*other-model' now.*run=<name>"):
+    with pytest.raises(RunMismatch, match=r"model: 'tiny' then, '.*other-model' now.*run=<new name>"):
         train(settings(tmp_path, windows, steps=4, model=str(other)), progress=False)
 
 
