@@ -398,6 +398,25 @@ def test_fsdp_and_expert_sharding_arithmetic():
     layers = range(model_config.num_hidden_layers)
     largest = max(numel[f"layers.{i}"] - per_layer / 2 * (i in sparse) for i in layers)
     assert dev["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] == pytest.approx(10 * largest)
+    # fsdp_prefetch=2: three gathered layers (the running one and two ahead), the rest as it was
+    ahead, _, _ = _stub_plan(fsdp_prefetch=2)
+    ahead_dev = {k: v * GIB for k, v in ahead.device_gib.items()}
+    assert ahead_dev["FSDP buffers (3 bf16 layers gathered, bf16 + fp32 gradient)"] == pytest.approx(
+        12 * largest
+    )
+    assert (allocated_gib(ahead) - allocated_gib(plan)) * GIB == pytest.approx(2 * largest)
+    # reduce_dtype=bf16: the reduce-scatter's copy in bf16 (2 B, not 4) and half its bytes over the links
+    halved, _, _ = _stub_plan(reduce_dtype="bf16")
+    halved_dev = {k: v * GIB for k, v in halved.device_gib.items()}
+    assert halved_dev["FSDP buffers (2 bf16 layers gathered, bf16 + bf16 gradient)"] == pytest.approx(
+        8 * largest
+    )
+    fp32_bytes = plan.comm_bytes_per_step["fsdp reduce_scatter (fp32 gradients)"]
+    assert halved.comm_bytes_per_step["fsdp reduce_scatter (bf16 gradients)"] == pytest.approx(fp32_bytes / 2)
+    assert "fsdp reduce_scatter (fp32 gradients)" not in halved.comm_bytes_per_step
+    same = {k: v for k, v in plan.comm_bytes_per_step.items() if "reduce_scatter (fp32" not in k}
+    assert same == {k: v for k, v in halved.comm_bytes_per_step.items() if "reduce_scatter (bf16" not in k}
+    assert halved.roofline["overlapped_s"] < plan.roofline["overlapped_s"]
     replicated, _, _ = _stub_plan(fsdp=False)
     assert replicated.device_gib["parameters (fp32)"] * GIB == pytest.approx(4 * (total - experts / 2))
     assert replicated.device_gib["optimizer step peak (separate phase)"] > 0

@@ -39,8 +39,10 @@ SHARDING_RULE = (
     "ranks holding the same experts, so each rank holds (all parameters) / W x the optimizer's bytes per "
     "parameter (`optimizer` rule: adamw 4 + 4 + 8 B; adamw8bit 4 + 4 + ~2.03 B; adamw_bf16 ~2 + 2 + ~2.03 "
     "B), and the largest rank ceil(dim0 / shards) rows of each tensor (FSDP padding, counted apart); FSDP "
-    "gathers one decoder layer in bf16 while it prefetches the next (2 x 2 B per parameter of the largest "
-    "layer, its experts / ep) and reduce-scatters its gradient from a bf16 + fp32 copy (6 B); without FSDP "
+    "gathers one decoder layer in bf16 while it prefetches the next, or with fsdp_prefetch=N > 1 the next "
+    "N ((1 + max(1, N)) x 2 B per parameter of the largest layer, its experts / ep: the backward's, which "
+    "holds at least as many as the forward's 1 + N) and reduce-scatters its gradient from a bf16 + fp32 copy "
+    "(6 B; with reduce_dtype=bf16 a bf16 copy: 4 B); without FSDP "
     "each rank holds every parameter (experts / ep) at those bytes; optimizer_offload=true keeps the "
     "weights, gradients and optimizer state in pinned host memory (FSDP2 CPUOffloadPolicy), leaving the "
     "gathered bf16 layers on the GPU"
@@ -501,9 +503,10 @@ def rank_memory(
     if layout.sharded:
         # the largest rank's shards hold ceil(dim0 / shards) rows (FSDP2 splits dim 0 as torch.chunk does)
         device[PADDING] = 0.0 if opt_offload else state.padding
-        device["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] = _largest_layer(
-            model_config, layout, params
-        ) * (2 * 2 + 2 + 4)
+        gathered, reduced = gathered_layers(config), reduce_bytes(config)
+        dtype = "bf16" if reduced == 2 else "fp32"
+        name = f"FSDP buffers ({gathered} bf16 layers gathered, bf16 + {dtype} gradient)"
+        device[name] = _largest_layer(model_config, layout, params) * (2 * gathered + 2 + reduced)
         opt_phase = sum(device[k] for k in (*held, "buffers", PADDING))
     else:  # traced with torch's AdamW (the gradient sum, clipping and the step's temporaries), per parameter
         traced = hi.optimizer_peak_total * params.local / sum(hi.param_numel.values())
@@ -524,6 +527,20 @@ def rank_memory(
 
 
 PADDING = "FSDP padding (largest rank: ceil(dim0 / shards) rows)"
+
+
+def reduce_bytes(config: TrainConfig) -> int:
+    """Bytes per gradient value FSDP2 reduce-scatters in (`parallel.reduce_dtype`: fp32 4, bf16 2). The
+    fp32-declared parameters (router, KDA decay, mHC: well under 1% of a layer) are reduced in fp32 whatever
+    the setting; counted at the setting's bytes."""
+    return 2 if config.parallel.reduce_dtype == "bf16" else 4
+
+
+def gathered_layers(config: TrainConfig) -> int:
+    """Decoder layers FSDP2 holds gathered at once: the running one and those gathered ahead, in the
+    backward max(1, `fsdp_prefetch`) (its default prefetch of one), in the forward `fsdp_prefetch` (fewer or
+    as many): 1 + max(1, fsdp_prefetch)."""
+    return 1 + max(1, config.parallel.fsdp_prefetch)
 
 
 def offload_name(optimizer: str) -> str:

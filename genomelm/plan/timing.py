@@ -21,7 +21,7 @@ from genomelm.model import ModelConfig
 from genomelm.plan import rates, roofline
 from genomelm.plan.comm import comm_bytes, copy_exchanges, forward_comm_bytes, fsdp_groups
 from genomelm.plan.layouts import Assumptions, EvalTime, Layout
-from genomelm.plan.memory import ParameterShare, ScaledTraces
+from genomelm.plan.memory import ParameterShare, ScaledTraces, reduce_bytes
 from genomelm.plan.optimizer_bytes import StateBytes
 from genomelm.plan.overlap import LayerWork, simulate
 from genomelm.plan.rates import Peaks
@@ -247,8 +247,17 @@ def step_time(
     `state`: its weights, gradients and optimizer state (the update's bytes)."""
     p = device_peaks(a, config.plan.gpu)
     rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
+    reduced = reduce_bytes(config)
     comm, comm_s, side = comm_bytes(
-        model_config, layout, params, steps, a, p, config.parallel.ep_overlap, copy_exchanges(config, layout)
+        model_config,
+        layout,
+        params,
+        steps,
+        a,
+        p,
+        config.parallel.ep_overlap,
+        copy_exchanges(config, layout),
+        reduced,
     )
     chunk_tokens = config.model_options.moe_chunk_tokens
     routings = 2 if config.parallel.ep_overlap else 1  # the forward's, and the recompute's to start ahead
@@ -256,9 +265,11 @@ def step_time(
     host: dict[str, float] = {}
     offloaded = host_inputs if config.memory.offload else 0.0
     works, rest_s, moe_s = layer_works(
-        model_config, layout, params, steps, a, p, offloaded, chunk_tokens, routings
+        model_config, layout, params, steps, a, p, offloaded, chunk_tokens, routings, reduced
     )
-    timeline = simulate(works, between=rest_s, comm_sm_share=p.comm_sm_share)
+    timeline = simulate(
+        works, between=rest_s, forward_prefetch=config.parallel.fsdp_prefetch, comm_sm_share=p.comm_sm_share
+    )
     exposed = dict(timeline.exposed)
     # the expert exchanges started ahead run on NVLink (and NICs past a node) beside the MoE work
     ahead = sum(v for k, v in side.items() if k.startswith("ep "))
@@ -298,6 +309,7 @@ def layer_works(
     host_inputs: float,
     chunk_tokens: int,
     routings: int,
+    reduced: int = 4,
 ) -> tuple[list[LayerWork], float, float]:
     """Each decoder layer's work in a window for the event model (`LayerWork`), the rest's compute
     (embedding, head, loss; forward and backward) and the MoE work of every pass (seconds), at the busiest
@@ -306,7 +318,8 @@ def layer_works(
     copies one third per pass, the routing ahead in the forward (and the recompute's). FSDP2 per layer and
     pass: the all-gather of its parameters (bf16) and of its experts over their groups (`fsdp_groups`, the
     NICs shared), its copy-out (read and write the gathered bf16) on the compute stream; after the backward
-    the reduce-scatter (fp32) behind its copy-in and cast (bf16 read, fp32 written). `host_inputs`: the bytes
+    the reduce-scatter (in `reduced` bytes per value: fp32 4, bf16 2) behind its copy-in and cast (bf16
+    read, the reduce dtype written). `host_inputs`: the bytes
     of layer inputs offloaded (0: none), back over PCIe in the backward, beside the GPU's share of its node's
     NIC traffic (GPU-direct through the same switch port). Left out: the all-gathers' copy-in (a rank's own
     shard, 1/world of a layer) and the root unit's gather (embedding, norm, head)."""
@@ -343,12 +356,12 @@ def layer_works(
             rest = params.numel[f"layers.{i}"] - layer_experts
             for moved, ranks, sharing in fsdp_groups(layout, rest, layer_experts, links.gpus_per_node):
                 gather += links.seconds("ring", 2 * moved, ranks, sharing)
-                reduce += links.seconds("ring", 4 * moved, ranks, sharing)
+                reduce += links.seconds("ring", reduced * moved, ranks, sharing)
                 if ranks > links.gpus_per_node:  # what the node's NICs carry, per GPU port
-                    nic += 6 * moved * sharing / links.gpus_per_node
+                    nic += (2 + reduced) * moved * sharing / links.gpus_per_node
             unsharded = rest + layer_experts / layout.ep
             copy_out = 2 * 2 * unsharded / p.memory
-            reduce += (2 + 4) * unsharded / p.memory
+            reduce += (2 + reduced) * unsharded / p.memory
         if sparse[i] and layout.ep > 1:
             forward, recompute, backward = forward + copy_s + route_s, recompute + copy_s, backward + copy_s
             recompute += route_s if routings > 1 else 0.0
