@@ -19,6 +19,7 @@ from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
 from genomelm.model.config import MOE, is_preset
 from genomelm.plan import rates
 from genomelm.plan.layouts import GIB, GPUS, Assumptions, Layout
+from genomelm.plan.low_precision import transient_bytes
 from genomelm.plan.optimizer_bytes import StateBytes, state_bytes
 from genomelm.plan.trace import (
     StepTrace,
@@ -173,10 +174,13 @@ class TraceCache:
         """The run as traced: training with recompute, offload on (`OFFLOAD_RULE`); training with torch's
         AdamW whatever the run's optimizer, so one trace serves every choice: the low-bit update cannot run
         on fake tensors (torchao's quantiser reads a value: a data-dependent op), and the optimizer's bytes
-        are computed (`optimizer_bytes`)."""
+        are computed (`optimizer_bytes`); training and evaluation with the expert GEMMs in bf16 (on the CPU
+        a low precision runs emulated, with fp32 copies: `genomelm.plan.low_precision` counts it in
+        training; the evaluation's forward is costed in bf16)."""
         if run.plan.stage != "train":
-            return run
-        return run.replace(optimizer="adamw", **({"offload": True} if run.memory.recompute else {}))
+            return run.replace(expert_precision="bf16")
+        offload = {"offload": True} if run.memory.recompute else {}
+        return run.replace(optimizer="adamw", expert_precision="bf16", **offload)
 
     def _key(self, run: TrainConfig, tokens: int, layers: list[int]) -> tuple:
         memory, options = run.memory, run.model_options
@@ -354,8 +358,9 @@ def module_transients(
 ) -> dict[str, float]:
     """Each traced module's transient at the rank's tokens: the backward of the chunked modules (feed-forward:
     moe_chunk_tokens, loss head: loss_chunk_tokens) only up to their chunk, the MoE layers' by `MOE_RULE`
-    with FSDP or EP; plus, where a layer's recompute holds every chunk at once, the feed-forward tensors its
-    recompute holds until its backward (`recompute_held`)."""
+    with FSDP or EP (and what a low expert_precision's GEMMs hold more: `low_precision.transient_bytes`);
+    plus, where a layer's recompute holds every chunk at once, the feed-forward tensors its recompute holds
+    until its backward (`recompute_held`)."""
     tokens, options = steps.tokens, config.model_options
     transients = chunked_transients(config, steps)
     held = recompute_held(config, model_config, layout, steps, a)
@@ -375,9 +380,10 @@ def module_transients(
         expert = 3 * c.hidden_size * c.moe_intermediate_size * copy_width(config, layout)
         held_layers = 1 if config.memory.recompute else sum(t == MOE for t in c.mlp_layer_types)
         copies = 2 * a.copy_weights * expert * held_layers if layout.ep > 1 else 0.0
+        quantised = transient_bytes(c, layout, options.expert_precision, rows)
         for k in transients:
             if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == MOE:
-                transients[k] = rows * per_row + copies
+                transients[k] = rows * per_row + copies + quantised
     return {k: v + held.get(k, 0.0) for k, v in transients.items()}
 
 
