@@ -398,6 +398,25 @@ def test_fsdp_and_expert_sharding_arithmetic():
     layers = range(model_config.num_hidden_layers)
     largest = max(numel[f"layers.{i}"] - per_layer / 2 * (i in sparse) for i in layers)
     assert dev["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] == pytest.approx(10 * largest)
+    # fsdp_prefetch=2: three gathered layers (the running one and two ahead), the rest as it was
+    ahead, _, _ = _stub_plan(fsdp_prefetch=2)
+    ahead_dev = {k: v * GIB for k, v in ahead.device_gib.items()}
+    assert ahead_dev["FSDP buffers (3 bf16 layers gathered, bf16 + fp32 gradient)"] == pytest.approx(
+        12 * largest
+    )
+    assert (allocated_gib(ahead) - allocated_gib(plan)) * GIB == pytest.approx(2 * largest)
+    # reduce_dtype=bf16: the reduce-scatter's copy in bf16 (2 B, not 4) and half its bytes over the links
+    halved, _, _ = _stub_plan(reduce_dtype="bf16")
+    halved_dev = {k: v * GIB for k, v in halved.device_gib.items()}
+    assert halved_dev["FSDP buffers (2 bf16 layers gathered, bf16 + bf16 gradient)"] == pytest.approx(
+        8 * largest
+    )
+    fp32_bytes = plan.comm_bytes_per_step["fsdp reduce_scatter (fp32 gradients)"]
+    assert halved.comm_bytes_per_step["fsdp reduce_scatter (bf16 gradients)"] == pytest.approx(fp32_bytes / 2)
+    assert "fsdp reduce_scatter (fp32 gradients)" not in halved.comm_bytes_per_step
+    same = {k: v for k, v in plan.comm_bytes_per_step.items() if "reduce_scatter (fp32" not in k}
+    assert same == {k: v for k, v in halved.comm_bytes_per_step.items() if "reduce_scatter (bf16" not in k}
+    assert halved.roofline["overlapped_s"] < plan.roofline["overlapped_s"]
     replicated, _, _ = _stub_plan(fsdp=False)
     assert replicated.device_gib["parameters (fp32)"] * GIB == pytest.approx(4 * (total - experts / 2))
     assert replicated.device_gib["optimizer step peak (separate phase)"] > 0
@@ -422,6 +441,48 @@ def test_fsdp_and_expert_sharding_arithmetic():
     assert hidden > 0
     assert plan.assumptions["overlapped_s"] - blocking.assumptions["overlapped_s"] == pytest.approx(hidden)
     assert plan.assumptions["sharding"].startswith("bytes per rank") and plan.assumptions["imbalance"] == 4.0
+
+
+def test_fp8_expert_gemms_cost_their_rate_their_quantisation_and_their_transient():
+    """expert_precision=fp8_rowwise (the tiny model's widths are multiples of 16, not of MXFP8's 32), dp 2 x
+    cp 2 x ep 2, 512 tokens per rank in one chunk, the stub's imbalance 4: the stub trace has no kernels,
+    so the window's compute grows by torchao's quantisation and the alignment copies alone, counted by hand;
+    the MoE transient by the fp8 copies; the grouped GEMM's rate x 1.1 / the padding; MXFP8 refused on
+    H200."""
+    from genomelm.plan.layouts import Layout
+    from genomelm.plan.low_precision import expert_peaks, expert_quantisation
+    from genomelm.plan.rates import peaks
+
+    plan, model_config, _ = _stub_plan()
+    fp8, _, _ = _stub_plan(expert_precision="fp8_rowwise")
+    d, i, moe_layers, local_experts = 32, 16, 3, 4  # hidden, moe_intermediate, MoE layers, 8 experts / ep 2
+    weights = local_experts * 3 * d * i * 3  # one chunk: quantised once per pass, read bf16 + written fp8
+    rows = 512 * 2 * 4.0  # tokens x top-2 x imbalance
+    forward = weights + rows * (3 * (d + i) + 10 * d + 14 * i)
+    backward = weights + rows * (3 * (3 * d + 5 * i) + 10 * d + 16 * i)
+    launches = 3 * 16 * moe_layers * 7e-6  # three passes, 16 kernels per MoE layer and chunk
+    added = moe_layers * (2 * forward + backward) / 6.52e12 + launches
+    assert fp8.roofline["compute_s"] - plan.roofline["compute_s"] == pytest.approx(added)
+    assert fp8.comm_bytes_per_step == plan.comm_bytes_per_step
+    held = local_experts * 2 * i * d + 512 * 2 * 4.0 * (1 + local_experts * 7.5 / 1024) * 2 * i * 4
+    for k, v in plan.transients_gib.items():
+        extra = held if k.endswith(".mlp") and k != "layers.0.mlp" else 0.0  # layer 0 is dense
+        assert (fp8.transients_gib[k] - v) * GIB == pytest.approx(extra)
+    b200 = peaks("b200")
+    layout = Layout(2, 2, 2, True, False)
+    rate = expert_peaks(b200, model_config, layout, "fp8_rowwise", 512, 4096).compute["grouped_gemm_bf16"]
+    assert rate == pytest.approx(450e12 * 1.1 / (1 + local_experts * 7.5 / 1024))
+    low = expert_peaks(peaks("b200", case="low"), model_config, layout, "mxfp8", 512, 4096)
+    assert low.compute["grouped_gemm_bf16"] == pytest.approx(450e12 * 0.8 / (1 + local_experts * 15.5 / 1024))
+    assert expert_peaks(b200, model_config, layout, "bf16", 512, 4096) is b200
+    passes = expert_quantisation(model_config, layout, "fp8_rowwise", 512, 4096, b200, 4.0)
+    assert sum(c.bytes for c in passes) == pytest.approx(moe_layers * (2 * forward + backward))
+    assert passes[1].recompute_seconds == passes[1].seconds > 0 and passes[2].backward
+    alone = expert_quantisation(model_config, layout, "fp8_rowwise", 512, 4096, b200, 4.0, recompute=False)
+    assert alone[1].seconds == 0 and alone[0].seconds == passes[0].seconds
+    assert expert_quantisation(model_config, layout, "bf16", 512, 4096, b200, 4.0) == []
+    with pytest.raises(ValueError, match="mxfp8 has no kernel on h200"):
+        expert_peaks(peaks("h200"), model_config, layout, "mxfp8", 512, 4096)
 
 
 def test_the_plan_gives_a_range_and_what_the_event_model_leaves_exposed():

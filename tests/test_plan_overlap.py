@@ -49,3 +49,23 @@ def test_inputs_back_from_the_host_wait_and_collectives_slow_the_compute():
     # copy-outs on the compute stream, once per pass
     copies = simulate([LayerWork(forward=1.0, recompute=1.0, backward=1.0, copy_out=0.5)] * 2)
     assert copies.window_s == pytest.approx(6.0 + 4 * 0.5)
+
+
+def test_backward_prefetch_of_two_layers_hides_a_long_gather():
+    # three layers, each forward 1 s, recompute + backward 2 s; layer 0's gather 3 s, the others' 1 s.
+    # forward (no sync: the host issues every gather at 0): gathers [0, 3] [3, 4] [4, 5], layers [3, 4]
+    # [4, 5] [5, 6] (3 s waited). backward, one ahead: gather 2 [6, 7], layer 2 [7, 9] (1 s waited), gather 1
+    # at 7 [7, 8], layer 1 [9, 11], gather 0 at 9 [9, 12], layer 0 [12, 14] (1 s waited): 14 s.
+    # two ahead (fsdp_prefetch=2): gathers 2 and 1 at 6 [6, 7] [7, 8], layer 2 [7, 9], gather 0 at 7 [8, 11],
+    # layer 1 [9, 11], layer 0 [11, 13]: 13 s, the long gather hidden behind layers 2 and 1.
+    first = LayerWork(forward=1.0, recompute=1.0, backward=1.0, gather=3.0)
+    rest = LayerWork(forward=1.0, recompute=1.0, backward=1.0, gather=1.0)
+    one = simulate([first, rest, rest])
+    two = simulate([first, rest, rest], forward_prefetch=2)
+    assert one.window_s == pytest.approx(14.0) and two.window_s == pytest.approx(13.0)
+    assert one.exposed["forward all-gathers"] == two.exposed["forward all-gathers"] == pytest.approx(3.0)
+    assert one.exposed["backward all-gathers"] == pytest.approx(2.0)
+    assert two.exposed["backward all-gathers"] == pytest.approx(1.0)
+    assert one.compute_s == two.compute_s == pytest.approx(9.0)
+    # one ahead is FSDP2's default backward prefetch: fsdp_prefetch=1 changes the forward alone
+    assert simulate([first, rest, rest], forward_prefetch=1).window_s == pytest.approx(14.0)

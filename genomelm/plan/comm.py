@@ -125,12 +125,13 @@ def comm_bytes(
     p: Peaks,
     overlap: bool,
     copies: tuple[int, int],
+    reduced: int = 4,
 ) -> tuple[dict[str, float], float, dict[str, float]]:
     """Bytes one rank moves per window (the traced context-parallel collectives scaled by layer, plus the
     computed FSDP, gradient and expert-parallel ones), and their seconds at the link each group runs over:
     those that block the compute, and those on the side (FSDP2's; with `overlap`, the expert exchanges
     started ahead). `copies`: the bytes per weight and exchanges per MoE layer of the experts' copies
-    (`copy_exchanges`)."""
+    (`copy_exchanges`); `reduced`: bytes per gradient value of FSDP2's reduce-scatter (`reduce_bytes`)."""
     hi, cp, world = steps.hi, layout.cp, layout.world
     tally = _Tally(p.links, a.imbalance)
     tally.traced_layers(model_config, steps, cp)
@@ -143,9 +144,8 @@ def comm_bytes(
         ):
             label = "fsdp all_gather (bf16, forward + recompute)"
             tally.add(label, 2 * 2 * moved, ranks, overlapped=True, sharing=sharing)
-            tally.add(
-                "fsdp reduce_scatter (fp32 gradients)", 4 * moved, ranks, overlapped=True, sharing=sharing
-            )
+            label = f"fsdp reduce_scatter ({'bf16' if reduced == 2 else 'fp32'} gradients)"
+            tally.add(label, reduced * moved, ranks, overlapped=True, sharing=sharing)
     elif world > 1:  # every rank's gradients summed (one packed all-reduce; ring: twice the bytes)
         tally.add("gradient all_reduce (fp32)", 2 * 4 * params.local * (world - 1) / world, world)
     tokens = steps.tokens  # bf16 rows, a dispatch and a combine in each of the forward, recompute, backward

@@ -19,6 +19,7 @@ from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
 from genomelm.model.config import MOE, is_preset
 from genomelm.plan import rates
 from genomelm.plan.layouts import GIB, GPUS, Assumptions, Layout
+from genomelm.plan.low_precision import transient_bytes
 from genomelm.plan.optimizer_bytes import StateBytes, state_bytes
 from genomelm.plan.trace import (
     StepTrace,
@@ -39,8 +40,10 @@ SHARDING_RULE = (
     "ranks holding the same experts, so each rank holds (all parameters) / W x the optimizer's bytes per "
     "parameter (`optimizer` rule: adamw 4 + 4 + 8 B; adamw8bit 4 + 4 + ~2.03 B; adamw_bf16 ~2 + 2 + ~2.03 "
     "B), and the largest rank ceil(dim0 / shards) rows of each tensor (FSDP padding, counted apart); FSDP "
-    "gathers one decoder layer in bf16 while it prefetches the next (2 x 2 B per parameter of the largest "
-    "layer, its experts / ep) and reduce-scatters its gradient from a bf16 + fp32 copy (6 B); without FSDP "
+    "gathers one decoder layer in bf16 while it prefetches the next, or with fsdp_prefetch=N > 1 the next "
+    "N ((1 + max(1, N)) x 2 B per parameter of the largest layer, its experts / ep: the backward's, which "
+    "holds at least as many as the forward's 1 + N) and reduce-scatters its gradient from a bf16 + fp32 copy "
+    "(6 B; with reduce_dtype=bf16 a bf16 copy: 4 B); without FSDP "
     "each rank holds every parameter (experts / ep) at those bytes; optimizer_offload=true keeps the "
     "weights, gradients and optimizer state in pinned host memory (FSDP2 CPUOffloadPolicy), leaving the "
     "gathered bf16 layers on the GPU"
@@ -171,10 +174,13 @@ class TraceCache:
         """The run as traced: training with recompute, offload on (`OFFLOAD_RULE`); training with torch's
         AdamW whatever the run's optimizer, so one trace serves every choice: the low-bit update cannot run
         on fake tensors (torchao's quantiser reads a value: a data-dependent op), and the optimizer's bytes
-        are computed (`optimizer_bytes`)."""
+        are computed (`optimizer_bytes`); training and evaluation with the expert GEMMs in bf16 (on the CPU
+        a low precision runs emulated, with fp32 copies: `genomelm.plan.low_precision` counts it in
+        training; the evaluation's forward is costed in bf16)."""
         if run.plan.stage != "train":
-            return run
-        return run.replace(optimizer="adamw", **({"offload": True} if run.memory.recompute else {}))
+            return run.replace(expert_precision="bf16")
+        offload = {"offload": True} if run.memory.recompute else {}
+        return run.replace(optimizer="adamw", expert_precision="bf16", **offload)
 
     def _key(self, run: TrainConfig, tokens: int, layers: list[int]) -> tuple:
         memory, options = run.memory, run.model_options
@@ -352,8 +358,9 @@ def module_transients(
 ) -> dict[str, float]:
     """Each traced module's transient at the rank's tokens: the backward of the chunked modules (feed-forward:
     moe_chunk_tokens, loss head: loss_chunk_tokens) only up to their chunk, the MoE layers' by `MOE_RULE`
-    with FSDP or EP; plus, where a layer's recompute holds every chunk at once, the feed-forward tensors its
-    recompute holds until its backward (`recompute_held`)."""
+    with FSDP or EP (and what a low expert_precision's GEMMs hold more: `low_precision.transient_bytes`);
+    plus, where a layer's recompute holds every chunk at once, the feed-forward tensors its recompute holds
+    until its backward (`recompute_held`)."""
     tokens, options = steps.tokens, config.model_options
     transients = chunked_transients(config, steps)
     held = recompute_held(config, model_config, layout, steps, a)
@@ -373,9 +380,10 @@ def module_transients(
         expert = 3 * c.hidden_size * c.moe_intermediate_size * copy_width(config, layout)
         held_layers = 1 if config.memory.recompute else sum(t == MOE for t in c.mlp_layer_types)
         copies = 2 * a.copy_weights * expert * held_layers if layout.ep > 1 else 0.0
+        quantised = transient_bytes(c, layout, options.expert_precision, rows)
         for k in transients:
             if k.endswith(".mlp") and model_config.mlp_layer_types[int(k.split(".")[1])] == MOE:
-                transients[k] = rows * per_row + copies
+                transients[k] = rows * per_row + copies + quantised
     return {k: v + held.get(k, 0.0) for k, v in transients.items()}
 
 
@@ -501,9 +509,10 @@ def rank_memory(
     if layout.sharded:
         # the largest rank's shards hold ceil(dim0 / shards) rows (FSDP2 splits dim 0 as torch.chunk does)
         device[PADDING] = 0.0 if opt_offload else state.padding
-        device["FSDP buffers (2 bf16 layers gathered, bf16 + fp32 gradient)"] = _largest_layer(
-            model_config, layout, params
-        ) * (2 * 2 + 2 + 4)
+        gathered, reduced = gathered_layers(config), reduce_bytes(config)
+        dtype = "bf16" if reduced == 2 else "fp32"
+        name = f"FSDP buffers ({gathered} bf16 layers gathered, bf16 + {dtype} gradient)"
+        device[name] = _largest_layer(model_config, layout, params) * (2 * gathered + 2 + reduced)
         opt_phase = sum(device[k] for k in (*held, "buffers", PADDING))
     else:  # traced with torch's AdamW (the gradient sum, clipping and the step's temporaries), per parameter
         traced = hi.optimizer_peak_total * params.local / sum(hi.param_numel.values())
@@ -524,6 +533,20 @@ def rank_memory(
 
 
 PADDING = "FSDP padding (largest rank: ceil(dim0 / shards) rows)"
+
+
+def reduce_bytes(config: TrainConfig) -> int:
+    """Bytes per gradient value FSDP2 reduce-scatters in (`parallel.reduce_dtype`: fp32 4, bf16 2). The
+    fp32-declared parameters (router, KDA decay, mHC: well under 1% of a layer) are reduced in fp32 whatever
+    the setting; counted at the setting's bytes."""
+    return 2 if config.parallel.reduce_dtype == "bf16" else 4
+
+
+def gathered_layers(config: TrainConfig) -> int:
+    """Decoder layers FSDP2 holds gathered at once: the running one and those gathered ahead, in the
+    backward max(1, `fsdp_prefetch`) (its default prefetch of one), in the forward `fsdp_prefetch` (fewer or
+    as many): 1 + max(1, fsdp_prefetch)."""
+    return 1 + max(1, config.parallel.fsdp_prefetch)
 
 
 def offload_name(optimizer: str) -> str:

@@ -3,14 +3,17 @@ the link FSDP2's collectives share (all-gathers and reduce-scatters in the order
 PCIe copier, through the forward and the backward (a layer's recompute inside its backward), with the
 dependencies the code has. Hand-written: no library models a training step's streams at this grain.
 
-- Forward: FSDP2 gathers a layer as its forward starts, `forward_prefetch` layers ahead (genomelm sets no
-  forward prefetch: 0), when the host issues it; the host runs ahead of the GPU except at a sync: each MoE
-  forward copies its split sizes to the host (`parallel/expert.py`, `_exchange_sizes`), so the next layer's
-  gather is issued only once the GPU reaches that layer's MoE, and hides behind its MoE work alone. A
-  gathered layer's copy-out runs on the compute stream before the layer. The layer inputs go to the host on
-  the copier's stream (they block nothing).
-- Backward: FSDP2 prefetches one layer ahead (its default), the gather issued as the previous layer's starts
-  (its all-gather waits for that layer's copy-out: FSDP2 holds two gathered layers); the recompute reuses
+- Forward: FSDP2 gathers a layer as its forward starts, or `forward_prefetch` layers ahead (the
+  `fsdp_prefetch` setting: each layer's pre-hook issues the next layers' gathers), when the host issues
+  it; the host runs ahead of the GPU except at a sync: each MoE forward copies its split sizes to the host
+  (`parallel/expert.py`, `_exchange_sizes`), so without prefetch the next layer's gather is issued only
+  once the GPU reaches that layer's MoE, and hides behind its MoE work alone (prefetched, layer i+1's
+  gather is issued with layer i's, behind all of layer i's work). A gathered layer's copy-out runs on the
+  compute stream before the layer. The layer inputs go to the host on the copier's stream (they block
+  nothing).
+- Backward: FSDP2 prefetches max(1, `forward_prefetch`) layers ahead (one: its default; the setting's
+  explicit backward prefetch beyond), the gathers issued as the previous layer's starts (after that layer's
+  copy-out: FSDP2 holds 1 + that many gathered layers); the recompute reuses
   the forward's split sizes (no sync), so the host runs ahead, one layer ahead assumed: a layer's input comes
   back over PCIe (`HostCopier.to_device`, no prefetch of its own) from the start of the layer before, and
   the layer waits for it. Each layer's reduce-scatter is issued after its backward. The window ends when
@@ -105,17 +108,22 @@ def simulate(
         if layer.syncs:  # the host waits for the GPU to reach the layer's sync
             host = max(host, compute - layer.tail)
     compute += between
-    # the backward: gathers one layer ahead, each waiting for the previous layer's copy-out
+    # the backward: gathers `behind` layers ahead, each issued after the previous layer's copy-out
+    behind = max(1, forward_prefetch)
     gathered = [0.0] * n
-    gather(n - 1, compute)
+    issued = set(range(max(0, n - behind), n))
+    for j in reversed(range(max(0, n - behind), n)):
+        gather(j, compute)
     ahead = compute  # the host one layer ahead: when the layer before (in backward order) started
     for i in reversed(range(n)):
         layer = layers[i]
         start = max(compute, gathered[i])
         waits["backward all-gathers"] += start - compute
         copied = start + layer.copy_out
-        if i > 0:
-            gather(i - 1, copied)
+        for j in reversed(range(max(0, i - behind), i)):
+            if j not in issued:
+                gather(j, copied)
+                issued.add(j)
         back = max(pcie, ahead) + layer.host_in
         pcie = back
         body = max(copied, back)

@@ -496,8 +496,8 @@ def simulate_layout(
 ) -> tuple[Simulation, ModelConfig]:
     """The planner's simulation of the run's own layout: the last rank of the mesh (the one `genomelm plan`
     traces), one decoder layer of each kind at the real widths, at `trace_tokens` tokens per rank (or the
-    rank's own, if fewer; rounded to whole KDA chunks and k-pools of every segment). Returns the simulation
-    and the traced model config."""
+    rank's own, if fewer; rounded to whole KDA chunks and k-pools of every segment), the expert GEMMs in
+    bf16. Returns the simulation and the traced model config."""
 
     cp = config.parallel.cp
     unit = segments_per_rank(config.parallel.cp_layout) * 64 * model_config.index_kpool
@@ -505,7 +505,9 @@ def simulate_layout(
     ContextLayout(tokens * cp, cp, 0, config.parallel.cp_layout, kpool=model_config.index_kpool)
     traced = sub_config(model_config, reduced_layers(model_config))
     world = config.parallel.dp * cp
-    run = config.replace(seq=str(tokens * cp), grad_accum=1)
+    # the expert GEMMs in bf16: torchao's FP8 / MXFP8 kernels do not run on fake CUDA (their order of work,
+    # with no host sync or host tensor added, is tests/test_simulation.py's, the kernels stood in for)
+    run = config.replace(seq=str(tokens * cp), grad_accum=1, expert_precision="bf16")
     return simulate_step(run, traced, ranks=[world - 1], gpu=gpu), traced
 
 

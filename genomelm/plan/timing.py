@@ -21,7 +21,8 @@ from genomelm.model import ModelConfig
 from genomelm.plan import rates, roofline
 from genomelm.plan.comm import comm_bytes, copy_exchanges, forward_comm_bytes, fsdp_groups
 from genomelm.plan.layouts import Assumptions, EvalTime, Layout
-from genomelm.plan.memory import ParameterShare, ScaledTraces
+from genomelm.plan.low_precision import expert_peaks, expert_quantisation
+from genomelm.plan.memory import ParameterShare, ScaledTraces, reduce_bytes
 from genomelm.plan.optimizer_bytes import StateBytes
 from genomelm.plan.overlap import LayerWork, simulate
 from genomelm.plan.rates import Peaks
@@ -198,12 +199,15 @@ def kernel_time(
     chunk_tokens: int,
     passes: int = 3,
     routings: int = 1,
+    precision: str = "bf16",
+    recompute: bool = True,
 ) -> KernelTime:
     """The traced kernels of one window at the rank's tokens, every layer by its kind's (the update phase
     apart: it is costed from the parameters), with the expert exchange's copies (`passes` of them: forward,
     recompute, backward) and the router run ahead of the chunks of `chunk_tokens` `routings` times
-    (`planned_routes`)."""
-    p = device_peaks(a, gpu)
+    (`planned_routes`); the routed experts' GEMMs at `precision` (`genomelm.plan.low_precision`; its
+    quantisation in the recompute with `recompute`)."""
+    p = expert_peaks(device_peaks(a, gpu), model_config, layout, precision, steps.tokens, chunk_tokens)
     times: dict[str, float] = {"rest": 1.0}
     for i in range(model_config.num_hidden_layers):
         part = f"layers.{steps.rep_of[i]}"
@@ -217,7 +221,10 @@ def kernel_time(
         traced = roofline.project(lo, hi, t1, t2, steps.tokens, times, p, rows, weights)
         copies = exchange_copies(model_config, layout, steps.tokens, passes, p, rows)
         routes = planned_routes(model_config, layout, steps.tokens, chunk_tokens, p, routings)
-        return sorted(traced + copies + routes, key=lambda c: -c.seconds)
+        quantised = expert_quantisation(
+            model_config, layout, precision, steps.tokens, chunk_tokens, p, rows, recompute
+        )
+        return sorted(traced + copies + routes + quantised, key=lambda c: -c.seconds)
 
     mean = projected(1.0)
     busiest = projected(scale) if scale != 1 else mean
@@ -245,20 +252,55 @@ def step_time(
 ) -> StepTime:
     """One window's time on one rank of `layout`; `host_inputs`: the bytes of layer inputs it offloads;
     `state`: its weights, gradients and optimizer state (the update's bytes)."""
-    p = device_peaks(a, config.plan.gpu)
-    rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
-    comm, comm_s, side = comm_bytes(
-        model_config, layout, params, steps, a, p, config.parallel.ep_overlap, copy_exchanges(config, layout)
+    chunk_tokens, precision = config.model_options.moe_chunk_tokens, config.model_options.expert_precision
+    p = expert_peaks(
+        device_peaks(a, config.plan.gpu), model_config, layout, precision, steps.tokens, chunk_tokens
     )
-    chunk_tokens = config.model_options.moe_chunk_tokens
+    rank_flops, busiest_flops = _flops(model_config, layout, steps, a)
+    reduced = reduce_bytes(config)
+    comm, comm_s, side = comm_bytes(
+        model_config,
+        layout,
+        params,
+        steps,
+        a,
+        p,
+        config.parallel.ep_overlap,
+        copy_exchanges(config, layout),
+        reduced,
+    )
     routings = 2 if config.parallel.ep_overlap else 1  # the forward's, and the recompute's to start ahead
-    kernels = kernel_time(model_config, layout, steps, a, config.plan.gpu, chunk_tokens, routings=routings)
+    kernels = kernel_time(
+        model_config,
+        layout,
+        steps,
+        a,
+        config.plan.gpu,
+        chunk_tokens,
+        3,
+        routings,
+        precision,
+        config.memory.recompute,
+    )
     host: dict[str, float] = {}
     offloaded = host_inputs if config.memory.offload else 0.0
     works, rest_s, moe_s = layer_works(
-        model_config, layout, params, steps, a, p, offloaded, chunk_tokens, routings
+        model_config,
+        layout,
+        params,
+        steps,
+        a,
+        p,
+        offloaded,
+        chunk_tokens,
+        routings,
+        reduced,
+        precision,
+        config.memory.recompute,
     )
-    timeline = simulate(works, between=rest_s, comm_sm_share=p.comm_sm_share)
+    timeline = simulate(
+        works, between=rest_s, forward_prefetch=config.parallel.fsdp_prefetch, comm_sm_share=p.comm_sm_share
+    )
     exposed = dict(timeline.exposed)
     # the expert exchanges started ahead run on NVLink (and NICs past a node) beside the MoE work
     ahead = sum(v for k, v in side.items() if k.startswith("ep "))
@@ -298,18 +340,24 @@ def layer_works(
     host_inputs: float,
     chunk_tokens: int,
     routings: int,
+    reduced: int = 4,
+    precision: str = "bf16",
+    passes_recompute: bool = True,
 ) -> tuple[list[LayerWork], float, float]:
     """Each decoder layer's work in a window for the event model (`LayerWork`), the rest's compute
     (embedding, head, loss; forward and backward) and the MoE work of every pass (seconds), at the busiest
     expert-parallel rank. A layer's kernels by pass: the backward's classes, the recompute's share of the
     others' count, the forward's the rest (of it the MoE's, after its host sync, the tail); the exchange's
-    copies one third per pass, the routing ahead in the forward (and the recompute's). FSDP2 per layer and
-    pass: the all-gather of its parameters (bf16) and of its experts over their groups (`fsdp_groups`, the
-    NICs shared), its copy-out (read and write the gathered bf16) on the compute stream; after the backward
-    the reduce-scatter (fp32) behind its copy-in and cast (bf16 read, fp32 written). `host_inputs`: the bytes
-    of layer inputs offloaded (0: none), back over PCIe in the backward, beside the GPU's share of its node's
-    NIC traffic (GPU-direct through the same switch port). Left out: the all-gathers' copy-in (a rank's own
-    shard, 1/world of a layer) and the root unit's gather (embedding, norm, head)."""
+    copies one third per pass, the routing ahead in the forward (and the recompute's), and at a low
+    `precision` torchao's quantisation by pass (`expert_quantisation`, the recompute's with
+    `passes_recompute`; `p` already at that precision's grouped GEMM rate). FSDP2 per layer and pass: the
+    all-gather of its parameters (bf16) and of its experts over their groups (`fsdp_groups`, the NICs
+    shared), its copy-out (read and write the gathered bf16) on the compute stream; after the backward the
+    reduce-scatter (in `reduced` bytes per value: fp32 4, bf16 2) behind its copy-in and cast (bf16 read, the
+    reduce dtype written). `host_inputs`: the bytes of layer inputs offloaded (0: none), back over PCIe in
+    the backward, beside the GPU's share of its node's NIC traffic (GPU-direct through the same switch
+    port). Left out: the all-gathers' copy-in (a rank's own shard, 1/world of a layer) and the root unit's
+    gather (embedding, norm, head)."""
     scale = a.imbalance if layout.ep > 1 else 1.0
     weights = 0.0 if layout.sharded else 1 / layout.ep
     lo, hi, t1, t2 = steps.lo.ops, steps.hi.ops, steps.t1, steps.t2
@@ -332,6 +380,10 @@ def layer_works(
         c.seconds for c in planned_routes(model_config, layout, steps.tokens, chunk_tokens, p, routings)
     )
     copy_s, route_s = copies / 3 / moe_layers, routes / routings / moe_layers
+    quantised = expert_quantisation(
+        model_config, layout, precision, steps.tokens, chunk_tokens, p, scale, recompute=passes_recompute
+    )
+    quant_f, quant_r, quant_b = (c.seconds / moe_layers for c in quantised) if quantised else (0.0,) * 3
     experts = params.experts / moe_layers
     links = p.links
     works, moe_s = [], 0.0
@@ -343,12 +395,16 @@ def layer_works(
             rest = params.numel[f"layers.{i}"] - layer_experts
             for moved, ranks, sharing in fsdp_groups(layout, rest, layer_experts, links.gpus_per_node):
                 gather += links.seconds("ring", 2 * moved, ranks, sharing)
-                reduce += links.seconds("ring", 4 * moved, ranks, sharing)
+                reduce += links.seconds("ring", reduced * moved, ranks, sharing)
                 if ranks > links.gpus_per_node:  # what the node's NICs carry, per GPU port
-                    nic += 6 * moved * sharing / links.gpus_per_node
+                    nic += (2 + reduced) * moved * sharing / links.gpus_per_node
             unsharded = rest + layer_experts / layout.ep
             copy_out = 2 * 2 * unsharded / p.memory
-            reduce += (2 + 4) * unsharded / p.memory
+            reduce += (2 + reduced) * unsharded / p.memory
+        if sparse[i]:
+            forward, recompute, backward = forward + quant_f, recompute + quant_r, backward + quant_b
+            tail += quant_f
+            moe += quant_f + quant_r + quant_b
         if sparse[i] and layout.ep > 1:
             forward, recompute, backward = forward + copy_s + route_s, recompute + copy_s, backward + copy_s
             recompute += route_s if routings > 1 else 0.0
