@@ -285,7 +285,7 @@ def _prepare(
     return step, _plan(step, config, dtype, max_shard_bytes)
 
 
-def _move_into_place(staging: Path, out: Path) -> None:
+def move_into_place(staging: Path, out: Path) -> None:
     """Rename the written folder `staging` to `out`, replacing an existing `out`."""
     if not out.exists():
         staging.rename(out)
@@ -318,7 +318,7 @@ def export_checkpoint(
     try:
         _write_files(staging, step, plan, range(len(plan.files)))
         _write_index(staging, plan)
-        _move_into_place(staging, out)
+        move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -397,7 +397,7 @@ def export_checkpoint_collective(
         with _together(out):
             if rank == 0:
                 written += _write_index(staging, plan)
-                _move_into_place(staging, out)
+                move_into_place(staging, out)
     except BaseException:
         # after an agreement every rank is past its writes; an interrupt (not agreed on) of rank 0 alone
         # makes those of the others fail, the folder gone

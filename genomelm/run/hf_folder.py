@@ -17,7 +17,6 @@ It is written to a temporary folder beside OUT and renamed into place last.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from genomelm.parallel.checkpoint import (
     is_sharded,
     verify_checkpoint,
 )
-from genomelm.parallel.export import ExportError, write_export
+from genomelm.parallel.export import ExportError, move_into_place, write_export
 from genomelm.run.config import TrainConfig
 from genomelm.run.model_card import model_card
 
@@ -210,22 +209,8 @@ def export_run(
         (staging / "README.md").write_text(card)
         for path in staging.iterdir():
             path.chmod(0o644)  # a folder to share: safetensors writes its files private
-        _move_into_place(staging, out)
+        move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return source
-
-
-def _move_into_place(staging: Path, out: Path) -> None:
-    """Rename the written folder `staging` to `out`, replacing an existing `out`."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    out.rename(old)
-    staging.rename(out)
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
