@@ -141,6 +141,9 @@ class StopCheck:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0 and self.received is None:  # another rank saw it first
             self.received = signal.Signals(int(flag.item())).name
+            # this rank is stopping too: the launcher's signals after it (torchrun's SIGTERM once another rank
+            # has exited) must not end it before its line and status (`RankStopSignals`)
+            _received_here.setdefault(self.run_dir.resolve(), self.received)
         return bool(flag.item() > 0)
 
 
