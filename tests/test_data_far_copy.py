@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from genomelm.data.far_copy import far_copy_targets, predicted_far_copy
+from genomelm.data.far_copy import far_copy_targets, plant_copies, predicted_far_copy
 from genomelm.data.vocab import BUILTIN, N, Vocabulary
 from genomelm.data.windows import Window
 
@@ -49,3 +50,24 @@ def test_predicted_far_copy_reads_ids_of_any_vocabulary_and_shifts_to_the_predic
     ids = torch.tensor(remapped.code_to_id)[torch.from_numpy(codes.astype(np.int64))]
     window = Window("t", 0, "chrT", 0, len(codes), ids, soft, remapped)
     assert np.array_equal(predicted_far_copy(window), predicted)
+
+
+def test_planted_copies_repeat_their_sources_far_back_and_mark_only_real_far_copies() -> None:
+    rng = np.random.default_rng(3)
+    with_copies = 0
+    for _ in range(50):
+        codes = random_bases(1024, seed=int(rng.integers(1 << 30)))
+        planted, copied = plant_copies(
+            codes, rng, rate=0.9, min_length=30, max_length=90, min_distance=256, k=8
+        )
+        assert planted.dtype == np.uint8 and len(planted) == 1024
+        # every marked base ends a 9-mer that also ends more than 256 bases earlier: a far copy by definition
+        assert far_copy_targets(planted, k=8, distance=256)[copied].all()
+        with_copies += bool(copied.any())
+    assert with_copies >= 40  # a first copy is planted with probability 0.9
+    unchanged, none = plant_copies(
+        random_bases(1024), rng, rate=0.0, min_length=30, max_length=90, min_distance=256
+    )
+    assert (unchanged == random_bases(1024)).all() and not none.any()
+    with pytest.raises(ValueError, match="no room"):
+        plant_copies(random_bases(300), rng, 0.5, 30, 90, 256)

