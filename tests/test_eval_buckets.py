@@ -9,12 +9,20 @@ import math
 import numpy as np
 import pytest
 import torch
+from data_fixtures import build, write_fasta
 
 from genomelm.commands.eval import main
 from genomelm.data.vocab import BUILTIN, N
 from genomelm.data.windows import Window
 from genomelm.eval.buckets import bucket_sums, bucketed_loss
-from genomelm.eval.evaluate import EvalError, HeldoutSet, check_bucket, evaluate_sets, write_outputs
+from genomelm.eval.evaluate import (
+    EvalError,
+    HeldoutSet,
+    check_bucket,
+    evaluate_sets,
+    load_heldout,
+    write_outputs,
+)
 from genomelm.eval.paired import WindowSums, summarise
 from genomelm.eval.report import jsonable
 from genomelm.eval.table import LEGEND, format_table
@@ -242,6 +250,7 @@ def test_writers_json_csv_png_and_table(tmp_path, capsys) -> None:
         "buckets": 3,
         "windows": 4,
         "eval_windows": 0,
+        "eval_far_copies": 0.0,
         "context_cut": True,
     }
     assert [(b["start"], b["end"]) for b in saved["buckets"]] == [(0, 4), (4, 8), (8, 10)]
@@ -269,7 +278,7 @@ def test_writers_json_csv_png_and_table(tmp_path, capsys) -> None:
     assert table[0].split()[:4] == ["bucket", "context", "(kb)", "tokens"]
     assert [line.split()[0] for line in table[2:5]] == ["0", "1", "2"] and table[6].split()[0] == "all"
     assert any(line.startswith("context cut") for line in table)
-    assert table[8] == LEGEND and "±" in table[2]
+    assert table[8].startswith("windows: 4, spread evenly") and table[9] == LEGEND and "±" in table[2]
     bucket_2 = saved["buckets"][2]["intervals"]["change"]
     assert table[4].split("%")[0].endswith(f"± {50 * (bucket_2['high'] - bucket_2['low']):.2f}")
     assert any(line.startswith("late vs early: bucket 2's change minus bucket 0's") for line in table)
@@ -293,3 +302,37 @@ def test_every_number_recomputed_from_windows_csv(tmp_path, capsys) -> None:
     broken.write_text("window,record\n0,chrT\n")
     with pytest.raises(ValueError, match="broken.csv: not a genomelm windows file"):
         recompute(broken)
+
+
+def test_far_copy_rule_picks_windows_by_their_sequence_and_the_table_says_so(tmp_path) -> None:
+    """eval_far_copies=x scores only held-out windows whose last bucket predicts >= x far-copy bases (the
+    sequence alone decides), spread as without the rule; none qualifying is one clear error."""
+    rng = np.random.default_rng(0)
+    seq, n = 4096, 6
+    bases = rng.choice(list("ACGT"), seq * n)
+    for w in (1, 4):  # the last 1,024 bases of windows 1 and 4 repeat bases from 3 kb earlier in the window
+        end = (w + 1) * seq
+        bases[end - 1024 : end] = bases[end - 4096 : end - 3072]
+    records = {"chrT": "".join(rng.choice(list("ACGT"), seq)), "chrH": "".join(bases)}
+    folder, _ = build(
+        tmp_path, write_fasta(tmp_path / "g.fa", records), train=["chrT"], heldout=["chrH"], seq="4k"
+    )
+    every = load_heldout(folder, 0)
+    assert [w["index"] for w in every.provenance["windows"]] == list(range(n))
+    chosen = load_heldout(folder, 0, min_far_copies=0.5, last=1024)
+    assert [w["index"] for w in chosen.provenance["windows"]] == [1, 4]
+    assert chosen.provenance["candidates"] == 2 and chosen.provenance["heldout_windows"] == n
+    assert "last 1,024 positions predict >= 50.0% far copies" in chosen.provenance["rule"]
+    one = load_heldout(folder, 1, min_far_copies=0.5, last=1024)
+    assert [w["index"] for w in one.provenance["windows"]] == [1]
+    with pytest.raises(EvalError, match=r"no held-out window has >= 99\.0% .* lower eval_far_copies="):
+        load_heldout(folder, 0, min_far_copies=0.99, last=1024)
+
+    models = {"before": EmaUnigram(VOCAB, decay=0.0), "after": EmaUnigram(VOCAB, decay=0.95)}
+    config = TrainConfig().replace(run="r", seq="4096", bucket=1024, eval_far_copies=0.5)
+    result = evaluate_sets(config, [chosen], models.__getitem__, "before", "after")
+    assert result["settings"]["eval_far_copies"] == 0.5
+    assert "windows: 2, spread evenly over held-out windows whose last 1,024 positions" in format_table(
+        result
+    )
+    assert "(2 of 6 qualify)" in format_table(result)

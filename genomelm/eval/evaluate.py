@@ -36,11 +36,11 @@ from genomelm.run.launchers import check_mesh
 from genomelm.run.scoring import (
     Scores,
     ScoringRun,
+    WindowRule,
     WindowShare,
     context_cut_tokens,
     last_bucket_start,
     load_scoring_model,
-    pick_windows,
     score_windows,
     scoring_source,
 )
@@ -92,19 +92,35 @@ class HeldoutSet:
     provenance: dict
 
 
-def load_heldout(folder: str | Path, wanted: int, name: str | None = None) -> HeldoutSet:
+def load_heldout(
+    folder: str | Path, wanted: int, name: str | None = None, min_far_copies: float = 0.0, last: int = 0
+) -> HeldoutSet:
     """`wanted` held-out windows (0: all) of the prepared `folder`, spread evenly over it and read one at a
-    time, as the set `name` (default: the folder's name); EvalError when the folder has none."""
+    time, as the set `name` (default: the folder's name); EvalError when the folder has none.
+
+    With `min_far_copies` > 0 only windows whose `last` positions predict at least that share of far-copy
+    bases (`genomelm.data.far_copy`, a fact of the sequence alone) are candidates: the rule that picks windows
+    where retrieving far context can pay, never looking at a model's loss. The rule and the number of
+    candidates are in the provenance."""
     heldout = WindowDataset(folder, "heldout")
     if not len(heldout):
         raise EvalError(
             f"{heldout.path} has no held-out windows; prepare the data with a held-out region "
             "(genomelm data heldout=...)"
         )
-    indices = pick_windows(len(heldout), wanted)
+    rule = WindowRule(min_far_copies, last)
+    indices, candidates, best = rule.pick(heldout, wanted)
+    if not indices:
+        raise EvalError(
+            f"{heldout.path}: no held-out window has >= {min_far_copies:.1%} far-copy bases in its last "
+            f"{last:,} positions (the most is {best:.2%}); lower eval_far_copies= or set it to 0"
+        )
     provenance = {
         "data_dir": str(heldout.path),
         "manifest": str(heldout.path / "manifest.json"),
+        "rule": rule.describe(),
+        "candidates": candidates,
+        "heldout_windows": len(heldout),
         "windows": [{"index": i, **heldout.coordinates(i)} for i in indices],
     }
     return HeldoutSet(heldout.path.name if name is None else name, Subset(heldout, indices), provenance)
@@ -197,6 +213,7 @@ def evaluate_sets(
                     **settings,
                     "windows": len(heldout.windows),
                     "eval_windows": config.eval.eval_windows,
+                    "eval_far_copies": config.eval.eval_far_copies,
                     "context_cut": context_cut,
                 },
                 **summarise(sums),
@@ -247,7 +264,10 @@ def evaluate_config(config: TrainConfig, before: str, after: str) -> dict:
     folders = heldout_folders(config)
     check_compatible(folders)  # same SEQ and vocabulary, or an error naming both folders
     names = set_names(folders)
-    sets = [load_heldout(folder, config.eval.eval_windows, name) for name, folder in zip(names, folders)]
+    sets = [
+        load_heldout(folder, config.eval.eval_windows, name, config.eval.eval_far_copies, config.eval.bucket)
+        for name, folder in zip(names, folders)
+    ]
     run = ScoringRun.from_environment(config)
     load = functools.partial(load_scoring_model, config=config, run=run)
     before, after = scoring_source(before, run), scoring_source(after, run)

@@ -75,6 +75,17 @@ def _reasons(result: dict) -> list[str]:
     ]
 
 
+def _windows_line(result: dict) -> str:
+    """How the scored windows were chosen (`genomelm.run.scoring.WindowRule`)."""
+    provenance = result.get("provenance", {})
+    rule, candidates = provenance.get("rule", "every held-out window"), provenance.get("candidates")
+    chosen = result["settings"]["windows"]
+    of = f" of {candidates}" if candidates is not None and candidates != chosen else ""
+    total = provenance.get("heldout_windows")
+    among = f" ({candidates} of {total} qualify)" if total is not None and candidates != total else ""
+    return f"windows: {chosen}{of}, spread evenly over {rule}{among}"
+
+
 def format_table(result: dict) -> str:
     """Fixed-width text table: one line per bucket, the overall line, the contrast and the context-cut
     numbers; for several held-out folders, their buckets side by side (`format_side_by_side`)."""
@@ -102,7 +113,7 @@ def format_table(result: dict) -> str:
         f"{format_number(o['loss_after'], '.4f'):>7} {format_number(o['loss_after_se'], '.4f'):>6} "
         f"{_change_cells(ci)}"
     )
-    lines += ["", LEGEND]
+    lines += ["", _windows_line(result), LEGEND]
     lines += [f"n/a: {reason}" for reason in _reasons(result)]
     overall_nats = with_interval(ci["change_nats"], scale=1.0, digits=4, unit=" nats/base")
     lines.append(f"change over all tokens in nats: {overall_nats}")

@@ -19,6 +19,9 @@ class EvalConfig:
 
     bucket: int = 32768  # tokens per position bucket
     eval_windows: int = 0  # held-out windows to score (0 = all)
+    # score only held-out windows whose last bucket predicts at least this share of far-copy bases (a fact of
+    # the sequence: genomelm.data.far_copy), where long context can pay; 0: every window
+    eval_far_copies: float = 0.0
     context_cut: bool = True  # also score the last bucket with only the preceding bucket as context
     heldout: str | None = None  # prepared folders to evaluate, comma separated (default: the run's data)
     eval_every: int = (
@@ -28,6 +31,10 @@ class EvalConfig:
     def validate(self) -> None:
         require(self.bucket >= 1, f"bucket={self.bucket}: give tokens per bucket >= 1")
         require(self.eval_windows >= 0, f"eval_windows={self.eval_windows}: give windows >= 0 (0 = all)")
+        require(
+            0 <= self.eval_far_copies <= 1,
+            f"eval_far_copies={self.eval_far_copies}: give a share of bases in [0, 1] (0: every window)",
+        )
         require(
             self.eval_every >= 0, f"eval_every={self.eval_every}: give steps >= 0 (0: no eval in training)"
         )

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from genomelm.data.far_copy import predicted_far_copy
 from genomelm.data.vocab import IGNORE_INDEX
 from genomelm.data.windows import Window
 from genomelm.model import GlmForCausalLM, ModelConfig, load_model
@@ -355,3 +356,33 @@ def pick_windows(total: int, wanted: int) -> list[int]:
     if wanted <= 0 or wanted >= total:
         return list(range(total))
     return [int(i) for i in np.linspace(0, total - 1, wanted).round()]
+
+
+@dataclass(frozen=True)
+class WindowRule:
+    """Which held-out windows are candidates: all, or (`min_far_copies` > 0) those whose `last` positions
+    predict at least that share of far-copy bases (`genomelm.data.far_copy`, a fact of the sequence alone):
+    where retrieving far context can pay, chosen without looking at any model's loss."""
+
+    min_far_copies: float = 0.0
+    last: int = 0
+
+    def describe(self) -> str:
+        if self.min_far_copies <= 0:
+            return "every held-out window"
+        share = f"{self.min_far_copies:.1%}"
+        return f"held-out windows whose last {self.last:,} positions predict >= {share} far copies"
+
+    def shares(self, windows: Sequence[Window]) -> list[float]:
+        """The far-copy share of each window's last positions."""
+        return [float(predicted_far_copy(windows[i])[-self.last :].mean()) for i in range(len(windows))]
+
+    def pick(self, windows: Sequence[Window], wanted: int) -> tuple[list[int], int, float]:
+        """(indices of `wanted` candidates spread as `pick_windows` spreads them, number of candidates, the
+        largest share seen: 1.0 without a far-copy rule)."""
+        candidates, best = list(range(len(windows))), 1.0
+        if self.min_far_copies > 0:
+            shares = self.shares(windows)
+            candidates = [i for i in candidates if shares[i] >= self.min_far_copies]
+            best = max(shares, default=0.0)
+        return [candidates[i] for i in pick_windows(len(candidates), wanted)], len(candidates), best

@@ -27,7 +27,7 @@ from genomelm.parallel.training import ContextParallelScorer, ContextRun, Parall
 from genomelm.run.config import TrainConfig
 from genomelm.run.metrics import HELDOUT_LOSS, device_peak_gb, heldout_bucket_key, heldout_se_key
 from genomelm.run.precision import autocast_for
-from genomelm.run.scoring import WindowShare, pick_windows, score_windows
+from genomelm.run.scoring import WindowRule, WindowShare, score_windows
 from genomelm.run.uncertainty import Estimate, Ratio, ratio_estimate
 from genomelm.train.guards import RunMismatch
 
@@ -119,7 +119,14 @@ class HeldoutEval:
                 f"held-out windows of {heldout.path} ({heldout.seq_len} tokens); use "
                 f"bucket<={heldout.seq_len}"
             )
-        windows = [heldout[i] for i in pick_windows(len(heldout), config.eval.eval_windows)]
+        rule = WindowRule(config.eval.eval_far_copies, config.eval.bucket)
+        indices, _, best = rule.pick(heldout, config.eval.eval_windows)
+        if not indices:
+            raise RunMismatch(
+                f"eval_every={config.eval.eval_every} scores {rule.describe()}, but none of {heldout.path} "
+                f"has (the most is {best:.2%}); lower eval_far_copies= or set it to 0"
+            )
+        windows = [heldout[i] for i in indices]
         share, context = WindowShare(device=device), None
         if parallel is not None:
             share = WindowShare(
