@@ -23,16 +23,15 @@ different reductions' summation order, so the tolerance is stated on the loss, n
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from demo_runs import train_demo
+
 from genomelm.data.regions import parse_seq
-from genomelm.run.metrics import HELDOUT_LOSS
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {  # group -> (its reference, the cases against it); each case: (name, settings)
@@ -49,40 +48,11 @@ TOLERANCE = 0.01  # relative: final training loss and held-out loss within 1% of
 
 
 def run_case(name: str, settings: list[str], steps: int, seq: str, runs: Path) -> dict:
-    """Train the demo with `settings` at precision=bf16 in a run folder of its own: its per-step losses, the
-    mean of the last 5, the held-out loss and the wall time."""
-    folder = name.replace(" ", "-")
-    command = [
-        sys.executable,
-        "-m",
-        "genomelm.cli",
-        "train",
-        str(ROOT / "configs/train/demo.yaml"),
-        f"run={folder}",
-        f"runs_dir={runs}",
-        f"results_dir={runs / 'results'}",
-        "precision=bf16",
-        f"seq={seq}",
-        f"data={ROOT / 'data/prepared' / f'demo-{seq}'}",
-        f"bucket={min(parse_seq(seq), 2048)}",
-        f"steps={steps}",
-        f"eval_every={steps}",
-        f"save_every={steps}",
-        "wandb=disabled",
-        "resume=never",
-        *settings,
-    ]
-    started = time.perf_counter()
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (runs / folder / "metrics.jsonl").read_text().splitlines()]
-    losses = [row["loss"] for row in rows if "loss" in row]
-    heldout = [row[HELDOUT_LOSS] for row in rows if HELDOUT_LOSS in row]
-    return {
-        "curve": losses,
-        "train": sum(losses[-5:]) / len(losses[-5:]),
-        "heldout": heldout[-1],
-        "seconds": time.perf_counter() - started,
-    }
+    """Train the demo with `settings` at precision=bf16 and `seq` in a run folder of its own
+    (`demo_runs.train_demo`)."""
+    data = f"data={ROOT / 'data/prepared' / f'demo-{seq}'}"
+    shape = ["precision=bf16", f"seq={seq}", data, f"bucket={min(parse_seq(seq), 2048)}"]
+    return train_demo(name.replace(" ", "-"), [*shape, *settings], steps, runs)
 
 
 def main() -> None:
@@ -92,7 +62,7 @@ def main() -> None:
     parser.add_argument("--group", choices=sorted(GROUPS), nargs="+", default=sorted(GROUPS))
     args = parser.parse_args()
     subprocess.run(
-        [sys.executable, "-m", "genomelm.cli", "data", "--config", str(ROOT / "configs/data/demo.yaml")]
+        [sys.executable, "-m", "genomelm.cli", "data", str(ROOT / "configs/data/demo.yaml")]
         + ["--seq", args.seq, "--no-progress"],
         check=True,
         cwd=ROOT,

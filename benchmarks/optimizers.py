@@ -15,15 +15,13 @@ cores); two trainings at once on the same cores slow each other several-fold (th
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from genomelm.run.metrics import HELDOUT_LOSS
+from demo_runs import train_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [
@@ -35,38 +33,9 @@ CASES = [
 
 
 def run_case(optimizer: str, precision: str, steps: int, runs: Path) -> dict[str, float]:
-    """Train the demo with `optimizer` at `precision` in a run folder of its own; its last rows' losses."""
-    name = f"{optimizer}-{precision}"
-    settings = [
-        f"run={name}",
-        f"runs_dir={runs}",
-        f"results_dir={runs / 'results'}",
-        f"optimizer={optimizer}",
-        f"precision={precision}",
-        f"steps={steps}",
-        f"eval_every={steps}",
-        f"save_every={steps}",
-        "wandb=disabled",
-        "resume=never",
-    ]
-    started = time.perf_counter()
-    command = [
-        sys.executable,
-        "-m",
-        "genomelm.cli",
-        "train",
-        str(ROOT / "configs/train/demo.yaml"),
-        *settings,
-    ]
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
-    losses = [row["loss"] for row in rows if "loss" in row]
-    heldout = [row[HELDOUT_LOSS] for row in rows if HELDOUT_LOSS in row]
-    return {
-        "train": sum(losses[-5:]) / len(losses[-5:]),
-        "heldout": heldout[-1],
-        "seconds": time.perf_counter() - started,
-    }
+    """Train the demo with `optimizer` at `precision` in a run folder of its own (`demo_runs.train_demo`)."""
+    settings = [f"optimizer={optimizer}", f"precision={precision}"]
+    return train_demo(f"{optimizer}-{precision}", settings, steps, runs)
 
 
 def main() -> None:
@@ -88,7 +57,7 @@ def main() -> None:
         or (optimizer in wanted and (precision == "auto" or "adamw_bf16" in wanted))
     ]
     subprocess.run(
-        [sys.executable, "-m", "genomelm.cli", "data", "--config", str(ROOT / "configs/data/demo.yaml")],
+        [sys.executable, "-m", "genomelm.cli", "data", str(ROOT / "configs/data/demo.yaml")],
         check=True,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
