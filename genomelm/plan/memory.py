@@ -10,7 +10,7 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -168,6 +168,25 @@ class TraceCache:
 
     def __init__(self) -> None:
         self.cache: dict[tuple, StepTrace] = {}
+        self.scaled: dict[tuple, ScaledTraces] = {}  # by (id(lo), id(hi), tokens): the pair read at tokens
+
+    def scaled_of(
+        self,
+        lo: StepTrace,
+        hi: StepTrace,
+        t1: int,
+        t2: int,
+        tokens: int,
+        layers: list[int],
+        rep_of: dict[int, int],
+    ) -> ScaledTraces:
+        """One `ScaledTraces` of `lo` and `hi` (cached traces: the model and t1, t2 are in their keys) at
+        `tokens`, shared by every layout that reads them there (and its memo of their projections)."""
+        key = (id(lo), id(hi), tokens)  # the entry holds lo and hi, so their ids are not reused
+        scaled = self.scaled.get(key)
+        if scaled is None or scaled.lo is not lo or scaled.hi is not hi:
+            scaled = self.scaled[key] = ScaledTraces(lo, hi, t1, t2, tokens, layers, rep_of)
+        return scaled
 
     @staticmethod
     def traced_run(run: TrainConfig) -> TrainConfig:
@@ -268,6 +287,9 @@ class ScaledTraces:
     tokens: int
     layers: list[int]  # the traced layers
     rep_of: dict[int, int]  # every layer of the model -> the traced layer of its kind
+    # what `genomelm.plan.timing` reads off the pair (op classes projected, their seconds by pass), by what it
+    # is read with: the layouts sharing the traces (`TraceCache.scaled_of`) differ in switches it does not see
+    projections: dict[tuple, list] = field(default_factory=dict, repr=False, compare=False)
 
     def line(self, at_t1: float, at_t2: float, tokens: int | None = None) -> float:
         """Bytes at `tokens` (default: the rank's) on the line through the two traces."""
@@ -297,7 +319,7 @@ def scaled_traces(
     lo = traces.get(run, model_config, t1, layers) if t1 != t2 else hi
     representative = {layer_kind(model_config, i): i for i in layers}
     rep_of = {i: representative[layer_kind(model_config, i)] for i in range(model_config.num_hidden_layers)}
-    return ScaledTraces(lo, hi, t1, t2, tokens, layers, rep_of)
+    return traces.scaled_of(lo, hi, t1, t2, tokens, layers, rep_of)
 
 
 @dataclass(frozen=True)
