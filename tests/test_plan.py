@@ -316,8 +316,8 @@ def test_check_fits_refuses_with_the_layouts_it_tried_unless_forced():
     )
     config = config.replace(trace_tokens=256)
     with pytest.raises(PlanError, match="does not fit.*no layout of 1 x B200 fits.*force=true"):
-        check_fits(config)
-    plan = check_fits(config.replace(force=True))
+        check_fits(config, traces=TRACES)
+    plan = check_fits(config.replace(force=True), traces=TRACES)
     assert not plan.fits and plan.peak_gib_per_rank > 178
 
 
