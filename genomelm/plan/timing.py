@@ -392,12 +392,13 @@ def layer_works(
     n = model_config.num_hidden_layers
     sparse = [t == "sparse" for t in model_config.mlp_layer_types]
     moe_layers = max(sum(sparse), 1)
+    lo, hi = steps.lo.ops, steps.hi.ops
 
     def passes(part: str) -> tuple[float, float, float, float, float]:
         return memoised(steps, ("passes", part, rates_key(p), scale, weights), lambda: summed(part))
 
     def summed(part: str) -> tuple[float, float, float, float, float]:
-        classes = project(steps, {part: 1.0}, p, scale, weights)
+        classes = roofline.project(lo, hi, steps.t1, steps.t2, steps.tokens, {part: 1.0}, p, scale, weights)
         backward = sum(c.seconds for c in classes if c.backward)
         recompute = sum(c.recompute_seconds for c in classes if not c.backward)
         forward = sum(c.seconds for c in classes if not c.backward) - recompute
@@ -454,7 +455,16 @@ def layer_works(
                 host_in=(host_inputs / n + nic) / links.pcie if host_inputs else 0.0,
             )
         )
-    rest_s = sum(c.seconds for c in project(steps, {"rest": 1.0}, p, scale, weights))
+    rest_s = memoised(
+        steps,
+        ("rest", rates_key(p), scale, weights),
+        lambda: sum(
+            c.seconds
+            for c in roofline.project(
+                lo, hi, steps.t1, steps.t2, steps.tokens, {"rest": 1.0}, p, scale, weights
+            )
+        ),
+    )
     return works, rest_s, moe_s
 
 
