@@ -46,6 +46,9 @@ from genomelm.plan.trace import (
 from genomelm.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+# the traces of this file's plans, shared: plans of the same model and traced settings (the cache's key is
+# all a trace reads) differ only in what the planner computes from one trace, so each is traced once
+TRACES = TraceCache()
 SMALL_CHUNKS = [
     # the torch paths: the real CPU steps these plans are held to run them (a plan of auto traces the kernels)
     "indexer_backend=torch",
@@ -130,6 +133,34 @@ def test_assumptions_from_settings_and_from_the_runs_metrics(tmp_path):
     assert placed.placed and placed.at_ep(4, 8).imbalance == pytest.approx(1.6)
     assert "placed by load at ep=4: 1.60, the static blocks 2.80" in placed.at_ep(4, 8).imbalance_source
     assert load_assumptions(config.replace(imbalance=0.0)).at_ep(4, 8).imbalance == pytest.approx(2.8)
+
+
+def test_the_trace_cache_keys_all_a_trace_reads_and_no_layout():
+    """`TRACES` is shared by plans of different runs: runs that differ in a traced setting or in the model
+    have keys of their own; runs that differ in the layout, the assumptions or the run's schedule share."""
+    tiny = ModelConfig.preset("tiny")
+
+    def key(settings: list[str], model: ModelConfig = tiny) -> tuple:
+        args = ["model=tiny", "seq=512", *(arg for setting in settings for arg in setting.split())]
+        run = TraceCache.traced_run(TrainConfig.from_args(args))
+        return TraceCache()._key(run, model, 512, reduced_layers(tiny))
+
+    base = key([])
+    shared = ["dp=4 ep=4", "dp=2", "fsdp=false", "imbalance=2", "expert_placement=balanced expert_copies=1"]
+    shared += [
+        "gpu_gib=10",
+        "optimizer=adamw8bit",
+        "dp=2 optimizer_offload=true",
+        "steps=7",
+        "warmup_steps=3",
+    ]
+    for setting in shared:
+        assert key([setting]) == base, setting
+    traced = ["cp=2", "seq=1024", "recompute=false", "dsa_backend=sparse", "moe_chunk_tokens=64"]
+    traced += ["grad_accum=2", "cp_layout=contiguous", "stage=eval"]
+    for setting in traced:
+        assert key([setting]) != base, setting
+    assert key([], dataclasses.replace(tiny, n_routed_experts=16)) != base
 
 
 def test_a_memory_budget_is_capped_at_the_gpus_memory():
@@ -222,7 +253,7 @@ def test_planned_peak_equals_measured_peak(preset, seq, cp):
     """The plan (one layer of each kind traced on fake tensors, scaled to all layers) against the whole
     model's real step, measured with the same tracker on every rank."""
     config = TrainConfig.from_args([f"model={preset}", f"seq={seq}", f"cp={cp}", "fsdp=false", *SMALL_CHUNKS])
-    plan = make_plan(config)
+    plan = make_plan(config, traces=TRACES)
     assert plan.fits and not plan.fsdp and plan.cp == cp
     peak, measured = _measured_peak(config, seq // cp)
     assert abs(allocated_gib(plan) * GIB - peak) <= 0.10 * peak, (allocated_gib(plan) * GIB, peak)
@@ -273,7 +304,7 @@ def test_planned_peak_counts_every_moe_chunk_a_layer_recompute_holds(tmp_path, d
         rows = [m.expert_rows["layers.1"] for m in measured]
         assert sum(rows) == dp * 1024 * 4  # every (token, expert) row, computed once
         imbalance = max(rows) * ep / sum(rows)
-    plan = make_plan(config.replace(imbalance=imbalance))
+    plan = make_plan(config.replace(imbalance=imbalance), traces=TRACES)
     assert plan.ep == ep and "at 32 and 64 tokens per rank" in plan.notes[-1]
     assert abs(allocated_gib(plan) * GIB - peak) <= 0.10 * peak, (allocated_gib(plan) * GIB, peak)
 
@@ -285,8 +316,8 @@ def test_check_fits_refuses_with_the_layouts_it_tried_unless_forced():
     )
     config = config.replace(trace_tokens=256)
     with pytest.raises(PlanError, match="does not fit.*no layout of 1 x B200 fits.*force=true"):
-        check_fits(config)
-    plan = check_fits(config.replace(force=True))
+        check_fits(config, traces=TRACES)
+    plan = check_fits(config.replace(force=True), traces=TRACES)
     assert not plan.fits and plan.peak_gib_per_rank > 178
 
 
@@ -631,7 +662,7 @@ def test_trainer_logs_tracked_peak_next_to_the_plan(tmp_path):
     metrics = tmp_path / "runs" / "tracked" / "metrics.jsonl"
     rows = [json.loads(row) for row in metrics.read_text().splitlines()]
     assert all(row["peak_tracked_gb"] > 0 and row["host_peak_rss_gb"] > 0 for row in rows)
-    planned = allocated_gib(make_plan(TrainConfig.from_args(settings)))
+    planned = allocated_gib(make_plan(TrainConfig.from_args(settings), traces=TRACES))
     assert abs(rows[-1]["peak_tracked_gb"] - planned) <= 0.10 * rows[-1]["peak_tracked_gb"], (rows, planned)
 
 
@@ -655,7 +686,7 @@ def test_eval_plan_holds_less_than_the_training_step_and_passes_check_fits():
     forward, its recompute and a backward of twice its cost); `check_fits` of `config.replace(stage="eval")`
     (what the evaluator calls) plans it."""
     config = TrainConfig.from_args(["model=tiny", "seq=512", "dp=2", "cp=2", "ep=2", "bucket=128"])
-    train = make_plan(config)
+    train = make_plan(config, traces=TRACES)
     evaluation = check_fits(config.replace(stage="eval"))
     assert train.stage == "train" and evaluation.stage == "eval" and evaluation.fits
     assert 0 < evaluation.peak_gib_per_rank < train.peak_gib_per_rank
@@ -800,10 +831,10 @@ def test_gpu_gib_caps_what_a_rank_may_use(tmp_path):
     """`gpu_gib` (a memory budget, e.g. the published recipe's 144.5 GiB) replaces the GPU's usable memory in
     the verdict: the same plan fits B200's 178 GiB and not a budget below its peak."""
     settings = ["model=tiny", "seq=512", f"runs_dir={tmp_path}", *SMALL_CHUNKS]
-    plain = make_plan(TrainConfig.from_args(settings))
+    plain = make_plan(TrainConfig.from_args(settings), traces=TRACES)
     assert plain.fits and plain.usable_gib == 178.0
     budget = plain.peak_gib_per_rank / 2
-    capped = make_plan(TrainConfig.from_args([*settings, f"gpu_gib={budget}"]))
+    capped = make_plan(TrainConfig.from_args([*settings, f"gpu_gib={budget}"]), traces=TRACES)
     assert capped.usable_gib == budget and not capped.fits
     assert capped.peak_gib_per_rank == plain.peak_gib_per_rank
     with pytest.raises(ValueError, match="gpu_gib=-1"):
@@ -815,33 +846,33 @@ def test_a_runs_logged_expert_load_sets_the_imbalance_of_its_layouts_ep(tmp_path
     the static blocks at ep=2 (all the load on rank 0's four experts: 2x), and the busiest rank's time with
     it."""
     settings = ["model=tiny", "seq=512", "dp=2", "ep=2", "run=r", f"runs_dir={tmp_path}", *SMALL_CHUNKS]
-    assumed = make_plan(TrainConfig.from_args([*settings, "imbalance=1"]))
+    assumed = make_plan(TrainConfig.from_args([*settings, "imbalance=1"]), traces=TRACES)
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "expert_load.json").write_text(
         json.dumps(
             {"through_step": 1, "steps": 1, "counts": {str(i): [4, 3, 2, 1, 0, 0, 0, 0] for i in (1, 2, 3)}}
         )
     )
-    logged = make_plan(TrainConfig.from_args(settings))
+    logged = make_plan(TrainConfig.from_args(settings), traces=TRACES)
     assert logged.assumptions["imbalance"] == 2.0
     assert "the static blocks at ep=2; placed by load 1.00" in logged.assumptions["imbalance_source"]
     assert logged.tokens_per_s_projected < assumed.tokens_per_s_projected  # the busiest rank's extra rows
     # the run places its experts by load: the imbalance after placement, as the even load's
-    placed = make_plan(TrainConfig.from_args([*settings, "expert_placement=balanced"]))
+    placed = make_plan(TrainConfig.from_args([*settings, "expert_placement=balanced"]), traces=TRACES)
     assert placed.assumptions["imbalance"] == 1.0
     assert placed.tokens_per_s_projected == pytest.approx(assumed.tokens_per_s_projected)
     # a copy slot per rank: at ep=2 the owners alone are even, so no layer uses it and nothing more moves
     copies = ["expert_placement=balanced", "expert_copies=1"]
     assert (
-        make_plan(TrainConfig.from_args([*settings, *copies])).comm_bytes_per_step
+        make_plan(TrainConfig.from_args([*settings, *copies]), traces=TRACES).comm_bytes_per_step
         == placed.comm_bytes_per_step
     )
     # at ep=4 the owners alone leave 1.6x ([4 | 3 | 2+1 | 0]) and copies 1.13x; the owner of expert 0 sends
     # its weights to two copies and holds one copy: 3 experts' weights per MoE layer and pass (bf16), in the
     # forward, the recompute and the backward of 3 layers; memory still sized for the static blocks' 2.8x
     at4 = [*settings[:2], "dp=4", "ep=4", *settings[4:]]
-    static4 = make_plan(TrainConfig.from_args(at4))
-    with_copies = make_plan(TrainConfig.from_args([*at4, *copies]))
+    static4 = make_plan(TrainConfig.from_args(at4), traces=TRACES)
+    with_copies = make_plan(TrainConfig.from_args([*at4, *copies]), traces=TRACES)
     assert with_copies.assumptions["imbalance"] == pytest.approx(17 / 15)
     one_expert = 3 * 32 * 16 * 2  # tiny: hidden 32, expert width 16, bf16
     copy_label = "ep copies' weights (forward, recompute) and gradients (backward)"

@@ -30,6 +30,13 @@ from genomelm.run.config import TrainConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def tiny_trace():
+    """`tiny`'s training step at 256 tokens on fake tensors (offload off, KDA on fla's route): read, not
+    changed, by the tests that use it, so traced once."""
+    return trace_step(TrainConfig.from_args(["model=tiny", "offload=false"]), ModelConfig.preset("tiny"), 256)
+
+
 def test_rates_table_gives_every_gpu_a_sourced_attainable_rate():
     keys = [r.key for r in rates.RATES]
     assert len(keys) == len(set(keys)) and all(r.source and r.unit for r in rates.RATES)
@@ -176,9 +183,8 @@ def test_project_reads_counts_and_sizes_on_their_lines():
     assert fixed.bytes == pytest.approx(3 * 4.5e6 * 5)  # weight + rows: 1e6 + 0.5e6 per 1,024 tokens
 
 
-def test_traced_step_logs_every_kernel_with_its_flops():
-    run = TrainConfig.from_args(["model=tiny", "offload=false"])
-    trace = trace_step(run, ModelConfig.preset("tiny"), 256, fake=True)
+def test_traced_step_logs_every_kernel_with_its_flops(tiny_trace):
+    trace = tiny_trace
     classes = [c for part in trace.ops.values() for c in part.values()]
     assert set(trace.ops) == {"layers.0", "layers.1", "layers.2", "layers.3", "rest", "update"}
     assert sum(c.flops for c in classes) == pytest.approx(sum(trace.flops.values()))
@@ -188,13 +194,12 @@ def test_traced_step_logs_every_kernel_with_its_flops():
     assert all(c.where != "outside genomelm" for c in classes if c.flops)
 
 
-def test_the_routed_experts_work_is_told_by_rows_and_by_weights():
+def test_the_routed_experts_work_is_told_by_rows_and_by_weights(tiny_trace):
     """Every kernel of the routed experts' rows (the grouped GEMMs, the SwiGLU between them, their backward
     and recompute) is "rows", the busiest expert-parallel rank's `imbalance` x the mean; the cast of their
     weights "weights" (per expert); the shared expert, the router and the rest of the step "". `project`
     scales each by its own factor."""
-    run = TrainConfig.from_args(["model=tiny", "offload=false"])
-    trace = trace_step(run, ModelConfig.preset("tiny"), 256, fake=True)
+    trace = tiny_trace
     moe = "layers.1"  # tiny: KDA + MoE
     classes = list(trace.ops[moe].values())
     rows = {c.key for c in classes if c.expert == "rows"}
@@ -360,7 +365,7 @@ def test_by_source_sums_forward_recompute_and_backward_of_one_file():
     assert rows[0]["tflop"] == pytest.approx(3.0) and rows[0]["gb"] == pytest.approx(3.0)
 
 
-def test_plan_costs_kda_as_fla_runs_it_and_keeps_the_torch_paths_memory():
+def test_plan_costs_kda_as_fla_runs_it_and_keeps_the_torch_paths_memory(tiny_trace):
     """On fake tensors the KDA layers' kernels come from fla's route (the stand-ins' forward and backward ops,
     costed by fla's FLOP formula on the bf16 unit and their own byte estimate), under context parallelism too
     (one more delta-rule pass per segment: its summary), the recompute's forward counted as recompute; their
@@ -373,7 +378,7 @@ def test_plan_costs_kda_as_fla_runs_it_and_keeps_the_torch_paths_memory():
     forward_calls = {}
     for cp in (1, 2):
         args = ["model=tiny", f"cp={cp}", "offload=false"]
-        gpu = trace_step(TrainConfig.from_args(args), config, 256, fake=True)
+        gpu = tiny_trace if cp == 1 else trace_step(TrainConfig.from_args(args), config, 256, fake=True)
         torch_path = trace_step(TrainConfig.from_args([*args, "kda_backend=torch"]), config, 256, fake=True)
         assert gpu.step_peak == torch_path.step_peak and gpu.transients == torch_path.transients
         assert all(gpu.ops[p] == torch_path.ops[p] for p in gpu.ops if p not in kda)

@@ -65,20 +65,22 @@ def make_plan(
     return plan_layout(config, dp, cp, ep, assumptions, traces)
 
 
-def plan_with_refusal(config: TrainConfig) -> tuple[Plan, str | None]:
+def plan_with_refusal(config: TrainConfig, traces: TraceCache | None = None) -> tuple[Plan, str | None]:
     """The run's plan and, when it does not fit and `force` is not set, the line training refuses it with
-    (naming the best layout of the same GPUs that fits; the search reuses the plan's traces)."""
-    traces = TraceCache()
+    (naming the best layout of the same GPUs that fits; the search reuses the plan's traces, and `traces`'
+    where given)."""
+    traces = traces or TraceCache()
     plan = make_plan(config, traces=traces)
     if plan.fits or config.plan.force:
         return plan, None
     return plan, refusal(config, plan, search(config.replace(gpus=plan.gpus), traces=traces))
 
 
-def check_fits(config: TrainConfig) -> Plan:
+def check_fits(config: TrainConfig, traces: TraceCache | None = None) -> Plan:
     """The trainer's check before training (the evaluator's before it scores: `config.replace(stage="eval")`):
-    the run's plan, or PlanError naming the best layout that fits (unless `force=true`)."""
-    plan, refused = plan_with_refusal(config)
+    the run's plan, or PlanError naming the best layout that fits (unless `force=true`); `traces`: a cache
+    to read and fill (`TraceCache`)."""
+    plan, refused = plan_with_refusal(config, traces)
     if refused:
         raise PlanError(refused)
     return plan

@@ -10,7 +10,7 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -168,6 +168,25 @@ class TraceCache:
 
     def __init__(self) -> None:
         self.cache: dict[tuple, StepTrace] = {}
+        self.scaled: dict[tuple, ScaledTraces] = {}  # by (id(lo), id(hi), tokens): the pair read at tokens
+
+    def scaled_of(
+        self,
+        lo: StepTrace,
+        hi: StepTrace,
+        t1: int,
+        t2: int,
+        tokens: int,
+        layers: list[int],
+        rep_of: dict[int, int],
+    ) -> ScaledTraces:
+        """One `ScaledTraces` of `lo` and `hi` (cached traces: the model and t1, t2 are in their keys) at
+        `tokens`, shared by every layout that reads them there (and its memo of their projections)."""
+        key = (id(lo), id(hi), tokens)  # the entry holds lo and hi, so their ids are not reused
+        scaled = self.scaled.get(key)
+        if scaled is None or scaled.lo is not lo or scaled.hi is not hi:
+            scaled = self.scaled[key] = ScaledTraces(lo, hi, t1, t2, tokens, layers, rep_of)
+        return scaled
 
     @staticmethod
     def traced_run(run: TrainConfig) -> TrainConfig:
@@ -182,21 +201,29 @@ class TraceCache:
         offload = {"offload": True} if run.memory.recompute else {}
         return run.replace(optimizer="adamw", expert_precision="bf16", **offload)
 
-    def _key(self, run: TrainConfig, tokens: int, layers: list[int]) -> tuple:
-        memory, options = run.memory, run.model_options
+    def _key(self, run: TrainConfig, model_config: ModelConfig, tokens: int, layers: list[int]) -> tuple:
+        """All that `_trace` reads of the traced run (`traced_run`) and the model: what a search's layouts
+        change (dp, ep, FSDP, optimizer offload, the optimizer and its precision, the assumptions) is not
+        read, so one cache serves a search, and any plans of the same model and settings besides."""
+        memory = run.memory
         if run.plan.stage == "eval":  # the memory switches are the training step's
             switches: tuple = (eval_param_dtype(run),)
-        else:
+        else:  # fp32 weights under bf16 autocast whatever the precision; the optimizer's settings, not its
+            # schedule (one step is traced, at a given lr)
             switches = (memory.recompute, memory.offload, memory.recompute_chunks, memory.keep_selection)
+            schedule = {"steps": 0, "epochs": 0.0, "warmup_steps": 0, "min_lr_ratio": 0.0, "max_bad_steps": 0}
+            switches += astuple(replace(run.optim, **schedule))
+        parallel = run.parallel
         return (
+            repr(model_config),
             run.plan.stage,
             run.seq_len,  # the indexer kernel's score workspace is sized by the traced share of the window
-            run.parallel.cp,
+            parallel.cp,
+            parallel.cp_layout,
+            parallel.ep_capacity_factor,
+            parallel.ep_overlap,
             *switches,
-            options.moe_chunk_tokens,
-            options.loss_chunk_tokens,
-            options.indexer_query_block,
-            options.attention_query_block,
+            astuple(run.model_options),
             tokens,
             tuple(layers),
         )
@@ -210,7 +237,7 @@ class TraceCache:
         optimizer: bool = False,
     ) -> StepTrace:
         run = self.traced_run(run)
-        key = self._key(run, tokens, layers)
+        key = self._key(run, model_config, tokens, layers)
         cached = self.cache.get(key)
         if cached is None or (optimizer and not cached.optimizer_peak):
             cached = self.cache[key] = _trace(run, model_config, tokens, layers, optimizer)
@@ -224,7 +251,7 @@ class TraceCache:
         todo, seen = [], set()
         for run, tokens, optimizer in requests:
             run = self.traced_run(run)
-            key = self._key(run, tokens, layers)
+            key = self._key(run, model_config, tokens, layers)
             cached = self.cache.get(key)
             if key not in seen and (cached is None or (optimizer and not cached.optimizer_peak)):
                 seen.add(key)
@@ -260,6 +287,9 @@ class ScaledTraces:
     tokens: int
     layers: list[int]  # the traced layers
     rep_of: dict[int, int]  # every layer of the model -> the traced layer of its kind
+    # what `genomelm.plan.timing` reads off the pair (op classes projected, their seconds by pass), by what it
+    # is read with: the layouts sharing the traces (`TraceCache.scaled_of`) differ in switches it does not see
+    projections: dict[tuple, list] = field(default_factory=dict, repr=False, compare=False)
 
     def line(self, at_t1: float, at_t2: float, tokens: int | None = None) -> float:
         """Bytes at `tokens` (default: the rank's) on the line through the two traces."""
@@ -289,7 +319,7 @@ def scaled_traces(
     lo = traces.get(run, model_config, t1, layers) if t1 != t2 else hi
     representative = {layer_kind(model_config, i): i for i in layers}
     rep_of = {i: representative[layer_kind(model_config, i)] for i in range(model_config.num_hidden_layers)}
-    return ScaledTraces(lo, hi, t1, t2, tokens, layers, rep_of)
+    return traces.scaled_of(lo, hi, t1, t2, tokens, layers, rep_of)
 
 
 @dataclass(frozen=True)

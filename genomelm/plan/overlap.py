@@ -23,6 +23,7 @@ dependencies the code has. Hand-written: no library models a training step's str
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 
@@ -59,8 +60,21 @@ class Timeline:
         return self.window_s - self.compute_s
 
 
-def _overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(a[1], b[1]) - max(a[0], b[0])) for b in spans)
+def _overlap(busy: list[tuple[float, float]], spans: list[tuple[float, float]]) -> float:
+    """Seconds of the `busy` spans that overlap `spans`, summed busy span by busy span. `spans` are the
+    link's, FIFO: each starts once the one before it ends, so those a busy span overlaps are one run of them,
+    found by bisection (the others would add exactly 0.0: the sum is the all-pairs one, bit for bit)."""
+    ends = [end for _, end in spans]
+    total = 0
+    for a0, a1 in busy:
+        part = 0
+        for i in range(bisect_right(ends, a0), len(spans)):  # the first span that ends after a0
+            b0, b1 = spans[i]
+            if b0 >= a1:
+                break
+            part += max(0.0, min(a1, b1) - max(a0, b0))
+        total += part
+    return total
 
 
 def simulate(
@@ -137,7 +151,7 @@ def simulate(
         comm_spans.append((rs_start, link))
     end = max(compute, link)
     waits["reduce-scatters after the backward"] = end - compute
-    slowed = comm_sm_share * sum(_overlap(span, comm_spans) for span in busy)
+    slowed = comm_sm_share * _overlap(busy, comm_spans)
     waits["compute slowed beside collectives"] = slowed
     waits["FSDP2 copy-outs (compute stream)"] = 2 * sum(x.copy_out for x in layers)
     own = before + between + sum(x.forward + x.recompute + x.backward for x in layers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,35 @@ def planned_routes(
     ]
 
 
+def memoised(steps: ScaledTraces, key: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()` memoised on `steps` under `key` (what it reads besides `steps`): the layouts of a search
+    that share its traces and differ in offload, optimizer offload or the optimizer read the same kernels at
+    the same rates. The value is read, not changed, by the callers."""
+    value = steps.projections.get(key)
+    if value is None:
+        value = steps.projections[key] = compute()
+    return value
+
+
+def rates_key(p: Peaks) -> tuple:
+    """`p`'s values, hashable."""
+    values = (getattr(p, f.name) for f in dataclasses.fields(p))
+    return tuple(tuple(v.items()) if isinstance(v, dict) else v for v in values)
+
+
+def project(
+    steps: ScaledTraces, times: dict[str, float], p: Peaks, rows: float, weights: float
+) -> list[roofline.CostedClass]:
+    """`roofline.project` of `steps` at its tokens (`memoised`)."""
+    return memoised(
+        steps,
+        ("classes", tuple(times.items()), rates_key(p), rows, weights),
+        lambda: roofline.project(
+            steps.lo.ops, steps.hi.ops, steps.t1, steps.t2, steps.tokens, times, p, rows, weights
+        ),
+    )
+
+
 def kernel_time(
     model_config: ModelConfig,
     layout: Layout,
@@ -212,13 +242,12 @@ def kernel_time(
     for i in range(model_config.num_hidden_layers):
         part = f"layers.{steps.rep_of[i]}"
         times[part] = times.get(part, 0.0) + 1.0
-    lo, hi, t1, t2 = steps.lo.ops, steps.hi.ops, steps.t1, steps.t2
     # the experts' weights cast to the compute dtype: none where FSDP2 gathers them in bf16, else E/ep of them
     weights = 0.0 if layout.sharded else 1 / layout.ep
     scale = a.imbalance if layout.ep > 1 else 1.0
 
     def projected(rows: float) -> list[roofline.CostedClass]:
-        traced = roofline.project(lo, hi, t1, t2, steps.tokens, times, p, rows, weights)
+        traced = project(steps, times, p, rows, weights)
         copies = exchange_copies(model_config, layout, steps.tokens, passes, p, rows)
         routes = planned_routes(model_config, layout, steps.tokens, chunk_tokens, p, routings)
         quantised = expert_quantisation(
@@ -360,13 +389,16 @@ def layer_works(
     gather (embedding, norm, head)."""
     scale = a.imbalance if layout.ep > 1 else 1.0
     weights = 0.0 if layout.sharded else 1 / layout.ep
-    lo, hi, t1, t2 = steps.lo.ops, steps.hi.ops, steps.t1, steps.t2
     n = model_config.num_hidden_layers
     sparse = [t == "sparse" for t in model_config.mlp_layer_types]
     moe_layers = max(sum(sparse), 1)
+    lo, hi = steps.lo.ops, steps.hi.ops
 
     def passes(part: str) -> tuple[float, float, float, float, float]:
-        classes = roofline.project(lo, hi, t1, t2, steps.tokens, {part: 1.0}, p, scale, weights)
+        return memoised(steps, ("passes", part, rates_key(p), scale, weights), lambda: summed(part))
+
+    def summed(part: str) -> tuple[float, float, float, float, float]:
+        classes = roofline.project(lo, hi, steps.t1, steps.t2, steps.tokens, {part: 1.0}, p, scale, weights)
         backward = sum(c.seconds for c in classes if c.backward)
         recompute = sum(c.recompute_seconds for c in classes if not c.backward)
         forward = sum(c.seconds for c in classes if not c.backward) - recompute
@@ -423,8 +455,15 @@ def layer_works(
                 host_in=(host_inputs / n + nic) / links.pcie if host_inputs else 0.0,
             )
         )
-    rest_s = sum(
-        c.seconds for c in roofline.project(lo, hi, t1, t2, steps.tokens, {"rest": 1.0}, p, scale, weights)
+    rest_s = memoised(
+        steps,
+        ("rest", rates_key(p), scale, weights),
+        lambda: sum(
+            c.seconds
+            for c in roofline.project(
+                lo, hi, steps.t1, steps.t2, steps.tokens, {"rest": 1.0}, p, scale, weights
+            )
+        ),
     )
     return works, rest_s, moe_s
 
