@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from data_fixtures import DMEL, DMEL_RECORD, read_records
+from scipy import stats
 
 from genomelm.cli import main as cli_main
 from genomelm.data import BUILTIN
@@ -18,8 +19,10 @@ from genomelm.data.windows import Window
 from genomelm.eval.evaluate import HeldoutSet
 from genomelm.eval.probe import (
     ProbeError,
+    ProbeScores,
     ProbeSite,
     format_probe_table,
+    gap_estimates,
     parse_distances,
     plant,
     probe_sites,
@@ -143,8 +146,36 @@ def test_model_with_known_reach_shows_gap_up_to_it_and_none_beyond(tmp_path: Pat
     assert [int(r["distance"]) for r in rows] == settings["distances"]
     assert float(rows[3]["after_gap"]) == 0 and float(rows[2]["after_gap"]) > 1
     assert paths["figure"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp"))
+    assert float(rows[2]["gap_change"]) > 1 and float(rows[0]["gap_change"]) == 0  # 4k: after reaches it
     table = format_probe_table(result)
     assert "skipped 16,384: does not fit" in table and table.splitlines()[4].split()[0] == "4,096"
+    # each gap and the change carry an interval; the after model's gap at 4k and its change exclude 0
+    assert table.splitlines()[4].count("±") == 3 and table.splitlines()[4].rstrip().endswith("*")
+
+
+def test_gap_intervals_are_t_intervals_across_windows_and_the_change_is_paired() -> None:
+    """With equal scored bases per window the gap is the mean of the windows' gaps, its interval Student's t
+    over them, and the change's interval the t interval of the windows' differences: narrower than either
+    model's when what a window adds to both models' gaps cancels."""
+    rng = np.random.default_rng(3)
+    tokens = np.full((6, 1), 100)
+    shared = rng.normal(0.0, 0.5, (6, 1))  # what a window does to both models' gaps
+    before_gap, after_gap = 0.1 + shared, 0.3 + shared + rng.normal(0.0, 0.02, (6, 1))
+    baseline = np.full((6, 1), 130.0)
+    scores = {
+        "before": ProbeScores(baseline - 100 * before_gap, baseline, tokens),
+        "after": ProbeScores(baseline - 100 * after_gap, baseline, tokens),
+    }
+    gaps = gap_estimates(scores, 0)
+    for name, per_window in (
+        ("before", before_gap),
+        ("after", after_gap),
+        ("change", after_gap - before_gap),
+    ):
+        expected = stats.t.interval(0.95, 5, loc=per_window.mean(), scale=stats.sem(per_window[:, 0]))
+        assert (gaps[name].low, gaps[name].high) == pytest.approx(expected, abs=1e-9), name
+    assert gaps["change"].value == pytest.approx(0.2, abs=0.02) and gaps["change"].excludes_zero
+    assert not gaps["before"].excludes_zero and gaps["change"].half_width < gaps["after"].half_width / 10
 
 
 def test_parse_distances_and_nothing_fits() -> None:
@@ -222,4 +253,9 @@ def test_probe_cp2_equals_cp1(demo_outputs, tmp_path: Path, capsys) -> None:
     for row_one, row_two in zip(one["distances"], two["distances"], strict=True):
         assert (row_two["windows"], row_two["tokens"]) == (row_one["windows"], row_one["tokens"]) == (2, 30)
         for name in ("before", "after"):
-            assert row_two[name] == pytest.approx(row_one[name], rel=1e-5, abs=1e-6), (row_one, row_two)
+            # the interval's ends are the gap -+ t(1 d.f.) = 12.7 standard errors: 12.7 x the se's tolerance
+            tolerance = {key: 1.3e-5 if key in ("gap_low", "gap_high") else 1e-6 for key in row_one[name]}
+            for key, value in row_one[name].items():
+                assert row_two[name][key] == pytest.approx(value, rel=1e-5, abs=tolerance[key]), key
+        change_one, change_two = row_one["gap_change"]["value"], row_two["gap_change"]["value"]
+        assert change_two == pytest.approx(change_one, rel=1e-5, abs=1e-6)

@@ -46,7 +46,7 @@ def draw(result: dict, axes: tuple[Axes, Axes]) -> None:
         )
     loss_ax.set_xlabel("context (kb, bucket midpoint)")
     loss_ax.set_ylabel("held-out loss (nats/base)")
-    loss_ax.set_title("loss by position (error bars: s.e. across windows)")
+    loss_ax.set_title("loss by position (bars: 95% intervals across windows)")
     loss_ax.legend()
     change, bars = interval_bars([b["intervals"]["change"] for b in buckets])
     colours = ["tab:green" if c < 0 else "tab:red" for c in np.nan_to_num(change)]
@@ -121,8 +121,9 @@ def save_png(figure: Figure, path: Path) -> Path:
 
 
 def draw_probe(result: dict, axes: tuple[Axes, Axes]) -> None:
-    """Draw a `copy_probe.json` result on two axes: the loss gap (baseline - with copy) +- s.e. against the
-    distance between the copies (log scale), and the loss with and without the copy."""
+    """Draw a `copy_probe.json` result on two axes: the loss gap (baseline - with copy) with its 95% interval
+    across windows against the distance between the copies (log scale), and the loss with and without the
+    copy."""
     rows = result["distances"]
     x = np.array([r["distance"] for r in rows], dtype=float)
     gap_ax, loss_ax = axes
@@ -131,10 +132,11 @@ def draw_probe(result: dict, axes: tuple[Axes, Axes]) -> None:
         return np.array([np.nan if r[model][key] is None else r[model][key] for r in rows], dtype=float)
 
     for model, colour in (("before", "tab:gray"), ("after", "tab:blue")):
+        gap = values(model, "gap")
         gap_ax.errorbar(
             x,
-            values(model, "gap"),
-            yerr=np.nan_to_num(values(model, "gap_se")),
+            gap,
+            yerr=np.nan_to_num([gap - values(model, "gap_low"), values(model, "gap_high") - gap]),
             marker="o",
             ms=4,
             capsize=3,
@@ -153,7 +155,9 @@ def draw_probe(result: dict, axes: tuple[Axes, Axes]) -> None:
         ax.minorticks_off()
         ax.set_xlabel("distance between the copies (tokens)")
     gap_ax.set_ylabel("loss gap, without - with copy (nats/base)")
-    gap_ax.set_title(f"retrieval of a {settings['probe_length']}-base copy (error bars: s.e. across windows)")
+    gap_ax.set_title(
+        f"retrieval of a {settings['probe_length']}-base copy (bars: 95% intervals across windows)"
+    )
     gap_ax.legend()
     loss_ax.set_ylabel("loss on the copied bases (nats/base)")
     loss_ax.set_title("with and without the earlier copy")

@@ -37,6 +37,7 @@ from genomelm.eval.buckets import window_stats
 from genomelm.eval.evaluate import load_heldout
 from genomelm.eval.plot import save_probe_figure
 from genomelm.eval.report import format_number, jsonable, write_atomic, write_result_set
+from genomelm.eval.table import MARK, with_interval
 from genomelm.run.config import TrainConfig
 from genomelm.run.scoring import (
     ScoringRun,
@@ -46,6 +47,7 @@ from genomelm.run.scoring import (
     scoring_source,
     token_losses,
 )
+from genomelm.run.uncertainty import Estimate, Ratio, combine, ratio_estimate
 
 if TYPE_CHECKING:
     from genomelm.eval.evaluate import HeldoutSet
@@ -205,6 +207,21 @@ def summarise(scores: ProbeScores) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
+def gap_ratio(scores: ProbeScores, j: int) -> Ratio:
+    """The j-th distance's gap as a ratio over the windows: their summed gap over their scored bases."""
+    tokens = scores.tokens[:, j]
+    return Ratio.of(scores.baseline[:, j] - scores.planted[:, j], tokens, tokens)
+
+
+def gap_estimates(scores: dict[str, ProbeScores], j: int) -> dict[str, Estimate]:
+    """The j-th distance's gap of each model and the change after - before, with 95% intervals across the
+    windows; the change is paired, as both models score the same bases of the same windows
+    (`genomelm.run.uncertainty`)."""
+    out = {name: ratio_estimate(gap_ratio(scores[name], j)) for name in MODELS}
+    out["change"] = combine([(1.0, gap_ratio(scores["after"], j)), (-1.0, gap_ratio(scores["before"], j))])
+    return out
+
+
 def run_probe(
     config: TrainConfig,
     heldout: HeldoutSet,
@@ -233,7 +250,7 @@ def run_probe(
         )
     for item in skipped:
         print(f"distance {item['distance']:,} skipped: {item['reason']}")
-    summaries = {}
+    summaries, all_scores = {}, {}
     for name, path in (("before", before), ("after", after)):
         began = time.perf_counter()
         print(
@@ -251,9 +268,9 @@ def run_probe(
             share=share,
         )
         del model
-        summaries[name] = summarise(scores)
+        summaries[name], all_scores[name] = summarise(scores), scores
         print(f"  {time.perf_counter() - began:.1f} s", flush=True)
-    rows = [distance_row(summaries, j, d) for j, d in enumerate(distances)]
+    rows = [distance_row(summaries, gap_estimates(all_scores, j), j, d) for j, d in enumerate(distances)]
     settings = {
         "run": config.run,
         "seq": len(windows[0].input_ids),
@@ -275,9 +292,9 @@ def run_probe(
     }
 
 
-def distance_row(summaries: dict[str, dict], j: int, distance: int) -> dict:
+def distance_row(summaries: dict[str, dict], gaps: dict[str, Estimate], j: int, distance: int) -> dict:
     """The result row of the j-th distance: windows and tokens scored, each model's curves with their
-    standard errors."""
+    standard errors and its gap's 95% interval, and the paired change of the gap after - before."""
     row: dict = {
         "distance": distance,
         "windows": int(summaries["after"]["gap"]["windows"][j]),
@@ -290,13 +307,18 @@ def distance_row(summaries: dict[str, dict], j: int, distance: int) -> dict:
             for curve in CURVES
             for suffix, key in (("", "loss"), ("_se", "se"))
         }
+        row[name].update(gap_low=gaps[name].low, gap_high=gaps[name].high)
+    row["gap_change"] = gaps["change"].as_dict()
     return row
 
 
 def csv_columns() -> list[str]:
-    return ["distance", "windows", "tokens"] + [
-        f"{name}_{curve}{suffix}" for name in MODELS for curve in CURVES for suffix in ("", "_se")
-    ]
+    per_model = [f"{curve}{suffix}" for curve in CURVES for suffix in ("", "_se")] + ["gap_low", "gap_high"]
+    return (
+        ["distance", "windows", "tokens"]
+        + [f"{name}_{column}" for name in MODELS for column in per_model]
+        + ["gap_change", "gap_change_low", "gap_change_high"]
+    )
 
 
 def write_probe_csv(result: dict, path: Path) -> Path:
@@ -306,6 +328,8 @@ def write_probe_csv(result: dict, path: Path) -> Path:
     for row in jsonable(result["distances"]):
         flat = {"distance": row["distance"], "windows": row["windows"], "tokens": row["tokens"]}
         flat.update({f"{name}_{key}": value for name in MODELS for key, value in row[name].items()})
+        change = row["gap_change"]
+        flat.update(gap_change=change["value"], gap_change_low=change["low"], gap_change_high=change["high"])
         writer.writerow({k: "" if v is None else v for k, v in flat.items()})
     return write_atomic(path, out.getvalue())
 
@@ -333,28 +357,38 @@ def write_probe_outputs(result: dict, folder: Path) -> dict[str, Path]:
 
 
 def format_probe_table(result: dict) -> str:
-    """One line per distance: windows, scored bases, and per model the planted and baseline loss and the
-    gap."""
-    header = f"{'distance':>9} {'windows':>7} {'tokens':>7}" + "".join(
-        f" | {name + ': copy':>12} {'base':>7} {'gap':>7} {'s.e.':>6}" for name in MODELS
+    """One line per distance: windows, scored bases, per model the planted and baseline loss and the gap
+    with its 95% interval, and the gap's change after - before with its paired interval."""
+    header = (
+        f"{'distance':>9} {'windows':>7} {'tokens':>7}"
+        + "".join(f" | {name + ': copy':>12} {'base':>7} {'gap (nats/base)':>22}" for name in MODELS)
+        + f" | {'change of the gap':>22}"
     )
     lines = [header, "-" * len(header)]
     for row in result["distances"]:
         cells = [f"{row['distance']:>9,} {row['windows']:>7} {row['tokens']:>7}"]
         for name in MODELS:
             r = row[name]
+            gap = {"value": r["gap"], "low": r["gap_low"], "high": r["gap_high"]}
+            gap["excludes_zero"] = _excludes_zero(gap)
             cells.append(
                 f"{format_number(r['planted'], '.4f'):>12} {format_number(r['baseline'], '.4f'):>7} "
-                f"{format_number(r['gap'], '+.4f'):>7} "
-                f"{format_number(r['gap_se'], '.4f'):>6}"
+                f"{with_interval(gap, scale=1.0, digits=4, unit='', column=True):>22}"
             )
-        lines.append(" | ".join(cells))
+        change = with_interval(row["gap_change"], scale=1.0, digits=4, unit="", column=True)
+        lines.append(" | ".join([*cells, f"{change:>22}"]))
     lines.append(
         f"(nats/base over the {result['settings']['scored_bases']} bases after the first of each "
-        f"{result['settings']['probe_length']}-base copy; gap = baseline - copy)"
+        f"{result['settings']['probe_length']}-base copy; gap = baseline - copy; ± : 95% interval across "
+        f"windows (Student t), the change paired; {MARK} : it excludes 0)"
     )
     lines += [f"skipped {item['distance']:,}: {item['reason']}" for item in result["settings"]["skipped"]]
     return "\n".join(lines)
+
+
+def _excludes_zero(interval: dict) -> bool:
+    low, high = interval["low"], interval["high"]
+    return low is not None and high is not None and (low > 0 or high < 0)
 
 
 def probe_config(config: TrainConfig, before: str, after: str) -> dict:
