@@ -83,6 +83,7 @@ demo: $(STAMP)
 	$(BIN)/genomelm data configs/data/demo.yaml
 	$(CPU_MALLOC) $(BIN)/genomelm train $(DEMO_CONFIG) $(ARGS)
 	$(CPU_MALLOC) $(BIN)/genomelm eval $(DEMO_CONFIG) $(ARGS)
+	$(CPU_MALLOC) $(BIN)/genomelm probe $(DEMO_CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
