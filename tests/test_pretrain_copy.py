@@ -55,7 +55,7 @@ def test_the_dsa_layer_starts_at_fan_in_or_at_the_glm_initialisation() -> None:
     stds = {}
     for init in ("fan-in", "reference"):
         dsa = bench.ReferenceCopier("convs", "dsa", init, seq=64).attention.layer
-        stds[init] = float(dsa.q_b_proj.weight.std())
+        stds[init] = float(dsa.q_b_proj.weight.detach().std())
         assert isinstance(dsa.q_b_proj, nn.Linear)
     fan_in = dsa.q_b_proj.in_features
     assert stds["fan-in"] == pytest.approx((3 * fan_in) ** -0.5, rel=0.1)  # uniform(+-1/sqrt(fan_in))
