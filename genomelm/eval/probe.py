@@ -307,13 +307,19 @@ def distance_row(summaries: dict[str, dict], gaps: dict[str, Estimate], j: int, 
             for curve in CURVES
             for suffix, key in (("", "loss"), ("_se", "se"))
         }
-        row[name].update(gap_low=gaps[name].low, gap_high=gaps[name].high)
+        row[name].update(
+            gap_low=gaps[name].low, gap_high=gaps[name].high, gap_excludes_zero=gaps[name].excludes_zero
+        )
     row["gap_change"] = gaps["change"].as_dict()
     return row
 
 
 def csv_columns() -> list[str]:
-    per_model = [f"{curve}{suffix}" for curve in CURVES for suffix in ("", "_se")] + ["gap_low", "gap_high"]
+    per_model = [f"{curve}{suffix}" for curve in CURVES for suffix in ("", "_se")] + [
+        "gap_low",
+        "gap_high",
+        "gap_excludes_zero",
+    ]
     return (
         ["distance", "windows", "tokens"]
         + [f"{name}_{column}" for name in MODELS for column in per_model]
@@ -370,7 +376,7 @@ def format_probe_table(result: dict) -> str:
         for name in MODELS:
             r = row[name]
             gap = {"value": r["gap"], "low": r["gap_low"], "high": r["gap_high"]}
-            gap["excludes_zero"] = _excludes_zero(gap)
+            gap["excludes_zero"] = r["gap_excludes_zero"]
             cells.append(
                 f"{format_number(r['planted'], '.4f'):>12} {format_number(r['baseline'], '.4f'):>7} "
                 f"{with_interval(gap, scale=1.0, digits=4, unit='', column=True):>22}"
@@ -384,11 +390,6 @@ def format_probe_table(result: dict) -> str:
     )
     lines += [f"skipped {item['distance']:,}: {item['reason']}" for item in result["settings"]["skipped"]]
     return "\n".join(lines)
-
-
-def _excludes_zero(interval: dict) -> bool:
-    low, high = interval["low"], interval["high"]
-    return low is not None and high is not None and (low > 0 or high < 0)
 
 
 def probe_config(config: TrainConfig, before: str, after: str) -> dict:
