@@ -273,9 +273,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--local",
-        default="convs",
         choices=["convs", "conv", "kda"],
-        help="the reference's local path: two causal convolutions, one, or the demo GLM's KDA layer",
+        help="the reference's local path: two causal convolutions (default), one, or the GLM's KDA layer",
     )
     parser.add_argument(
         "--dsa-init",
@@ -285,6 +284,9 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="save the final model and the curve here")
     args = parser.parse_args()
+    if args.local and not args.reference:
+        parser.error("--local swaps the reference copier's local path: give --reference too")
+    args.local = args.local or "convs"
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
