@@ -23,7 +23,10 @@ selection is all pools, so no learnt selection is needed); `--set key=value` cha
 16, an MLP): the textbook copying model, to calibrate how long the task takes any model of this size.
 `--reference dsa` puts the demo GLM's DSA layer in place of its softmax layer (`--dsa-init`: at torch's
 fan-in initialisation or the GLM's normal 0.02), `--local conv | kda` one convolution or the GLM's first KDA
-layer in place of the two convolutions: which GLM block keeps the GLM from copying. `--out
+layer in place of the two convolutions: which GLM block keeps the GLM from copying. `--local-scale S`
+multiplies what the local path adds to the residual (the convolutions' weights, the KDA layers' output
+projections). The header says, at init, how much of the attention input's variance the current base and the 6
+preceding bases explain (`preceding_share`): the preceding bases are what a copying head matches on. `--out
 DIR` saves the final model (safetensors, config.json) and the curve (curve.csv, provenance.json).
 """
 
@@ -51,6 +54,7 @@ from genomelm.data.far_copy import plant_copies
 from genomelm.model.checkpoint import save_model
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.dsa import DSAAttention
+from genomelm.model.kda import KDAttention
 from genomelm.model.model import GlmForCausalLM
 from genomelm.run.uncertainty import t_quantile
 
@@ -228,6 +232,52 @@ class ReferenceCopier(nn.Module):
         return nll.view(*ids.shape)
 
 
+@torch.no_grad()
+def scale_local_path(model: nn.Module, scale: float) -> None:
+    """Multiply what the local path adds to the residual by `scale`: the reference's convolution weights, or
+    the output projection of every KDA layer (the GLM's local path; the reference's with `--local kda`)."""
+    for module in model.modules():
+        if isinstance(module, CausalConvs):
+            for conv in module.convs:
+                conv.weight.mul_(scale)
+        elif isinstance(module, KDAttention):
+            module.o_proj.weight.mul_(scale)
+
+
+def attention_input(model: nn.Module) -> nn.Module:
+    """The module whose input is what the copying attention reads: the reference's attention layer, or the
+    GLM's last DSA layer."""
+    if isinstance(model, ReferenceCopier):
+        return model.attention
+    return [layer.self_attn for layer in model.layers if isinstance(layer.self_attn, DSAAttention)][-1]
+
+
+@torch.no_grad()
+def preceding_share(model: nn.Module, ids: torch.Tensor, lags: int = 6) -> tuple[float, float]:
+    """How much the attention's input x [B, S, D] says about the preceding bases, from ids [B, S]: the share
+    of x's variance a least-squares fit explains from the current base alone, and from it and the `lags`
+    preceding bases (one-hot each). An attention layer can match a copy only on the preceding bases: their
+    share is what it has to match on."""
+    captured = []
+    hook = attention_input(model).register_forward_pre_hook(lambda _, args: captured.append(args[0]))
+    try:
+        model(ids, torch.full_like(ids, -100), reduction="none")
+    finally:
+        hook.remove()
+    x = captured[0][:, lags:].flatten(0, 1).double().numpy()
+    centred = x - x.mean(0)
+    shares = []
+    for reach in (0, lags):
+        columns = [
+            F.one_hot(ids[:, lags - lag : ids.shape[1] - lag], 8).flatten(0, 1) for lag in range(reach + 1)
+        ]
+        design = torch.cat(columns, dim=1).double().numpy()  # each one-hot block sums to 1: the intercept
+        # numpy's SVD solver: the design is rank-deficient (codes that never occur are zero columns)
+        coefficients = np.linalg.lstsq(design, x, rcond=None)[0]
+        shares.append(1 - float(((x - design @ coefficients) ** 2).sum() / (centred**2).sum()))
+    return shares[0], shares[1]
+
+
 def demo_model(seq: int, settings: list[str]) -> GlmForCausalLM:
     overrides = {"index_topk": seq}
     for item in settings:
@@ -282,6 +332,12 @@ def main() -> None:
         help="DSA layers at torch's fan-in initialisation or the GLM's normal(0, 0.02) (default: fan-in for "
         "--reference dsa, the GLM's for the GLM)",
     )
+    parser.add_argument(
+        "--local-scale",
+        type=float,
+        default=1.0,
+        help="multiply what the local path adds to the residual (convolution weights, KDA output projection)",
+    )
     parser.add_argument("--out", type=Path, help="save the final model and the curve here")
     args = parser.parse_args()
     if args.local and not args.reference:
@@ -305,6 +361,11 @@ def main() -> None:
             for layer in model.layers:
                 if isinstance(layer.self_attn, DSAAttention):
                     fan_in_init(layer.self_attn)
+    scale_local_path(model, args.local_scale)
+    # measured on windows of another seed, so that training sees the same windows with and without it
+    current, preceding = preceding_share(
+        model, Windows(sequences, args.seq, args.copy_rate, args.seed + 1).batch(16)[0]
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     name = (
         f"reference copier ({args.local} + {args.reference}"
@@ -318,6 +379,9 @@ def main() -> None:
         f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters; data {args.data}; "
         f"seq {args.seq} x batch {args.batch}; copies of {windows.min_length}-{windows.max_length - 1} bases "
         f">= {windows.min_distance} bases after their source"
+        + (f"; local path x{args.local_scale:g}" if args.local_scale != 1 else "")
+        + f"\nat init the current base explains {current:.1%} of the attention input's variance, the 6 "
+        f"preceding bases {preceding - current:.1%} more"
     )
     header = (
         f"{'step':>6} {'tokens (M)':>10} {'loss':>7} {'planted':>8} {'other':>7} {'copy gain (nats)':>18} "

@@ -1,5 +1,6 @@
 """benchmarks/pretrain_copy.py's reference copier: every pairing of local path and attention is causal and
-trains, and its DSA layer starts at the initialisation it names."""
+trains, its DSA layer starts at the initialisation it names, and the measured share of the preceding bases in
+the attention's input follows the local path."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ def test_the_dsa_layer_starts_at_fan_in_or_at_the_glm_initialisation() -> None:
     fan_in = dsa.q_b_proj.in_features
     assert stds["fan-in"] == pytest.approx((3 * fan_in) ** -0.5, rel=0.1)  # uniform(+-1/sqrt(fan_in))
     assert stds["reference"] == pytest.approx(0.02, rel=0.1)
+
+
+def test_preceding_share_is_what_the_local_path_adds_and_scales_with_it() -> None:
+    bench = _pretrain_copy()
+    torch.manual_seed(0)
+    ids = torch.randint(1, 5, (4, 128))
+    model = bench.ReferenceCopier("convs", "softmax", seq=128)
+    current, with_preceding = bench.preceding_share(model, ids)
+    assert with_preceding - current > 0.1 and with_preceding > 0.95  # the convolutions' 6 bases back
+    bench.scale_local_path(model, 0.0)  # the attention then reads the current base alone
+    assert bench.preceding_share(model, ids) == pytest.approx((1.0, 1.0), abs=1e-9)
+
+    kda = bench.ReferenceCopier("kda", "dsa", seq=128)
+    weight = kda.local.layer.o_proj.weight.detach().clone()
+    bench.scale_local_path(kda, 3.0)
+    torch.testing.assert_close(kda.local.layer.o_proj.weight.detach(), 3 * weight)
