@@ -244,6 +244,27 @@ def scale_local_path(model: nn.Module, scale: float) -> None:
             module.o_proj.weight.mul_(scale)
 
 
+@torch.no_grad()
+def local_init(model: nn.Module) -> None:
+    """Start every KDA layer as a local path: q and k share their projection and convolution taps, so that a
+    position's query matches its own key best, and the forget gate starts fast (dt_bias 4: the state keeps
+    ~0.7% of itself per step). The read-out is then about the current position's v, a convolution of the last
+    `linear_conv_kernel_dim` bases, as the reference copier's convolutions give."""
+    for module in model.modules():
+        if isinstance(module, KDAttention):
+            module.q_proj.weight.copy_(module.k_proj.weight)
+            taps = module.conv1d.weight  # [3W, 1, K]: the q rows, then k, then v
+            width = taps.shape[0] // 3
+            taps[:width].copy_(taps[width : 2 * width])
+            module.forget_gate.dt_bias.fill_(4.0)
+
+
+def local_path_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the local path: the reference's convolutions, or every KDA layer's."""
+    modules = [m for m in model.modules() if isinstance(m, (CausalConvs, KDAttention))]
+    return [param for module in modules for param in module.parameters()]
+
+
 def attention_input(model: nn.Module) -> nn.Module:
     """The module whose input is what the copying attention reads: the reference's attention layer, or the
     GLM's last DSA layer."""
@@ -338,6 +359,16 @@ def main() -> None:
         default=1.0,
         help="multiply what the local path adds to the residual (convolution weights, KDA output projection)",
     )
+    parser.add_argument(
+        "--local-init", action="store_true", help="start the KDA layers as a local path (`local_init`)"
+    )
+    parser.add_argument(
+        "--freeze-local",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="the local path takes no update for its first STEPS steps (the attention learns on it first)",
+    )
     parser.add_argument("--out", type=Path, help="save the final model and the curve here")
     args = parser.parse_args()
     if args.local and not args.reference:
@@ -361,7 +392,12 @@ def main() -> None:
             for layer in model.layers:
                 if isinstance(layer.self_attn, DSAAttention):
                     fan_in_init(layer.self_attn)
+    if args.local_init:
+        local_init(model)
     scale_local_path(model, args.local_scale)
+    frozen = local_path_parameters(model) if args.freeze_local > 0 else []
+    for param in frozen:
+        param.requires_grad_(False)  # AdamW skips a parameter without a gradient: no update, no decay
     # measured on windows of another seed, so that training sees the same windows with and without it
     current, preceding = preceding_share(
         model, Windows(sequences, args.seq, args.copy_rate, args.seed + 1).batch(16)[0]
@@ -379,7 +415,9 @@ def main() -> None:
         f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters; data {args.data}; "
         f"seq {args.seq} x batch {args.batch}; copies of {windows.min_length}-{windows.max_length - 1} bases "
         f">= {windows.min_distance} bases after their source"
+        + ("; KDA started as a local path" if args.local_init else "")
         + (f"; local path x{args.local_scale:g}" if args.local_scale != 1 else "")
+        + (f", frozen for {args.freeze_local} steps" if args.freeze_local > 0 else "")
         + f"\nat init the current base explains {current:.1%} of the attention input's variance, the 6 "
         f"preceding bases {preceding - current:.1%} more"
     )
@@ -393,6 +431,9 @@ def main() -> None:
     start = last = time.perf_counter()
     last_step = 0
     for step in range(1, args.steps + 1):
+        if step == args.freeze_local + 1:
+            for param in frozen:
+                param.requires_grad_(True)
         scale = min(1.0, step / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / args.steps)))
         for group in optimizer.param_groups:
             group["lr"] = args.lr * scale

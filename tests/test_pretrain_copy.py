@@ -77,3 +77,26 @@ def test_preceding_share_is_what_the_local_path_adds_and_scales_with_it() -> Non
     weight = kda.local.layer.o_proj.weight.detach().clone()
     bench.scale_local_path(kda, 3.0)
     torch.testing.assert_close(kda.local.layer.o_proj.weight.detach(), 3 * weight)
+
+
+def test_local_init_makes_each_kda_layer_read_its_last_bases() -> None:
+    """After `local_init` a KDA layer's q and k are one map and its state forgets >99% per step: its output
+    at a position moves with the bases just before it, and hardly with one 20 bases back."""
+    bench = _pretrain_copy()
+    torch.manual_seed(0)
+    model = bench.ReferenceCopier("kda", "dsa", seq=64)
+    bench.local_init(model)
+    kda = model.local.layer
+    torch.testing.assert_close(kda.q_proj.weight, kda.k_proj.weight)
+    width = kda.conv1d.weight.shape[0] // 3
+    torch.testing.assert_close(kda.conv1d.weight[:width], kda.conv1d.weight[width : 2 * width])
+    x = torch.randn(1, 64, kda.q_proj.in_features)
+    with torch.no_grad():
+        assert float(kda.forget_gate(x).max()) < torch.log(torch.tensor(0.01))
+        out = kda(x)[0][0, 50]
+        moved = {}
+        for back in (1, 20):
+            changed = x.clone()
+            changed[0, 50 - back] = torch.randn(kda.q_proj.in_features)
+            moved[back] = float((kda(changed)[0][0, 50] - out).norm() / out.norm())
+    assert moved[1] > 100 * moved[20]
