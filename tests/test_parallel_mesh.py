@@ -4,6 +4,7 @@ sharded checkpoints resumed at other world sizes (gloo, 2 and 4 local processes,
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,13 +121,15 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_and_placements(fly_data
         ("at1", ["grad_accum=2"]),
         ("placed", ["dp=2", "ep=2", "expert_placement=balanced"]),
     )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAULT_ENV, "3:1")
+        with pytest.raises(AssertionError, match="assert 1 == 0"):  # the lost rank: exit status 1
+            train_losses(fly_data, tmp_path, "killed", "dp=2", "ep=2", "steps=4", "save_every=2")
+    step_dir = tmp_path / "killed" / "checkpoints" / "step-0000002"
+    assert (step_dir / "state" / ".metadata").exists() and not (step_dir / "model").exists()
     for name, resumed in resumes:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv(FAULT_ENV, "3:1")
-            with pytest.raises(AssertionError, match="assert 1 == 0"):  # the lost rank: exit status 1
-                train_losses(fly_data, tmp_path, name, "dp=2", "ep=2", "steps=4", "save_every=2")
-        step_dir = tmp_path / name / "checkpoints" / "step-0000002"
-        assert (step_dir / "state" / ".metadata").exists() and not (step_dir / "model").exists()
+        # the killed run's folder, resumed under each name (a run's name is not part of what it resumes)
+        shutil.copytree(tmp_path / "killed", tmp_path / name)
         # as a kill -9 mid-save leaves it
         half_written = tmp_path / name / "checkpoints" / ".tmp-step-0000004" / "state"
         half_written.mkdir(parents=True)

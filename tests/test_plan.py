@@ -12,7 +12,6 @@ import importlib.util
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -322,28 +321,20 @@ def test_check_fits_refuses_with_the_layouts_it_tried_unless_forced():
 
 
 @pytest.mark.slow
-def test_plan_command_full_model_on_the_cpu(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "genomelm.cli",
-            "plan",
-            "configs/train/hg38-1m.yaml",
-            f"runs_dir={tmp_path}",
-            "dp=4",
-            "cp=16",
-            "ep=32",
-            "optimizer_offload=true",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "traced 3 of 45 layers" in out.stdout and "optimizer_offload True" in out.stdout
+def test_plan_command_full_model_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """`genomelm plan configs/train/hg38-1m.yaml` with a layout of its own, in this process so that the
+    command's traces are `TRACES` (its cp=16 pair is the shipped hg38-1m search's; `python -m genomelm.cli`
+    itself runs in test_train and test_run_folder)."""
+    from genomelm import cli
+    from genomelm.commands import plan as command
+
+    monkeypatch.setattr(command, "TraceCache", lambda: TRACES)
+    config = str(ROOT / "configs" / "train" / "hg38-1m.yaml")
+    layout = ["dp=4", "cp=16", "ep=32", "optimizer_offload=true"]
+    code = cli.main(["plan", config, f"runs_dir={tmp_path}", *layout])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "traced 3 of 45 layers" in out and "optimizer_offload True" in out
     plan = json.loads((tmp_path / "hg38-1m" / "plan.json").read_text())
     for key in (
         "fits",
@@ -923,7 +914,7 @@ def test_shipped_config_is_the_plans_first_choice_and_fits_its_budget(case) -> N
     reader runs `genomelm plan configs/train/hg38-<seq>.yaml search=true`; and the config's own plan fits the
     budget it names."""
     table = _plan_table()
-    traces = TraceCache()
+    traces = TRACES  # the plan command's test traced hg38-1m's cp=16 pair already
     best = table.first_choice(case, traces)
     assert table.layout_of(best) == table.shipped_layout(case), (
         f"configs/train/{case.config}.yaml drifted from the plan's first choice: "

@@ -121,12 +121,19 @@ def test_second_train_on_a_running_cp2_run_is_refused(fly: Path, tmp_path: Path)
         while not metrics.exists():  # the ranks are training
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
             time.sleep(0.2)
+        # the first run's processes stopped while the second starts: its lock is a live holder's all the
+        # same, and the second gets the cores the ranks would spin on
+        os.killpg(first.pid, signal.SIGSTOP)
         rows_before = len(read_metrics(metrics))
         second = subprocess.run([*command, *busy], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2, second.stderr
         assert f"in use by pid {first.pid}" in second.stderr and "run=NAME" in second.stderr
         assert json.loads(lock.read_text())["pid"] == first.pid
-        assert first.poll() is None and len(read_metrics(metrics)) >= rows_before  # the first run goes on
+        os.killpg(first.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 180
+        while len(read_metrics(metrics)) <= rows_before:  # the first run goes on
+            assert first.poll() is None and time.monotonic() < deadline, "the first run stopped"
+            time.sleep(0.2)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()

@@ -79,15 +79,26 @@ def test_experts_placed_with_copies_on_fake_cuda_exchange_the_copies_weights_onc
     (forward, recompute, backward) for the copies' weights and gradients, in fp32 like the weights here."""
     config = _tiny("seq=512", "dp=2", "ep=2", "moe_chunk_tokens=128", "expert_placement=balanced")
     model_config = ModelConfig.preset("tiny")
-    simulation = simulate_step(config.replace(expert_copies=1), model_config)
+    runs = [config.replace(expert_copies=1), config.replace(expert_placement="static")]
+    simulation, static = run_on_fake_cuda(_simulate_each, runs, model_config)  # one process for both
+    for ranks in (simulation.ranks, static.ranks):
+        check_ranks_agree([r.collectives for r in ranks])
     syncs = simulation.syncs_per_window()
     assert sum(syncs.values()) == simulation.expert_syncs_per_window(model_config) == 3, syncs
     assert all(EXCHANGE_SYNC_SITE in site for site in syncs), syncs
-    static = simulate_step(config.replace(expert_placement="static"), model_config)
     for placed, plain in zip(simulation.ranks, static.ranks):
         exchanges = [c for c in placed.collectives if c.kind == "all_to_all"]
         assert len(exchanges) == len([c for c in plain.collectives if c.kind == "all_to_all"]) + 3 * 3
         assert {c.dtype for c in exchanges} == {"bfloat16", "float32"}
+
+
+def _simulate_each(configs: list[TrainConfig], model_config: ModelConfig) -> list[Simulation]:
+    """In the fake-CUDA process: every rank's step of each config (`simulate_step`'s, in one process)."""
+    from genomelm.plan.simulate import _simulate_ranks
+
+    return [
+        _simulate_ranks(c, model_config, list(range(c.parallel.dp * c.parallel.cp)), "h200") for c in configs
+    ]
 
 
 @pytest.mark.slow
@@ -235,11 +246,16 @@ def _tracked_peak(device_type: str) -> int:
         return sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
 
 
+def _tracked_peaks() -> tuple[int, int]:
+    """`_tracked_peak` on fake CUDA tensors and on fake CPU ones, in one fake-CUDA process."""
+    return _tracked_peak("cuda"), _tracked_peak("cpu")
+
+
 @pytest.mark.slow
 def test_the_planners_cpu_trace_holds_what_the_cuda_step_holds() -> None:
     """The planner measures memory on fake CPU tensors; the same step on fake CUDA tensors (CUDA's autocast
     op lists, the CUDA branches) peaks within 0.5% of it (measured: +0.15% for this step)."""
-    cuda, cpu = (run_on_fake_cuda(_tracked_peak, kind, timeout_s=300) for kind in ("cuda", "cpu"))
+    cuda, cpu = run_on_fake_cuda(_tracked_peaks, timeout_s=600)
     assert cpu > 0 and abs(cuda - cpu) <= 0.005 * cpu, (cuda, cpu)
 
 
@@ -373,13 +389,21 @@ def test_eval_layout_of_a_planned_run_is_the_evaluations_forward_with_its_contex
     assert "the results' all_gather_object over the dp group" in text
 
 
+def _rank_0_scoring_each(configs: list[TrainConfig], model_config: ModelConfig) -> list[Simulation]:
+    """In the fake-CUDA process: rank 0 of each config scoring a window (`simulate_eval_step`'s, in one
+    process)."""
+    from genomelm.plan.simulate import _simulate_eval_ranks
+
+    return [_simulate_eval_ranks(config, model_config, [0], "h200") for config in configs]
+
+
 def _first_forward(
-    config: TrainConfig, model_config: ModelConfig
+    simulation: Simulation, model_config: ModelConfig
 ) -> tuple[list[Collective], list[HostSync], RankSimulation]:
-    """Rank 0 of an evaluated window on fake CUDA under FSDP2: the all-gathers of the whole model's bf16
-    parameter groups in its first forward (the root's, then one per decoder layer, in layer order), and that
-    forward's host syncs at the expert exchanges (one per MoE layer, in layer order)."""
-    simulation = simulate_eval_step(config, model_config, ranks=[0])
+    """Rank 0 of an evaluated window on fake CUDA under FSDP2 (`_rank_0_scoring_each`): the all-gathers of
+    the whole model's bf16 parameter groups in its first forward (the root's, then one per decoder layer, in
+    layer order), and that forward's host syncs at the expert exchanges (one per MoE layer, in layer
+    order)."""
     rank = simulation.ranks[0]
     world = tuple(range(simulation.dims.world))
     gathers = [
@@ -403,11 +427,11 @@ def test_fsdp_prefetch_issues_the_next_layers_gather_before_this_layers_host_syn
     moe = [index for index, kind in enumerate(layer_kinds) if kind == "sparse"]
     checked = [(k, layer) for k, layer in enumerate(moe) if layer >= 1 and layer + 1 < len(layer_kinds)]
     assert len(checked) == 2  # tiny: MoE layers 1 and 2 have a next layer (3 is the last)
+    configs = [_tiny_eval(*settings, f"fsdp_prefetch={prefetch}") for prefetch in (0, 1)]
+    simulations = run_on_fake_cuda(_rank_0_scoring_each, configs, model_config)
     runs = {}
     for prefetch in (0, 1):
-        gathers, syncs, rank = _first_forward(
-            _tiny_eval(*settings, f"fsdp_prefetch={prefetch}"), model_config
-        )
+        gathers, syncs, rank = _first_forward(simulations[prefetch], model_config)
         assert len(gathers) == model_config.num_hidden_layers + 1 and len(syncs) == len(moe)
         # gathers[layer + 1] is the layer's (gathers[0]: the root's); the next layer's is gathers[layer + 2]
         ahead = [gathers[layer + 2].issued < syncs[k].issued for k, layer in checked]

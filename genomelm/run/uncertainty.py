@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 LEVEL = 0.95  # the confidence level of every interval the evaluator reports
 
@@ -94,6 +93,10 @@ class Estimate:
 
 def t_quantile(windows: int) -> float:
     """The two-sided `LEVEL` quantile of Student's t with windows - 1 degrees of freedom."""
+    # imported here: scipy.stats takes ~0.7 s of CPU to import, which every training process and rank (this
+    # module is on their import path) would pay before any interval is computed
+    from scipy import stats
+
     return float(stats.t.ppf(0.5 + LEVEL / 2, windows - 1))
 
 
