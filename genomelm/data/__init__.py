@@ -2,7 +2,7 @@
 
 ``prepare(DataConfig(...), command)`` builds a folder; ``WindowDataset(folder, split)`` reads it.
 The readers (``WindowDataset``, ``as_hf_dataset``, ``IGNORE_INDEX``) are imported on first use: they need
-torch and megatron-core (~5 s), which ``genomelm data`` (and an up-to-date check) never does.
+torch (~2 s), which ``genomelm data`` (and an up-to-date check) never does.
 """
 
 from typing import TYPE_CHECKING

@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import Dataset
 
 from genomelm.data.errors import DataError
+from genomelm.data.indexed import read_windows
 from genomelm.data.integrity import FolderCheck, split_files
-from genomelm.data.prepare import MANIFEST, SPLITS, indexed_dataset_module, read_manifest
+from genomelm.data.prepare import MANIFEST, SPLITS, read_manifest
 from genomelm.data.vocab import CODE_LETTERS, IGNORE_INDEX, Vocabulary
 from genomelm.data.windows import Window
 
@@ -36,7 +37,6 @@ class WindowDataset(Dataset):
     def __init__(self, path: str | Path, split: str, verify: str = "open") -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: must be one of {', '.join(VERIFY_MODES)}")
-        IndexedDataset = indexed_dataset_module().IndexedDataset
         self.path = Path(path)
         if split not in SPLITS:
             raise DataError(f"split {split!r}: must be one of {', '.join(SPLITS)}")
@@ -62,9 +62,10 @@ class WindowDataset(Dataset):
             for name in self._bins:
                 self.check.verify(name)
         self._lazy = verify == "lazy" and self.check.has_checksums
-        self.tokens = IndexedDataset(str(self.path / info["prefix"]))
-        self.softmasks = IndexedDataset(str(self.path / info["softmask_prefix"]))
         windows = info["windows"]
+        count = len(windows["start"])
+        self.tokens = read_windows(self.path / codes_bin, count, self.seq_len)
+        self.softmasks = read_windows(self.path / mask_bin, count, self.seq_len)
         self.records: list[str] = windows["records"]
         self.record_index = np.asarray(windows["record"], dtype=np.int64)
         self.starts = np.asarray(windows["start"], dtype=np.int64)

@@ -5,7 +5,10 @@ torch, longer than preparing 100 Mb) and copies every item several times (torch 
 bytes). Here each sequence's bytes go to the ``.bin`` file straight from the caller's numpy buffer and
 the ``.idx`` is written once at the end, byte for byte what ``IndexedDatasetBuilder.finalize`` writes
 (``_IndexWriter`` in megatron/core/datasets/indexed_dataset.py; tests/test_data_index.py compares the
-two). Readers still use megatron's ``IndexedDataset``.
+two). ``read_windows`` reads them back, also by hand: a prepared folder's windows all have SEQ tokens (its
+index is checked at open, ``FolderCheck.check_index``), so a window is a row of a memory map, and megatron's
+``IndexedDataset`` would cost every process that reads data ~2.5 s of CPU to import (``megatron.core``
+imports its whole transformer stack); the test reads the same files with it.
 """
 
 from __future__ import annotations
@@ -95,3 +98,11 @@ def index_lengths(idx_path: str | Path) -> np.ndarray:
             f"{len(data):,} bytes, but {count:,} sequences in {documents:,} documents need {needed:,}"
         )
     return np.frombuffer(data, dtype=np.int32, count=count, offset=head + 16)
+
+
+def read_windows(bin_path: str | Path, windows: int, seq_len: int) -> np.ndarray:
+    """The ``.bin`` of `windows` sequences of `seq_len` uint8 each as a read-only [windows, seq_len] memory
+    map (a row is one window, read from disk when used); the caller has checked the file's size."""
+    if windows == 0:
+        return np.zeros((0, seq_len), dtype=np.uint8)
+    return np.memmap(bin_path, dtype=np.uint8, mode="r", shape=(windows, seq_len))

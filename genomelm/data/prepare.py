@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,15 +63,6 @@ from genomelm.data.vocab import (
     tokenizer_vocabulary,
 )
 from genomelm.data.windows import CutWindow, WindowCutter
-
-
-def indexed_dataset_module():
-    """megatron-core's indexed_dataset (for reading), imported on first use (~5 s) without the warnings that
-    importing megatron.core emits about GPU libraries and its own deprecations. Writing never imports it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets import indexed_dataset
-    return indexed_dataset
 
 
 class _SplitWriter:

@@ -5,16 +5,7 @@ nowhere else: what training and scoring ranks import next, loaded once so that e
 
 from __future__ import annotations
 
-import torch
 import torch._dynamo  # noqa: F401 - the model's compiled and dynamo-disabled paths
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
-
-from genomelm.data.prepare import indexed_dataset_module
-
-# megatron-core's reader imports the GPU libraries it finds (Transformer Engine, flash-attn, apex), some of
-# which initialize CUDA on import, and a rank forked from a process that has cannot use CUDA: so only with a
-# torch built without CUDA, where the ranks run on the CPU
-if not torch.backends.cuda.is_built():
-    indexed_dataset_module()
