@@ -26,7 +26,10 @@ fan-in initialisation or the GLM's normal 0.02), `--local conv | kda` one convol
 layer in place of the two convolutions: which GLM block keeps the GLM from copying. `--local-scale S`
 multiplies what the local path adds to the residual (the convolutions' weights, the KDA layers' output
 projections). The header says, at init, how much of the attention input's variance the current base and the 6
-preceding bases explain (`preceding_share`): the preceding bases are what a copying head matches on. `--out
+preceding bases explain (`preceding_share`): the preceding bases are what a copying head matches on.
+`--local-init` starts the KDA layers as local paths and `--freeze-local N` holds the local path fixed for N
+steps: the recipe with which the GLM copies (docs/readouts.md). `--init DIR` starts the GLM from a saved one,
+`--train-indexer` trains its indexer towards the attention (the KL term; on longer windows). `--out
 DIR` saves the final model (safetensors, config.json) and the curve (curve.csv, provenance.json).
 """
 
@@ -51,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genomelm.data.far_copy import plant_copies
-from genomelm.model.checkpoint import save_model
+from genomelm.model.checkpoint import load_model, save_model
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.dsa import DSAAttention
 from genomelm.model.kda import KDAttention
@@ -299,15 +302,28 @@ def preceding_share(model: nn.Module, ids: torch.Tensor, lags: int = 6) -> tuple
     return shares[0], shares[1]
 
 
-def demo_model(seq: int, settings: list[str]) -> GlmForCausalLM:
+def demo_model(seq: int, settings: list[str], train_indexer: bool = False) -> GlmForCausalLM:
+    """The demo GLM selecting every pool (index_topk = seq) unless `settings` say otherwise; with
+    `train_indexer` its indexer learns from the KL term (`training_loss`)."""
     overrides = {"index_topk": seq}
     for item in settings:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     config = dataclasses.replace(ModelConfig.preset("demo"), **overrides)
     backend = "dense" if seq <= DENSE_UP_TO else "sparse"
-    options = RunOptions(dsa_backend=backend, forbid_dense_above=None, attention_query_block=256)
+    options = RunOptions(
+        dsa_backend=backend, forbid_dense_above=None, attention_query_block=256, train_indexer=train_indexer
+    )
     return GlmForCausalLM.from_config(config, options)
+
+
+def training_loss(model: nn.Module, nll: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean loss of the predicted bases, plus the GLM's indexer KL terms when it trains its indexer (the
+    per-token `nll` [B, S] leaves them out: `GlmForCausalLM.forward`)."""
+    loss = nll[labels != -100].mean()
+    if isinstance(model, GlmForCausalLM) and model.options.train_indexer:
+        loss = loss + sum(model.last_indexer_loss.values())
+    return loss
 
 
 def interval(gains: list[float]) -> tuple[float, float]:
@@ -369,10 +385,18 @@ def main() -> None:
         metavar="STEPS",
         help="the local path takes no update for its first STEPS steps (the attention learns on it first)",
     )
+    parser.add_argument("--init", type=Path, help="start the GLM from a model saved with --out")
+    parser.add_argument(
+        "--train-indexer",
+        action="store_true",
+        help="train the GLM's indexer towards its attention (the KL term; with --set index_topk=N, N pools)",
+    )
     parser.add_argument("--out", type=Path, help="save the final model and the curve here")
     args = parser.parse_args()
     if args.local and not args.reference:
         parser.error("--local swaps the reference copier's local path: give --reference too")
+    if args.reference and (args.init or args.train_indexer):
+        parser.error("--init and --train-indexer are for the GLM, not the reference copier")
     args.local = args.local or "convs"
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -387,7 +411,7 @@ def main() -> None:
     if args.reference:
         model: nn.Module = ReferenceCopier(args.local, args.reference, args.dsa_init or "fan-in", args.seq)
     else:
-        model = demo_model(args.seq, args.set)
+        model = demo_model(args.seq, args.set, args.train_indexer)
         if args.dsa_init == "fan-in":
             for layer in model.layers:
                 if isinstance(layer.self_attn, DSAAttention):
@@ -395,6 +419,8 @@ def main() -> None:
     if args.local_init:
         local_init(model)
     scale_local_path(model, args.local_scale)
+    if args.init:
+        model.load_state_dict(load_model(args.init).state_dict())
     frozen = local_path_parameters(model) if args.freeze_local > 0 else []
     for param in frozen:
         param.requires_grad_(False)  # AdamW skips a parameter without a gradient: no update, no decay
@@ -440,7 +466,7 @@ def main() -> None:
         ids, labels, planted = windows.batch(args.batch)
         nll = model(ids, labels, reduction="none")
         other = (labels != -100) & ~planted
-        loss = nll[labels != -100].mean()
+        loss = training_loss(model, nll, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

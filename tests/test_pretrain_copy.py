@@ -100,3 +100,20 @@ def test_local_init_makes_each_kda_layer_read_its_last_bases() -> None:
             changed[0, 50 - back] = torch.randn(kda.q_proj.in_features)
             moved[back] = float((kda(changed)[0][0, 50] - out).norm() / out.norm())
     assert moved[1] > 100 * moved[20]
+
+
+def test_train_indexer_adds_the_kl_term_and_trains_the_indexer() -> None:
+    """`--train-indexer`: the training loss carries the indexer's KL term, whose gradient reaches the
+    indexer (the per-token losses alone leave it without one)."""
+    bench = _pretrain_copy()
+    torch.manual_seed(0)
+    ids = torch.randint(1, 5, (1, 64))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    grads = {}
+    for train in (False, True):
+        model = bench.demo_model(64, [], train_indexer=train)
+        loss = bench.training_loss(model, model(ids, labels, reduction="none"), labels)
+        loss.backward()
+        indexer = model.layers[-1].self_attn.indexer
+        grads[train] = sum(float(p.grad.abs().sum()) for p in indexer.parameters() if p.grad is not None)
+    assert grads[False] == 0 and grads[True] > 0
