@@ -101,6 +101,21 @@ def test_sharded_resume_falls_back_from_a_damaged_shard(fly: Path, tmp_path: Pat
     assert resumed["losses"] == pytest.approx(losses[2:], rel=1e-6)
 
 
+def test_a_checkpoint_set_aside_while_another_rank_lists_the_folder_is_not_in_the_way(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A step folder that another rank renames to `.damaged` between this rank's listing and its look at the
+    entry is gone, not a file standing where the run writes (the race the sharded fall-back test met)."""
+    checkpointer = Checkpointer(tmp_path / "run")
+    checkpointer.root.mkdir(parents=True)
+    (checkpointer.root / "step-0000002").mkdir()
+    listed = [checkpointer.root / "step-0000002", checkpointer.root / "step-0000004"]  # step 4: renamed since
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(listed))
+    assert checkpointer.blocked(2, 6) == []
+    (checkpointer.root / "step-0000004").write_text("")  # a file there is in the way
+    assert checkpointer.blocked(2, 6) == [(checkpointer.root / "step-0000004", "the checkpoint of step 4")]
+
+
 @pytest.mark.parametrize(
     "failure",
     [

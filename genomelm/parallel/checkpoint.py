@@ -38,6 +38,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -364,7 +365,10 @@ class Checkpointer:
         found = []
         for path in sorted(self.root.iterdir()):
             step = step_of(path)
-            if path.is_dir():
+            try:
+                if stat.S_ISDIR(path.stat().st_mode):
+                    continue
+            except FileNotFoundError:  # gone since the listing (another rank set a damaged one aside)
                 continue
             if step is not None and after < step <= last:
                 found.append((path, f"the checkpoint of step {step}"))
