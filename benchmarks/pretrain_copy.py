@@ -397,6 +397,8 @@ def main() -> None:
         parser.error("--local swaps the reference copier's local path: give --reference too")
     if args.reference and (args.init or args.train_indexer):
         parser.error("--init and --train-indexer are for the GLM, not the reference copier")
+    if args.init and (args.local_init or args.local_scale != 1):
+        parser.error("--init loads every weight: --local-init and --local-scale would be overwritten")
     args.local = args.local or "convs"
     if args.threads:
         torch.set_num_threads(args.threads)

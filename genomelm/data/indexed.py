@@ -7,7 +7,7 @@ the ``.idx`` is written once at the end, byte for byte what ``IndexedDatasetBuil
 (``_IndexWriter`` in megatron/core/datasets/indexed_dataset.py; tests/test_data_index.py compares the
 two). ``read_windows`` reads them back, also by hand: a prepared folder's windows all have SEQ tokens (its
 index is checked at open, ``FolderCheck.check_index``), so a window is a row of a memory map, and megatron's
-``IndexedDataset`` would cost every process that reads data ~2.5 s of CPU to import (``megatron.core``
+``IndexedDataset`` would cost every process that reads data ~2 s of CPU to import (``megatron.core``
 imports its whole transformer stack); the test reads the same files with it.
 """
 
