@@ -30,7 +30,9 @@ preceding bases explain (`preceding_share`): the preceding bases are what a copy
 `--local-init` starts the KDA layers as local paths and `--freeze-local N` holds the local path fixed for N
 steps: the recipe with which the GLM copies (docs/readouts.md). `--init DIR` starts the GLM from a saved one,
 `--train-indexer` trains its indexer towards the attention (the KL term; on longer windows). `--out
-DIR` saves the final model (safetensors, config.json) and the curve (curve.csv, provenance.json).
+DIR` saves the final model (safetensors, config.json; `--out-index-topk N` sets the index_topk it carries) and
+the curve (curve.csv, provenance.json, which nests the provenance and curve of the `--init` model).
+`make pretrain-demo` chains three stages into the demo's pretrained model (data/models/demo-fly4).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genomelm.data.far_copy import plant_copies
-from genomelm.model.checkpoint import load_model, save_model
+from genomelm.model.checkpoint import load_model, save_state_dict
 from genomelm.model.config import ModelConfig, RunOptions
 from genomelm.model.dsa import DSAAttention
 from genomelm.model.kda import KDAttention
@@ -317,6 +319,14 @@ def demo_model(seq: int, settings: list[str], train_indexer: bool = False) -> Gl
     return GlmForCausalLM.from_config(config, options)
 
 
+def dsa_reach(model: GlmForCausalLM, seq: int) -> str:
+    """What the DSA layer reads of a `seq`-token window: all of it, or its indexer's pools."""
+    config = model.config
+    if config.index_topk >= seq:
+        return "the whole window"
+    return f"{config.index_topk // config.index_kpool} pools of {config.index_kpool} tokens"
+
+
 def training_loss(model: nn.Module, nll: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean loss of the predicted bases, plus the GLM's indexer KL terms when it trains its indexer (the
     per-token `nll` [B, S] leaves them out: `GlmForCausalLM.forward`)."""
@@ -392,6 +402,12 @@ def main() -> None:
         help="train the GLM's indexer towards its attention (the KL term; with --set index_topk=N, N pools)",
     )
     parser.add_argument("--out", type=Path, help="save the final model and the curve here")
+    parser.add_argument(
+        "--out-index-topk",
+        type=int,
+        help="the index_topk the saved config carries (the demo's 256: 64 pools of its 16k windows); "
+        "default: the one trained with",
+    )
     args = parser.parse_args()
     if args.local and not args.reference:
         parser.error("--local swaps the reference copier's local path: give --reference too")
@@ -426,17 +442,17 @@ def main() -> None:
     frozen = local_path_parameters(model) if args.freeze_local > 0 else []
     for param in frozen:
         param.requires_grad_(False)  # AdamW skips a parameter without a gradient: no update, no decay
-    # measured on windows of another seed, so that training sees the same windows with and without it
-    current, preceding = preceding_share(
-        model, Windows(sequences, args.seq, args.copy_rate, args.seed + 1).batch(16)[0]
-    )
+    # measured on 4,096 positions (at least one window) of another seed, so that training sees the same
+    # windows with and without it
+    share_ids = Windows(sequences, args.seq, args.copy_rate, args.seed + 1).batch(max(1, 4096 // args.seq))[0]
+    current, preceding = preceding_share(model, share_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     name = (
         f"reference copier ({args.local} + {args.reference}"
         + (f", {args.dsa_init or 'fan-in'} init" if args.reference == "dsa" else "")
         + ")"
         if args.reference
-        else f"demo GLM, DSA over the whole window{' ' + ' '.join(args.set) if args.set else ''}"
+        else f"demo GLM{', ' + ' '.join(args.set) if args.set else ''}, DSA over {dsa_reach(model, args.seq)}"
         + (", DSA at fan-in init" if args.dsa_init == "fan-in" else "")
     )
     print(
@@ -509,7 +525,8 @@ def save(args: argparse.Namespace, model: nn.Module, rows: list[dict], files: li
     out = args.out
     tmp = out.with_name(out.name + ".tmp")
     if isinstance(model, GlmForCausalLM):
-        save_model(model, tmp)
+        topk = args.out_index_topk or model.config.index_topk
+        save_state_dict(model.state_dict(), dataclasses.replace(model.config, index_topk=topk), tmp)
     else:
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), tmp / "reference_copier.pt")
@@ -524,6 +541,11 @@ def save(args: argparse.Namespace, model: nn.Module, rows: list[dict], files: li
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+    if args.init and (args.init / "provenance.json").exists():  # the chain of stages that made the start
+        earlier = json.loads((args.init / "provenance.json").read_text())
+        with open(args.init / "curve.csv", newline="") as handle:
+            earlier["curve"] = list(csv.DictReader(handle))
+        provenance["init"] = earlier
     (tmp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)

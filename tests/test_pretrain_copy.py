@@ -1,10 +1,12 @@
 """benchmarks/pretrain_copy.py's reference copier: every pairing of local path and attention is causal and
 trains, its DSA layer starts at the initialisation it names, and the measured share of the preceding bases in
-the attention's input follows the local path."""
+the attention's input follows the local path; a stage started from a saved one keeps the chain's
+provenance."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -117,3 +119,24 @@ def test_train_indexer_adds_the_kl_term_and_trains_the_indexer() -> None:
         indexer = model.layers[-1].self_attn.indexer
         grads[train] = sum(float(p.grad.abs().sum()) for p in indexer.parameters() if p.grad is not None)
     assert grads[False] == 0 and grads[True] > 0
+
+
+def test_a_later_stage_saves_the_demo_topk_and_nests_its_starts_provenance(tmp_path, monkeypatch) -> None:
+    """`--out` after `--init`: the saved config carries `--out-index-topk`, and its provenance nests the
+    stage it started from, with that stage's curve (the chain `make pretrain-demo` writes)."""
+    bench = _pretrain_copy()
+    first, second = tmp_path / "1-first", tmp_path / "2-second"
+    common = ["pretrain_copy.py", "--data", "synthetic", "--seq", "64", "--batch", "2", "--every", "1"]
+    for argv in (
+        [*common, "--steps", "2", "--out", str(first)],
+        [*common, "--steps", "1", "--init", str(first), "--out", str(second), "--out-index-topk", "16"],
+    ):
+        monkeypatch.setattr(sys, "argv", argv)
+        bench.main()
+    config = json.loads((second / "config.json").read_text())["text_config"]
+    assert config["index_topk"] == 16
+    assert json.loads((first / "config.json").read_text())["text_config"]["index_topk"] == 64  # = seq
+    provenance = json.loads((second / "provenance.json").read_text())
+    assert f"--init {first}" in provenance["command"]
+    assert f"--out {first}" in provenance["init"]["command"] and "init" not in provenance["init"]
+    assert [row["step"] for row in provenance["init"]["curve"]] == ["1", "2"]
