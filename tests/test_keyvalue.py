@@ -92,7 +92,11 @@ def test_shipped_configs_are_found_from_any_folder(tmp_path: Path, monkeypatch) 
     assert resources.root() == ROOT and PRESET_DIR == ROOT / "configs" / "model"
     assert resources.shipped("configs/train/demo.yaml") == ROOT / "configs/train/demo.yaml"
     assert resources.shipped("nothing.yaml") == Path("nothing.yaml")
-    assert TrainConfig.load("configs/train/demo.yaml").model == "demo"
+    # the shipped demo config's pretrained model, found from here; a user's config is read from where it runs
+    assert TrainConfig.load("configs/train/demo.yaml").model == str(ROOT / "data" / "models" / "demo-fly4")
+    (tmp_path / "mine.yaml").write_text("model: data/models/demo-fly4\n")
+    with pytest.raises(ValueError, match="model=data/models/demo-fly4: no such checkpoint folder"):
+        TrainConfig.load("mine.yaml")
     config = data_config(["genome=demo"])  # configs/data/demo.yaml and its genome, from the checkout
     assert config.fasta == [str(ROOT / "data" / "dmel_chr4.fa.gz")]
     assert data_config(["configs/data/demo.yaml", "seq=4k"]).fasta == config.fasta

@@ -1,6 +1,6 @@
 """A wheel built from the repository installs into a fresh virtual environment and runs from an empty folder:
 `genomelm data` finds the shipped demo config and genome, `python -m genomelm train configs/train/demo.yaml`
-the shipped run config and the `demo` model preset, for one step.
+the shipped run config and the pretrained demo model it names (data/models/demo-fly4), for one step.
 
 The fresh environment gets its dependencies (torch and the rest) from the test's own environment through a
 `.pth` line, so nothing is downloaded; genomelm itself comes only from the wheel (checked)."""
@@ -70,4 +70,5 @@ def test_a_wheel_installs_into_a_fresh_venv_and_runs_data_and_a_demo_step(tmp_pa
     settings = ["seq=2k", "steps=1", "save_every=1", "warmup_steps=0", "wandb=disabled"]
     out = run([str(python), "-m", "genomelm", "train", "configs/train/demo.yaml", *settings], work, env)
     assert "trained demo: steps 0..1" in out, out
+    assert f"model {venv / 'share' / 'genomelm' / 'data' / 'models' / 'demo-fly4'}: " in out, out
     assert (work / "runs" / "demo" / "checkpoints" / "step-0000001" / "model" / "config.json").is_file()

@@ -441,7 +441,7 @@ class TrainConfig:
             paths = [paths]
         settings: dict[str, Any] = {}
         for path in map(Path, paths):
-            settings.update(_read_yaml(path, cls.GROUPS))
+            settings.update(_shipped_model(_read_yaml(path, cls.GROUPS), path))
         return cls._from_flat(settings, overrides)
 
     @classmethod
@@ -526,6 +526,17 @@ def _read_yaml(path: Path, groups: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a run config is a mapping of settings (key: value)")
     return _flat_settings(raw, groups, path)
+
+
+def _shipped_model(settings: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`settings` of the run config `path` with a relative `model` folder that is not in the working directory
+    but ships with genomelm (`data/models/demo-fly4` of configs/train/demo.yaml) made absolute."""
+    model = settings.get("model")
+    shipped_config = resources.shipped(path).resolve().is_relative_to(resources.root().resolve() / "configs")
+    if not shipped_config or not isinstance(model, str) or is_preset(model) or Path(model).exists():
+        return settings
+    found = resources.shipped(model)
+    return settings | {"model": str(found)} if found.exists() else settings
 
 
 def _flat_settings(raw: dict[str, Any], groups: tuple[str, ...], source: Path | str) -> dict[str, Any]:
