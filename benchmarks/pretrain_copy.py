@@ -292,11 +292,11 @@ def preceding_share(model: nn.Module, ids: torch.Tensor, lags: int = 6) -> tuple
         hook.remove()
     x = captured[0][:, lags:].flatten(0, 1).double().numpy()
     centred = x - x.mean(0)
+    codes = next(m for m in model.modules() if isinstance(m, nn.Embedding)).num_embeddings
     shares = []
     for reach in (0, lags):
-        columns = [
-            F.one_hot(ids[:, lags - lag : ids.shape[1] - lag], 8).flatten(0, 1) for lag in range(reach + 1)
-        ]
+        lagged = [ids[:, lags - lag : ids.shape[1] - lag] for lag in range(reach + 1)]
+        columns = [F.one_hot(bases, codes).flatten(0, 1) for bases in lagged]
         design = torch.cat(columns, dim=1).double().numpy()  # each one-hot block sums to 1: the intercept
         # numpy's SVD solver: the design is rank-deficient (codes that never occur are zero columns)
         coefficients = np.linalg.lstsq(design, x, rcond=None)[0]

@@ -3,13 +3,13 @@ held to hand-worked cases and to lower bounds, and the Zipf load fitted to the p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
 from pathlib import Path
 
 import pytest
+from benchmark_modules import benchmark
 
 from genomelm.parallel.placement import (
     Placement,
@@ -20,8 +20,6 @@ from genomelm.parallel.placement import (
     static_placement,
     zipf_load,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_static_blocks_are_todays_layout() -> None:
@@ -95,9 +93,7 @@ def test_a_placement_without_some_expert_is_refused() -> None:
 
 
 def test_the_balance_benchmarks_placement_table() -> None:
-    spec = importlib.util.spec_from_file_location("moe_balance", ROOT / "benchmarks" / "moe_balance.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark("moe_balance")
     rows = bench.placement_rows(4.0, seed=0)
     assert [row["ep"] for row in rows] == [8, 16, 32]
     assert rows[-1]["static"] == pytest.approx(4.0)
@@ -107,9 +103,7 @@ def test_the_balance_benchmarks_placement_table() -> None:
 
 
 def test_the_balance_benchmark_reads_a_runs_logged_load(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("moe_balance", ROOT / "benchmarks" / "moe_balance.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark("moe_balance")
     logged = tmp_path / "expert_load.json"  # as `RoutedTotals.write` leaves it: two layers of 8 experts
     logged.write_text(
         json.dumps({"through_step": 4, "steps": 4, "counts": {"1": [8, 0, 0, 0, 4, 4, 0, 0], "3": [1] * 8}})

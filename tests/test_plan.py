@@ -8,15 +8,14 @@ not fit. The shipped hg38 run configs: the layout the search ranks first."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from benchmark_modules import benchmark
 from data_fixtures import fly_windows
 
 from genomelm.model import GlmForCausalLM, ModelConfig, RunOptions
@@ -896,11 +895,7 @@ def test_a_module_whose_peak_moment_changes_with_size_is_not_understated():
 
 # ------------------------------------------------------------------ the shipped configs: the plan's choice
 def _plan_table():
-    if "plan_table" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("plan_table", ROOT / "benchmarks" / "plan_table.py")
-        module = sys.modules["plan_table"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["plan_table"]
+    return benchmark("plan_table")
 
 
 SHIPPED = [case for case in _plan_table().CASES if case.shipped]

@@ -5,25 +5,17 @@ provenance."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_modules import benchmark
 from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pretrain_copy():
-    name = "pretrain_copy"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark("pretrain_copy")
 
 
 @pytest.mark.parametrize(

@@ -9,17 +9,12 @@ beside its code (test_parallel_launch, test_run_folder, test_train_config, test_
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_modules import benchmark
 from local_ray import one_local_ray
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("red_team", ROOT / "benchmarks" / "red_team.py")
-red_team = sys.modules.setdefault("red_team", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(red_team)
+red_team = benchmark("red_team")
 
 IN_THE_SUITE = [
     "damaged-only-checkpoint-cp2",

@@ -8,7 +8,6 @@ roofline of `tiny`'s traced step at 4k tokens with this machine's measured peaks
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_modules import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genomelm.model import ModelConfig
@@ -252,25 +252,16 @@ def test_plan_reports_the_roofline_op_by_op(tmp_path):
     json.dumps(plan.to_json())
 
 
-def _benchmark(name: str):
-    """benchmarks/<name>.py as a module (registered, so its dataclasses resolve their module)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def test_projected_vs_measured_by_part_on_the_cpu():
     """benchmarks/roofline_gpu.py on the CPU: every part projected and measured, the parts adding up."""
     from genomelm.model import GlmForCausalLM
     from genomelm.train.memory import LayerRunner
 
-    bench = _benchmark("roofline_gpu")
+    bench = benchmark("roofline_gpu")
     torch.manual_seed(0)
     model = GlmForCausalLM.from_config(ModelConfig.preset("tiny"))
     ids = torch.randint(1, 5, (1, 256))
-    peaks = _benchmark("roofline_cpu").cpu_peaks(matmul=256, copy_mib=8, repeats=2)
+    peaks = benchmark("roofline_cpu").cpu_peaks(matmul=256, copy_mib=8, repeats=2)
     rows = bench.projected_vs_measured(model, ids, LayerRunner(recompute=True, offload=False), peaks, 1)
     parts = {r["part"]: r for r in rows}
     kinds = {"KDA layer (dense MLP)": 1, "KDA layer (MoE)": 2, "DSA layer (MoE)": 1}  # tiny's 4 layers
