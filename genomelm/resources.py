@@ -41,3 +41,9 @@ def shipped(path: str | Path) -> Path:
         return path
     candidate = root() / path
     return candidate if candidate.exists() else path
+
+
+def is_shipped(path: str | Path, folder: str | Path = "configs") -> bool:
+    """Whether `path`, found as `shipped` finds it, is one of genomelm's own files under `folder` (a shipped
+    config, whose relative paths name shipped files too), not a user's file."""
+    return shipped(path).resolve().is_relative_to((root() / folder).resolve())

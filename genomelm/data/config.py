@@ -91,7 +91,7 @@ def genome_config_path(genome: str) -> Path:
 def shipped_inputs(settings: dict, config: Path) -> dict:
     """`settings` of the data config `config` with each relative `fasta` path that is not in the working
     directory but ships with genomelm (`data/dmel_chr4.fa.gz` of configs/data/demo.yaml) made absolute."""
-    if config.resolve().parent != (resources.root() / CONFIG_DIR).resolve():
+    if not resources.is_shipped(config, CONFIG_DIR):
         return settings
     fasta = settings.get("fasta")
     if isinstance(fasta, (str, list)):

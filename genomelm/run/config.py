@@ -532,8 +532,9 @@ def _shipped_model(settings: dict[str, Any], path: Path) -> dict[str, Any]:
     """`settings` of the run config `path` with a relative `model` folder that is not in the working directory
     but ships with genomelm (`data/models/demo-fly4` of configs/train/demo.yaml) made absolute."""
     model = settings.get("model")
-    shipped_config = resources.shipped(path).resolve().is_relative_to(resources.root().resolve() / "configs")
-    if not shipped_config or not isinstance(model, str) or is_preset(model) or Path(model).exists():
+    if not isinstance(model, str) or is_preset(model) or Path(model).exists():
+        return settings
+    if not resources.is_shipped(path):
         return settings
     found = resources.shipped(model)
     return settings | {"model": str(found)} if found.exists() else settings
